@@ -1,0 +1,51 @@
+"""DESIGN.md's import rules: arrows never point back."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ("twin", "golden", "hw")
+ALLOWED = {
+    "twin/abi": {"twin.abi"},
+    "golden": {"twin.abi", "golden"},
+    "twin/sim": {"twin.abi", "twin.sim"},
+    "hw": {"twin.abi", "golden", "hw"},
+}
+
+
+def imported_modules(path: Path):
+    tree = ast.parse(path.read_text())
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - node.level + 1]
+                yield ".".join(base + ([node.module] if node.module else []))
+            elif node.module:
+                yield node.module
+
+
+def test_imports_follow_the_package_rules():
+    bad = []
+    for folder, allowed in ALLOWED.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            for mod in imported_modules(path):
+                if mod.split(".")[0] not in OURS:
+                    continue
+                if not any(mod == a or mod.startswith(a + ".") for a in allowed):
+                    bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_twin_abi_needs_only_numpy():
+    third_party = set()
+    for path in (ROOT / "twin/abi").rglob("*.py"):
+        for mod in imported_modules(path):
+            top = mod.split(".")[0]
+            if top not in OURS:
+                third_party.add(top)
+    import sys
+    assert third_party - set(sys.stdlib_module_names) <= {"numpy"}
