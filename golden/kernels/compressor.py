@@ -1,0 +1,122 @@
+"""K7 / K8 / K9: the overlapping ratio-4 compressor, the ratio-128 compressor and the indexer
+compressor, with their paged state pools; one formulation serves prefill and decode.
+
+Every token projects kv and score rows (score += ape[pos mod ratio]) and writes [kv | score] to its
+state slot.  A boundary token p ((p+1) mod ratio == 0) pools a window of rows by a per-channel
+softmax over the scores:
+  ratio 4 (overlap): the FRONT halves of positions p-7..p-4 and the BACK halves of p-3..p;
+  ratio 128:         positions p-127..p.
+A row comes from this call's fresh projections when its position is at or after the request's
+first position in the call, otherwise from the old state through the request's state table
+(ring slot: table[(pos // page) mod width] * page + pos mod page).  Negative positions and
+unmapped pages are excluded (score -inf, kv 0).  State is committed after pooling (newer order),
+so pooling never reads a row this call writes.
+"""
+from __future__ import annotations
+
+from .rmsnorm import rmsnorm_f
+from .rope import rope_tail
+
+EXCLUDE, ZERO = "exclude", "zero"     # how a missing (unmapped) state row enters the softmax
+
+
+def compress_project(x, wkv, wgate, ape, positions, *, ratio, nm):
+    """kv and score projections [T, OUT] (f32, not rounded); ape indexed by position mod ratio."""
+    xf = nm.asf(x)
+    kvp = xf @ nm.asf(wkv).T
+    scp = xf @ nm.asf(wgate).T + nm.asf(ape)[positions % ratio]
+    return nm.r32(kvp), nm.r32(scp)             # f32 rows: the same bits as the state pool holds
+
+
+def window_len(ratio: int) -> int:
+    return 2 * ratio if ratio == 4 else ratio
+
+
+def pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_table, *, ratio, nm, missing=EXCLUDE):
+    """Pooled [len(sel), d] for the tokens `sel` (each treated as a window end)."""
+    xp = nm.xp
+    T, OUT = kvp.shape
+    overlap = ratio == 4
+    d = OUT // 2 if overlap else OUT
+    rw = window_len(ratio)
+    p = positions[sel]
+    r = req[sel]
+    qpos = p[:, None] - (rw - 1) + xp.arange(rw)[None, :]
+    fresh = qpos >= first_pos[r][:, None]
+    fidx = xp.clip(sel[:, None] - (p[:, None] - qpos), 0, T - 1)
+    page, width = state.shape[1], state_table.shape[1]
+    lp = xp.where(qpos >= 0, qpos, 0) // page
+    ent = state_table[r[:, None], lp % width]
+    from_state = (qpos >= 0) & ~fresh & (ent >= 0)
+    st = nm.get_rows(state, xp.where(from_state, ent * page + qpos % page, -1))
+    st = nm.asf(st)
+    kv = xp.where(fresh[..., None], kvp[fidx], st[..., :OUT])
+    sc = xp.where(fresh[..., None], scp[fidx], st[..., OUT:])
+    if overlap:
+        kv = xp.concatenate([kv[:, :ratio, :d], kv[:, ratio:, d:]], axis=1)
+        sc = xp.concatenate([sc[:, :ratio, :d], sc[:, ratio:, d:]], axis=1)
+    valid = (qpos >= 0) & (fresh | (ent >= 0))
+    if missing == ZERO:     # pypto prefill ratio-128 golden: a missing row scores 0, kv 0 (§7 #15)
+        zero = (qpos >= 0) & ~fresh & (ent < 0)
+        sc = xp.where(zero[..., None], 0.0, sc)
+        valid = valid | zero
+    kv = xp.where(valid[..., None], kv, 0.0)
+    sc = xp.where(valid[..., None], sc, -xp.inf)
+    m = xp.max(sc, axis=1, keepdims=True)
+    e = xp.where(valid[..., None], xp.exp(sc - m), 0.0)
+    return xp.sum(e * kv, axis=1) / xp.sum(e, axis=1)
+
+
+def boundary_selection(positions, ratio, nm):
+    """(sel, is_boundary[sel]): NumPy pools only boundary tokens; JAX pools all, masked later."""
+    xp = nm.xp
+    mask = (positions + 1) % ratio == 0
+    if nm.is_numpy:
+        sel = xp.nonzero(mask)[0]
+        return sel, mask[sel]
+    return xp.arange(positions.shape[0]), mask
+
+
+def compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping,
+               cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *, ratio, cfg, nm,
+               missing=EXCLUDE):
+    """Main KV compressor (ratio 4 = CSA, ratio 128 = HCA).
+
+    x [T, D] attn-normed; positions/req [T]; first_pos [B]; cmp_cos/sin [T, R] rows of the compress
+    profile at the window start p - ratio + 1.  Returns (cmp_kv, compress_state, (sel, rows)) where
+    rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens."""
+    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
+    sel, is_b = boundary_selection(positions, ratio, nm)
+    pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, compress_state, state_block_table,
+                       ratio=ratio, nm=nm, missing=missing)
+    y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
+    if nm.mode == "official":                       # FP8 round trip of the compressed KV (§8 (b))
+        R = cfg.qk_rope_head_dim
+        y = nm.xp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
+    y = nm.bf16(y)
+    slots = nm.xp.where(is_b, cmp_slot_mapping[sel], -1)
+    cmp_kv = nm.set_rows(cmp_kv, slots, nm.store_bf16(y))
+    compress_state = nm.set_rows(compress_state, state_slot_mapping, nm.xp.concatenate([kvp, scp], -1))
+    return cmp_kv, compress_state, (sel, y)
+
+
+def indexer_compressor(x, positions, req, first_pos, inner_state, state_block_table, state_slot_mapping,
+                       idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate, inner_ape,
+                       inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm):
+    """K9: ratio-4 overlapping pooling at IHD, rms + RoPE + Hadamard, then quant-on-write: int8
+    rows + f32 scale (device), the FP4-rounded values (official), raw float64 (exact)."""
+    xp = nm.xp
+    kvp, scp = compress_project(x, inner_wkv, inner_wgate, inner_ape, positions, ratio=4, nm=nm)
+    sel, is_b = boundary_selection(positions, 4, nm)
+    pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
+    y = nm.bf16(rope_tail(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm))
+    y = nm.bf16(y @ nm.asf(hadamard))
+    if nm.mode == "device":
+        y_q, dq = nm.q8(y)
+    else:
+        y_q, dq = nm.fp4(y), xp.ones(y.shape[:-1] + (1,), nm.f)
+    slots = xp.where(is_b, idx_slot_mapping[sel], -1)
+    idx_kv_cache = nm.set_rows(idx_kv_cache, slots, y_q)
+    idx_kv_scale = nm.set_rows(idx_kv_scale, slots, dq)
+    inner_state = nm.set_rows(inner_state, state_slot_mapping, xp.concatenate([kvp, scp], -1))
+    return idx_kv_cache, idx_kv_scale, inner_state, (sel, y_q * dq)

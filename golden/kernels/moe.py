@@ -1,0 +1,98 @@
+"""K14 gate (FFN norm folded in), K15 shared expert, K16 routed experts, K17 dispatch / combine.
+
+Gate: inv_rms = rsqrt(mean(x^2) + eps); xg = x * norm_w (f32); Q8(xg) with the rms factor riding
+on the dequant scale; logits = inv_rms * (xg . gate_w^T); scores = sqrt(softplus(logits)).  Hash
+layers route by tid2eid[input_ids]; the others by a stable descending sort of scores + bias.
+weights = scores[idx] / sum * routed_scaling (unbiased scores).
+Experts: SwiGLU with gate clamped to <= limit and up to [-limit, limit]; W8A8 on all three
+matmuls; the routing weight rides on the w2 dequant scale; combine adds routes in k order.
+"""
+from __future__ import annotations
+
+from .rmsnorm import rms_scale
+
+
+def _softplus(x, xp):
+    return xp.maximum(x, 0.0) + xp.log1p(xp.exp(-xp.abs(x)))
+
+
+def gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, nm, num_tokens=None):
+    """-> x_norm_i8 [T, D], x_norm_scale [T, 1], indices [T, K] int32, weights [T, K]."""
+    xp = nm.xp
+    x = nm.asf(x_mixed)
+    inv_rms = rms_scale(x, nm, cfg.rms_norm_eps)
+    xg = x * nm.asf(norm_w)
+    if nm.mode == "official":         # official routes the bf16 ffn_norm output (§7 #8)
+        xn = nm.bf16(xg * inv_rms)
+        logits = xn @ nm.asf(gate_w).T
+        x_i8, x_scale = nm.q8(xn)
+    else:
+        logits = inv_rms * (xg @ nm.asf(gate_w).T)
+        x_i8, dq = nm.q8(xg)
+        x_scale = dq * inv_rms
+    x_scale = nm.r32(x_scale)
+    scores = nm.r32(xp.sqrt(_softplus(nm.r32(logits), xp)))
+    K = cfg.num_experts_per_tok
+    if layer < cfg.num_hash_layers:
+        idx = xp.asarray(tid2eid)[xp.asarray(input_ids)].astype(xp.int32)
+    else:
+        idx = xp.argsort(-(scores + nm.asf(gate_bias)), axis=-1, stable=True)[:, :K].astype(xp.int32)
+    sel = xp.take_along_axis(scores, idx, axis=-1)
+    weights = nm.r32(sel / xp.sum(sel, axis=-1, keepdims=True) * cfg.routed_scaling_factor)
+    if num_tokens is not None:        # rows >= num_tokens: scale 0, expert 0, weight 0
+        live = (xp.arange(x.shape[0]) < num_tokens)[:, None]
+        x_scale, idx, weights = xp.where(live, x_scale, 0.0), xp.where(live, idx, 0), xp.where(live, weights, 0.0)
+    return x_i8, x_scale, idx, weights
+
+
+def swiglu_expert(x_i8, x_scale, w1, w1_scale, w3, w3_scale, w2, w2_scale, *, cfg, nm, route_weight=None):
+    """One expert on rows [n, D] -> y [n, D] (bf16 values); route_weight [n] scales the w2 dequant."""
+    xp = nm.xp
+    lim = cfg.swiglu_limit
+    g = nm.int_mm(x_i8, w1.T) * x_scale * nm.asf(w1_scale)
+    u = nm.int_mm(x_i8, w3.T) * x_scale * nm.asf(w3_scale)
+    g = xp.minimum(nm.r32(g), lim)
+    u = xp.clip(nm.r32(u), -lim, lim)
+    h = g / (1.0 + xp.exp(-g)) * u
+    h_i8, h_dq = nm.q8(h)
+    if route_weight is not None:
+        h_dq = h_dq * route_weight[:, None]
+    return nm.bf16(nm.int_mm(h_i8, w2.T) * h_dq * nm.asf(w2_scale))
+
+
+def shared_expert(x_i8, x_scale, shared, *, cfg, nm):
+    return swiglu_expert(x_i8, x_scale, shared["shared_w1"], shared["shared_w1_scale"], shared["shared_w3"],
+                         shared["shared_w3_scale"], shared["shared_w2"], shared["shared_w2_scale"], cfg=cfg, nm=nm)
+
+
+def routed_expert(x_i8, x_scale, ew, route_weight, *, cfg, nm):
+    return swiglu_expert(x_i8, x_scale, ew["routed_w1"], ew["routed_w1_scale"], ew["routed_w3"],
+                         ew["routed_w3_scale"], ew["routed_w2"], ew["routed_w2_scale"], cfg=cfg, nm=nm,
+                         route_weight=route_weight)
+
+
+def moe_experts(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
+    """Grouped dispatch: each expert runs once on all its routes.  expert(e) -> routed weights of e.
+
+    Returns ffn_out [T, D] (bf16 values) = bf16(sh + sum_k routed[t, k]) with routes added in k order."""
+    import numpy as np
+    xp = nm.xp
+    T, K = indices.shape
+    sh = shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm)
+    flat = np.asarray(indices).reshape(-1)
+    routed = np.zeros((T * K, x_i8.shape[1]), np.float64)
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(cfg.n_routed_experts + 1))
+    rows_all, wts = order // K, np.asarray(weights).reshape(-1)
+    for e in range(cfg.n_routed_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        routes = order[lo:hi]
+        rows = rows_all[lo:hi]
+        routed[routes] = routed_expert(x_i8[rows], x_scale[rows], expert(e), wts[routes], cfg=cfg, nm=nm)
+    out = nm.asf(sh)
+    routed = routed.reshape(T, K, -1)
+    for k in range(K):
+        out = out + routed[:, k]
+    return nm.bf16(out)

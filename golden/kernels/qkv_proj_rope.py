@@ -1,0 +1,28 @@
+"""K6 qkv_proj_rope: low-rank query (W8A8 up-projection), single-head KV, interleaved RoPE.
+
+The same kernel serves the SWA profile (theta 1e4) and the compress profile (theta 160000 + YaRN):
+the profile is only in the cos/sin rows the caller passes.
+"""
+from __future__ import annotations
+
+from .rmsnorm import rmsnorm_f
+from .rope import rope_tail
+
+
+def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos, rope_sin, *, cfg, nm):
+    """x [T, D] (attn-normed, bf16 values) -> q [T, H, HD], kv [T, HD] (bf16 values),
+    qr [T, QL] (int8 values), qr_scale [T, 1] (the shared low-rank query, reused by the indexer)."""
+    eps = cfg.rms_norm_eps
+    T = x.shape[0]
+    H, HD = cfg.num_attention_heads, cfg.head_dim
+    qr_f = rmsnorm_f(nm.act(x) @ nm.asf(wq_a), gamma_cq, nm, eps)          # f32, not rounded
+    qr, qr_scale = nm.q8(qr_f)
+    q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
+    q = rmsnorm_f(q.reshape(T, H, HD), None, nm, eps)                        # per-head, unweighted
+    q = nm.bf16(rope_tail(q, rope_cos[:, None, :], rope_sin[:, None, :], nm))
+    kv = rmsnorm_f(nm.act(x) @ nm.asf(wkv), gamma_ckv, nm, eps)
+    kv = rope_tail(kv, rope_cos, rope_sin, nm)
+    if nm.mode == "official":                                                # FP8 nope part (§7 #7)
+        R = cfg.qk_rope_head_dim
+        kv = nm.xp.concatenate([nm.kv_fp8(kv[:, :-R]), kv[:, -R:]], axis=-1)
+    return q, nm.bf16(kv), qr, qr_scale

@@ -1,0 +1,81 @@
+"""RoPE tables (plain and YaRN compress profile) and the interleaved rotation (kernel-math.md §3.2).
+
+Tables are in the ABI layout: [rows, R] with the cos (sin) of the R/2 frequencies duplicated,
+concat(half, half); the rotation reads the first half.  Pairs are interleaved: (x[2i], x[2i+1])
+is rotated by frequency i.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+SWA_PROFILE, COMPRESS_PROFILE = "swa", "compress"
+PROFILES = (SWA_PROFILE, COMPRESS_PROFILE)
+
+
+def profile_of_ratio(ratio: int) -> str:
+    return SWA_PROFILE if ratio == 0 else COMPRESS_PROFILE
+
+
+def yarn_range(rope_dims: int, base: float, orig: int, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    def dim(rot):
+        return rope_dims * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low = max(math.floor(dim(beta_fast)), 0)
+    high = min(math.ceil(dim(beta_slow)), rope_dims - 1)
+    return low, high
+
+
+def inv_freq(cfg, profile: str) -> np.ndarray:
+    """float64 [R/2] inverse frequencies; the compress profile interpolates with YaRN (no mscale)."""
+    R = cfg.qk_rope_head_dim
+    if profile not in PROFILES:
+        from twin.abi.errors import AbiError
+        raise AbiError("profile", profile, f"one of {PROFILES}", where="rope")
+    base = cfg.rope_theta if profile == SWA_PROFILE else cfg.compress_rope_theta
+    f = base ** (-np.arange(0, R, 2, dtype=np.float64) / R)
+    if profile == COMPRESS_PROFILE and cfg.original_max_position_embeddings > 0:
+        low, high = yarn_range(R, base, cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(R // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        smooth = 1 - ramp
+        f = f / cfg.rope_factor * (1 - smooth) + f * smooth
+    return f
+
+
+def rope_rows(cfg, profile: str, positions, nm):
+    """cos, sin [T, R] at `positions` (fp32 angles; bf16 tables in device mode, float64 in exact)."""
+    pos = np.asarray(positions)
+    f = inv_freq(cfg, profile)
+    if nm.exact:
+        ang = pos.astype(np.float64)[:, None] * f[None, :]
+        c, s = np.cos(ang), np.sin(ang)
+    else:
+        ang = pos.astype(np.float32)[:, None] * f.astype(np.float32)[None, :]
+        c, s = nm.bf16(np.cos(ang)), nm.bf16(np.sin(ang))
+        c, s = np.asarray(c), np.asarray(s)
+    return nm.xp.asarray(np.concatenate([c, c], -1)), nm.xp.asarray(np.concatenate([s, s], -1))
+
+
+def rope_rotate(x, cos, sin, nm, inverse: bool = False):
+    """Rotate the interleaved pairs of x [..., R] with cos/sin broadcastable to [..., R] (ABI layout).
+
+    forward: e' = e c - o s, o' = e s + o c; inverse is the conjugate rotation."""
+    xp = nm.xp
+    half = x.shape[-1] // 2
+    c = nm.asf(cos)[..., :half]
+    s = nm.asf(sin)[..., :half]
+    if inverse:
+        s = -s
+    e, o = x[..., 0::2], x[..., 1::2]
+    out = xp.stack([e * c - o * s, e * s + o * c], axis=-1)
+    return out.reshape(x.shape)
+
+
+def rope_tail(x, cos, sin, nm, inverse: bool = False):
+    """Rotate the last R dims of x (the RoPE part of a head), leaving the nope part: both in f."""
+    xp = nm.xp
+    R = cos.shape[-1]
+    nope, rot = x[..., :-R], x[..., -R:]
+    return xp.concatenate([nope, nm.bf16(rope_rotate(rot, cos, sin, nm, inverse))], axis=-1)

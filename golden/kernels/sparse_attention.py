@@ -1,0 +1,99 @@
+"""K11 sparse attention (SWA / CSA / HCA) with the attention sink.
+
+MQA: keys = values = the 512-wide KV rows.  Candidates per query: the window rows (physical ori
+slots, oldest first) and, for CSA / HCA, compressed rows (logical rows read through the request's
+compressed block table).  Tiled online softmax over tiles of 128 candidates (the window is tile 0);
+the probabilities are rounded to bf16 before the PV product (device); the sink adds exp(sink - m)
+to the denominator; no valid candidate gives 0.  Inverse RoPE at the query position, bf16 out.
+"""
+from __future__ import annotations
+
+from ..numerics import NEG_INF_ATTN
+from .rope import rope_tail
+
+TILE = 128
+
+
+def gather_candidates(kv_cache, swa_indices, swa_lens, *, cmp_kv=None, cmp_rows=None, cmp_block_table=None,
+                      req=None, nm, tile=TILE):
+    """K [T, N, HD] and valid [T, N], N padded to a multiple of `tile`."""
+    xp = nm.xp
+    T, W = swa_indices.shape
+    valid = (xp.arange(W)[None, :] < swa_lens[:, None]) & (swa_indices >= 0)
+    K = nm.asf(nm.get_rows(kv_cache, xp.where(valid, swa_indices, -1)))
+    if W % tile:
+        pad = tile - W % tile
+        K = xp.concatenate([K, xp.zeros((T, pad, K.shape[-1]), K.dtype)], axis=1)
+        valid = xp.concatenate([valid, xp.zeros((T, pad), bool)], axis=1)
+    if cmp_rows is not None and cmp_rows.shape[1]:
+        n = cmp_rows.shape[1]
+        if n % tile:
+            cmp_rows = xp.concatenate([cmp_rows, xp.full((T, tile - n % tile), -1, cmp_rows.dtype)], axis=1)
+        rpp, width = cmp_kv.shape[1], cmp_block_table.shape[1]
+        pg = xp.where(cmp_rows >= 0, cmp_rows, 0) // rpp
+        ent = cmp_block_table[req[:, None], xp.minimum(pg, width - 1)]
+        ok = (cmp_rows >= 0) & (pg < width) & (ent >= 0)
+        Kc = nm.asf(nm.get_rows(cmp_kv, xp.where(ok, ent * rpp + cmp_rows % rpp, -1)))
+        K = xp.concatenate([K, Kc], axis=1)
+        valid = xp.concatenate([valid, ok], axis=1)
+    return K, valid
+
+
+def attend(q, K, valid, attn_sink, *, cfg, nm, tile=TILE):
+    """Tiled softmax with sink: q [T, H, HD], K [T, N, HD], valid [T, N] -> [T, H, HD] (f32)."""
+    xp = nm.xp
+    T, N, HD = K.shape
+    nt = N // tile
+    s = xp.einsum("thd,tnd->thn", nm.asf(q), K) * cfg.softmax_scale
+    v = valid.reshape(T, 1, nt, tile)
+    s = xp.where(v, s.reshape(T, -1, nt, tile), NEG_INF_ATTN)
+    m = xp.max(s, axis=-1)
+    e = xp.where(v, xp.exp(s - m[..., None]), 0.0)
+    l_t = xp.sum(e, axis=-1)
+    p = e if nm.mode == "official" else nm.bf16(e)           # the device rounds P to bf16
+    o_t = xp.einsum("thnj,tnjd->thnd", p, K.reshape(T, nt, tile, HD))
+    any_t = xp.any(v, axis=-1)                               # [T, 1, nt]
+    has = xp.any(any_t, axis=-1)                             # [T, 1]
+    M = xp.max(xp.where(any_t, m, -xp.inf), axis=-1)
+    M = xp.where(has, M, 0.0)
+    a = xp.where(any_t, xp.exp(m - M[..., None]), 0.0)
+    o = xp.sum(a[..., None] * o_t, axis=2)
+    den = xp.sum(a * l_t, axis=2) + xp.exp(nm.asf(attn_sink)[None, :] - M)
+    return xp.where(has[..., None], o / den[..., None], 0.0)
+
+
+def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, rope_sin, *, cmp_kv=None,
+                     cmp_rows=None, cmp_block_table=None, req=None, cfg, nm, chunk=64):
+    """-> o [T, H, HD] (bf16 values), inverse-RoPE'd at each query's position."""
+    xp = nm.xp
+    T = q.shape[0]
+
+    def run(lo, hi):
+        cr = None if cmp_rows is None else cmp_rows[lo:hi]
+        K, valid = gather_candidates(kv_cache, swa_indices[lo:hi], swa_lens[lo:hi], cmp_kv=cmp_kv, cmp_rows=cr,
+                                     cmp_block_table=cmp_block_table, req=None if req is None else req[lo:hi],
+                                     nm=nm)
+        return attend(q[lo:hi], K, valid, attn_sink, cfg=cfg, nm=nm)
+
+    if nm.is_numpy and T > chunk:
+        out = xp.concatenate([run(lo, min(lo + chunk, T)) for lo in range(0, T, chunk)], axis=0)
+    else:
+        out = run(0, T)
+    return nm.bf16(rope_tail(out, rope_cos[:, None, :], rope_sin[:, None, :], nm, inverse=True))
+
+
+def hca_rows(positions, req, kv_seq_lens, *, ratio=128, cap=8192, nm, n_max=None):
+    """Logical compressed rows 0 .. n_c-1, n_c = min((p+1)//ratio, kv_seq_lens//ratio, cap)."""
+    xp = nm.xp
+    n_c = xp.minimum(xp.minimum((positions + 1) // ratio, kv_seq_lens[req] // ratio), cap)
+    if n_max is None:
+        n_max = int(n_c.max()) if positions.shape[0] else 0
+    j = xp.arange(n_max)
+    return xp.where(j[None, :] < n_c[:, None], j[None, :], -1).astype(xp.int32)
+
+
+def csa_rows(topk_idxs, positions, *, ratio=4, nm):
+    """Indexer top-k kept iff 0 <= c < (p+1)//4 (causal); the rest -1."""
+    xp = nm.xp
+    ok = (topk_idxs >= 0) & (topk_idxs < ((positions + 1) // ratio)[:, None])
+    return xp.where(ok, topk_idxs, -1)

@@ -1,0 +1,199 @@
+"""Numerics modes of the golden model: where values are rounded, and to what.
+
+`device`   BF16 storage (ml_dtypes), per-row INT8 activations (W8A8), FP32 accumulation, with the
+           rounding points of kernel-math.md (the PyPTO-Lib kernels' contract).
+`exact`    float64 everywhere, no rounding and no quantization: measures what quantization costs
+           and is the mode in which independent formulations must agree to ~1e-12.
+`official` the official DeepSeek-V4 reference's own round trips: block-scaled FP8 e4m3
+           activations and KV, FP4 e2m1 indexer path, power-of-two (ue8m0) scales; FP32 compute
+           otherwise (kernel-math.md §7 #7).
+
+Accumulation: the device accumulates in FP32 in its own tile order.  The golden carries every
+in-kernel sum in float64 and rounds to FP32 at each kernel's FP32 outputs and storage (a correctly
+rounded FP32 accumulator).  That keeps the golden independent of batch composition, padding and
+BLAS blocking: the same token gives the same bits whether it runs alone, in a packed prefill or
+in a decode tile, which is what lets quantization points (a chaotic amplifier of 1-ulp noise) be
+compared across prefill, chunked prefill and decode.
+
+A `Numerics` object carries the mode and the array namespace (`numpy` or `jax.numpy`), so every
+kernel is written once and runs on both.  Kernels never branch on the namespace themselves: the
+few operations that differ (scatter, integer GEMM) live here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from twin.abi import constants as C
+from twin.abi.errors import AbiError
+
+MODES = ("device", "exact", "official")
+BF16 = ml_dtypes.bfloat16
+FP8 = ml_dtypes.float8_e4m3fn
+FP4 = ml_dtypes.float4_e2m1fn
+FP8_MAX, FP4_MAX = 448.0, 6.0
+NEG_INF_ATTN = -1e20             # attention masking value (kernel-math.md §1.2)
+FP32_NEG_INF = -3.4028e38        # indexer score padding
+
+
+def bf16_round(x) -> np.ndarray:
+    """Round to bfloat16 (nearest even) and widen back to float32."""
+    return np.asarray(x, dtype=np.float32).astype(BF16).astype(np.float32)
+
+
+def ue8m0(scale, xp=np):
+    """Round a positive scale up to a power of two (the ue8m0 scale format)."""
+    return xp.exp2(xp.ceil(xp.log2(scale)))
+
+
+def block_round_trip(x, block: int, fmt, fmt_max: float, xp=np):
+    """Quantize the last axis in blocks with a power-of-two scale per block and dequantize."""
+    n = x.shape[-1]
+    if n % block:
+        raise AbiError("block", block, f"a divisor of the last axis ({n})", where="block_round_trip")
+    xb = x.reshape(x.shape[:-1] + (n // block, block)).astype(xp.float32)
+    amax = xp.maximum(xp.max(xp.abs(xb), axis=-1, keepdims=True), 1e-4)
+    s = ue8m0(amax / fmt_max, xp)
+    q = xp.clip(xb / s, -fmt_max, fmt_max).astype(fmt).astype(xp.float32)
+    return (q * s).reshape(x.shape)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    mode: str = "device"
+    xp: Any = np
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise AbiError("mode", self.mode, f"one of {MODES}", where="golden numerics")
+
+    # ---- basics --------------------------------------------------------------------------
+    @property
+    def exact(self) -> bool:
+        return self.mode == "exact"
+
+    @property
+    def is_numpy(self) -> bool:
+        return self.xp is np
+
+    @property
+    def f(self):
+        """The compute dtype: float64 in every mode (FP32 is a rounding point, see above)."""
+        return self.xp.float64
+
+    def asf(self, x):
+        """Widen any stored value (bf16, int8, f32) to the compute dtype."""
+        return self.xp.asarray(x).astype(self.f)
+
+    def r32(self, x):
+        """An FP32 rounding point (identity in exact mode)."""
+        x = self.asf(x)
+        return x if self.exact else x.astype(self.xp.float32).astype(self.f)
+
+    def bf16(self, x):
+        """A BF16 rounding point of the device contract (identity in exact mode): the device
+        produces the FP32 value first, then rounds it to BF16."""
+        x = self.asf(x)
+        if self.exact:
+            return x
+        return x.astype(self.xp.float32).astype(BF16).astype(self.f)
+
+    def store_bf16(self, x):
+        """A value written to a BF16 tensor (pool or output): its storage dtype."""
+        return self.asf(x) if self.exact else self.asf(x).astype(BF16)
+
+    @property
+    def store_dtype(self):
+        return self.xp.float64 if self.exact else BF16
+
+    @property
+    def state_dtype(self):
+        return self.xp.float64 if self.exact else self.xp.float32
+
+    # ---- W8A8 --------------------------------------------------------------------------
+    def q8(self, x):
+        """Per-row symmetric INT8 over the last axis: (x_i8 as floats, dq [..., 1]).
+
+        amax floored at 1e-4, scale 127/amax, round half to even (kernel-math.md §3.1).  Exact
+        mode does not quantize: it returns (x, 1)."""
+        xp = self.xp
+        if self.mode != "device":     # official: the FP8 linear's own input round trip
+            x = self.asf(x)
+            return self.act(x), xp.ones(x.shape[:-1] + (1,), self.f)
+        x = xp.asarray(x).astype(xp.float32)          # the device quantizes FP32 values in FP32
+        amax = xp.maximum(xp.max(xp.abs(x), axis=-1, keepdims=True), xp.float32(C.INT8_AMAX_EPS))
+        sq = xp.float32(C.INT8_SCALE_MAX) / amax
+        return self.asf(xp.rint(x * sq)), self.asf(xp.float32(1.0) / sq)
+
+    def int_mm(self, a, b):
+        """A GEMM of integer-valued operands with an exact int32 accumulator, widened to f32.
+
+        (f32 is not exact past 2^24 = 127*127*1040; float64 is exact for every ABI K.)  The
+        result is the exact integer; the caller's scaling happens in the compute dtype."""
+        if self.mode != "device" or self.is_numpy:
+            return self.asf(a) @ self.asf(b)
+        import jax
+        import jax.numpy as jnp
+        out = jax.lax.dot_general(a.astype(jnp.int8), b.astype(jnp.int8),
+                                  (((a.ndim - 1,), (b.ndim - 2 if b.ndim > 1 else 0,)), ((), ())),
+                                  preferred_element_type=jnp.int32)
+        return out.astype(self.f)
+
+    def w8a8(self, x, w_i8, w_scale):
+        """y = Q8(x) @ W: x [..., K]; w_i8 [K, N] int8; w_scale [N] (per output channel)."""
+        if self.mode != "device":
+            return self.act(x) @ (self.asf(w_i8) * self.asf(w_scale))
+        xi, dq = self.q8(x)
+        return self.int_mm(xi, w_i8) * dq * self.asf(w_scale)
+
+    # ---- official-mode round trips -----------------------------------------------------------
+    def act(self, x, block: int = 128):
+        """Input of an official FP8 linear: block-128 e4m3 round trip in official mode."""
+        x = self.asf(x)
+        return block_round_trip(x, block, FP8, FP8_MAX, self.xp) if self.mode == "official" else x
+
+    def kv_fp8(self, x, block: int = 64):
+        """Official FP8 simulation of the non-RoPE KV dims (blocks of 64)."""
+        x = self.asf(x)
+        return block_round_trip(x, block, FP8, FP8_MAX, self.xp) if self.mode == "official" else x
+
+    def fp4(self, x, block: int = 32):
+        """Official FP4 e2m1 simulation of the indexer query and key (blocks of 32)."""
+        x = self.asf(x)
+        return block_round_trip(x, block, FP4, FP4_MAX, self.xp) if self.mode == "official" else x
+
+    # ---- functional scatter ----------------------------------------------------------------
+    def set_rows(self, pool, slots, rows):
+        """pool viewed as [pages*rows_per_page, row] gets row at every slot >= 0 for every slot >= 0; returns the new pool.
+
+        NumPy copies (inputs are never mutated); JAX drops out-of-range writes."""
+        xp = self.xp
+        flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
+        rows = xp.asarray(rows).astype(pool.dtype).reshape(-1, flat.shape[1])
+        if self.is_numpy:
+            flat = flat.copy()
+            slots = np.asarray(slots)
+            ok = slots >= 0
+            flat[slots[ok]] = rows[ok]
+            return flat.reshape(pool.shape)
+        n = flat.shape[0]
+        idx = xp.where(slots >= 0, slots, n)
+        return flat.at[idx].set(rows, mode="drop").reshape(pool.shape)
+
+    def get_rows(self, pool, slots):
+        """Rows of a paged pool at flat slots (slot < 0 reads row 0; callers mask)."""
+        xp = self.xp
+        flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
+        return flat[xp.where(slots >= 0, slots, 0)]
+
+
+DEVICE = Numerics("device")
+EXACT = Numerics("exact")
+OFFICIAL = Numerics("official")
+
+
+def numerics(mode: str | Numerics, xp=np) -> Numerics:
+    return mode if isinstance(mode, Numerics) else Numerics(mode, xp)
