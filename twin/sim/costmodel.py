@@ -1,0 +1,316 @@
+"""Per-dispatch latency from the ABI's bytes and FLOPs and the device's limits.
+
+Roofline per stage, per rank, summed over stages (a dispatch is a chain of dependent layers):
+
+- dense weights: every non-routed weight argument of the program, read once per dispatch
+  (`twin.abi.programs.bind` gives each argument's per-rank bytes); FLOPs = 2 x elements x rows;
+- MoE: per layer, the slowest EP rank: max(distinct local experts x expert bytes / HBM,
+  routed token pairs x expert FLOPs / INT8 peak); routing from a policy or a recorded trace;
+  the hash-routed first layers route by token id, i.e. uniformly at random;
+- attention: KV bytes per family read by each request's queries (SWA window on every layer, the
+  top-k compressed rows on CSA layers plus the indexer scan, every compressed row on HCA layers),
+  taken on the busiest rank;
+- collectives: the TP4 gather of the group's token rows and the EP dispatch/combine all-to-all
+  per layer, from link bandwidth and latency.
+
+Device limits are data (`twin/sim/data/devices.json`), and a measured profile rescales them.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from twin.abi import constants as C
+from twin.abi.caches import cache_families
+from twin.abi.errors import ConfigError
+from twin.abi.programs import WEIGHT, bind
+
+GATHERED = ("embed", "rope", "tid2eid")        # looked up by row, not streamed
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    name: str
+    hbm_bytes: int
+    hbm_bw: float
+    bf16_flops: float
+    int8_flops: float
+    link_bw: float
+    link_latency: float
+    hbm_efficiency: float
+    compute_efficiency: float
+    link_efficiency: float
+    dispatch_overhead: float
+    host_schedule_per_request: float
+    host_prepare_per_request: float
+    host_reclaim: float
+    lifecycle: float
+
+    @classmethod
+    def load(cls, name: str = "ascend-a3-die", path: str | Path | None = None, **overrides) -> "DeviceLimits":
+        text = Path(path).read_text() if path else \
+            resources.files("twin.sim").joinpath("data/devices.json").read_text()
+        table = {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+        if name not in table:
+            raise ConfigError("device", name, f"one of {sorted(table)}")
+        known = {f.name for f in fields(cls)} - {"name"}
+        bad = set(overrides) - known
+        if bad:
+            raise ConfigError("device override", sorted(bad)[0], f"one of {sorted(known)}")
+        d = {**table[name], **overrides}
+        for k in known:
+            if k not in d:
+                raise ConfigError(f"device {name}", k, "present in the device table")
+            if not d[k] > 0:
+                raise ConfigError(k, d[k], "> 0")
+        return cls(name=name, **{k: d[k] for k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Multipliers fitted from a measured profile, per dispatch kind."""
+
+    prefill: float = 1.0
+    decode: float = 1.0
+    seed: float = 1.0
+
+    @classmethod
+    def from_profile(cls, path: str | Path, model: "CostModel") -> "Calibration":
+        """A profile file: {"device": {overrides}, "points": [{"kind": "decode", "seconds": s,
+        "requests_per_group": [..], "context": c} | {"kind": "prefill", "seconds": s,
+        "tokens_per_group": [[...], ...], "start": c} | {"kind": "seed", "seconds": s, "rows": n}]}.
+        Each kind's multiplier is the median of measured / predicted."""
+        data = json.loads(Path(path).read_text())
+        ratios: dict[str, list[float]] = {"prefill": [], "decode": [], "seed": []}
+        for i, p in enumerate(data.get("points", [])):
+            kind = p.get("kind")
+            if kind not in ratios or "seconds" not in p:
+                raise ConfigError(f"profile point {i}", p, "an object with 'kind' in prefill/decode/seed and 'seconds'")
+            if kind == "decode":
+                per_group = p["requests_per_group"]
+                ctx = [[p.get("context", 1024)] * n for n in per_group]
+                pred = model.decode(ctx, [[j % 4 for j in range(n)] for n in per_group])[0]
+            elif kind == "prefill":
+                pred = model.prefill([[(n, p.get("start", 0)) for n in g] for g in p["tokens_per_group"]])[0]
+            else:
+                pred = model.seed(int(p.get("rows", 128)))[0]
+            ratios[kind].append(float(p["seconds"]) / pred)
+        return cls(**{k: float(np.median(v)) if v else 1.0 for k, v in ratios.items()})
+
+
+ROUTING_POLICIES = ("balanced", "random", "skewed", "trace")
+
+
+@dataclass(frozen=True)
+class Routing:
+    policy: str = "random"
+    skew: float = 1.0                 # skewed: Zipf exponent over experts (randomly placed on ranks)
+    trace: tuple = ()                 # trace: per layer, per expert token counts (a recorded histogram)
+
+    def __post_init__(self):
+        if self.policy not in ROUTING_POLICIES:
+            raise ConfigError("routing", self.policy, f"one of {ROUTING_POLICIES}")
+        if self.policy == "trace" and not self.trace:
+            raise ConfigError("routing trace", "empty", "per-layer expert histograms (a JSON list of lists)")
+
+    @classmethod
+    def from_trace_file(cls, path: str | Path) -> "Routing":
+        data = json.loads(Path(path).read_text())
+        layers = data["layers"] if isinstance(data, dict) else data
+        return cls("trace", trace=tuple(tuple(float(x) for x in row) for row in layers))
+
+
+class CostModel:
+    """Latency of the three dispatch kinds of a deployment: prefill, decode (fused K=7 or split
+    K=0) and the bootstrap drafter seed."""
+
+    def __init__(self, dep, slots: int, device: DeviceLimits | None = None, routing: Routing | None = None,
+                 calibration: Calibration | None = None, seed: int = 0, fixed_tile: bool = True):
+        self.dep, self.slots = dep, slots
+        self.device = device or DeviceLimits.load()
+        self.routing = routing or Routing()
+        self.cal = calibration or Calibration()
+        self.fixed_tile = fixed_tile
+        self._rng = np.random.default_rng(seed)
+        m, topo = dep.model, dep.topology
+        self.m, self.R, self.tp, self.G = m, topo.ranks, topo.tp, topo.partitions
+        self.n_local = topo.experts_per_rank(m)
+        self.decode_program = "l3_decode_fwd_dspark" if dep.k else "l3_decode_fwd"
+        self.w = {p: self._weights(p) for p in ("l3_prefill_fwd", self.decode_program)}
+        if dep.k:
+            self.w["seed"] = self._weights("l3_dspark_draft_step_device_state")
+        fam = {f.name: f for f in cache_families(m)}
+        self.tok_bytes = {n: f.page_bytes / f.page_tokens for n, f in fam.items()}   # all layers of the family
+        self.row_bytes = {n: f.row_bytes for n, f in fam.items()}
+        self.expert_flops = 2 * 3 * m.hidden_size * m.moe_intermediate_size
+        self._moe_cache: dict[tuple, float] = {}
+        d = self.device
+        self.bw = d.hbm_bw * d.hbm_efficiency
+        self.f16 = d.bf16_flops * d.compute_efficiency
+        self.f8 = d.int8_flops * d.compute_efficiency
+        self.link = d.link_bw * d.link_efficiency
+
+    # ---- static weight facts ------------------------------------------------------------------
+    def _weights(self, program: str) -> dict:
+        drafter_only = program == "l3_dspark_draft_step_device_state"
+        dense_bytes = i8 = bf = lm = 0
+        expert_bytes = {}
+        layers = {}
+        for b in bind(program, self.dep, self.slots):
+            a = b.arg
+            if a.role != WEIGHT or any(g in a.name for g in GATHERED):
+                continue
+            if "routed_w" in a.name:
+                key = "draft" if drafter_only or a.name.startswith("draft_") else "target"
+                n_layers = self.m.dspark_num_layers if key == "draft" else self.m.num_hidden_layers
+                layers[key] = n_layers
+                expert_bytes[key] = expert_bytes.get(key, 0) + b.nbytes_per_rank / (n_layers * self.n_local)
+                continue
+            dense_bytes += b.nbytes_per_rank
+            n = math.prod(b.shape[1:])
+            if "lm_head" in a.name:
+                lm += n
+            elif len(b.shape) >= 3:
+                if a.dtype == "i8":
+                    i8 += n
+                else:
+                    bf += n
+        return {"dense_bytes": dense_bytes, "i8": i8, "bf": bf, "lm": lm, "expert_bytes": expert_bytes,
+                "moe_layers": layers}
+
+    # ---- routing --------------------------------------------------------------------------------
+    def _probs(self, layer: int) -> np.ndarray:
+        E = self.m.n_routed_experts
+        pol = self.routing.policy
+        if layer < self.m.num_hash_layers or pol in ("random", "balanced"):
+            return np.full(E, 1.0 / E)
+        if pol == "skewed":
+            p = 1.0 / np.arange(1, E + 1) ** self.routing.skew
+            p = np.random.default_rng(layer).permutation(p)
+            return p / p.sum()
+        row = np.asarray(self.routing.trace[layer % len(self.routing.trace)], dtype=float)
+        if row.shape != (E,) or row.sum() <= 0:
+            raise ConfigError("routing trace row", row.shape, f"{E} non-negative expert counts, not all zero")
+        return row / row.sum()
+
+    def moe_time(self, tokens: int, key: str = "target", program: str | None = None) -> float:
+        """Sum over MoE layers of the slowest EP rank, for `tokens` rows each picking top-k experts."""
+        w = self.w[program or self.decode_program]
+        n_layers = w["moe_layers"].get(key, 0)
+        if not n_layers or tokens <= 0:
+            return 0.0
+        bucket = -(-tokens // 64) * 64
+        ck = (key, bucket, program)
+        if ck not in self._moe_cache:
+            ebytes = w["expert_bytes"][key]
+            pairs = bucket * self.m.num_experts_per_tok
+            E, R = self.m.n_routed_experts, self.R
+            total = 0.0
+            for layer in range(n_layers):
+                if self.routing.policy == "balanced" and layer >= self.m.num_hash_layers:
+                    per = np.full(E, pairs / E)
+                else:
+                    per = self._rng.multinomial(pairs, self._probs(layer)).astype(float)
+                by_rank = per.reshape(R, E // R)
+                distinct = (by_rank > 0).sum(axis=1)
+                t = np.maximum(distinct * ebytes / self.bw, by_rank.sum(axis=1) * self.expert_flops / self.f8)
+                total += float(t.max())
+            self._moe_cache[ck] = total
+        return self._moe_cache[ck]
+
+    # ---- pieces -----------------------------------------------------------------------------------
+    def _dense(self, w: dict, rows: int, logit_rows: int) -> float:
+        flops_t = 2 * rows * (w["i8"] / self.f8 + w["bf"] / self.f16) + 2 * logit_rows * w["lm"] / self.f16
+        return max(w["dense_bytes"] / self.bw, flops_t)
+
+    def _attn(self, q_rows: int, ctx: float) -> tuple[float, float]:
+        """(bytes, flops) for `q_rows` query rows of one request at context `ctx`."""
+        m = self.m
+        nl, nc, nh = m.num_hidden_layers, len(m.csa_layers), len(m.hca_layers)
+        win = np.minimum(ctx, C.SLIDING_WINDOW + q_rows)
+        topk = np.minimum(ctx / 4, m.index_topk)
+        r = self.row_bytes
+        kv_bytes = (nl * win * r["ori"] + nc * (topk * r["cmp_c4"] + ctx / 4 * r["idx"])
+                    + nh * ctx / 128 * r["cmp_c128"])
+        hd = 2 * 2 * m.num_attention_heads * m.head_dim
+        flops = q_rows * (hd * (nl * win + nc * topk + nh * ctx / 128)
+                          + nc * 2 * m.index_n_heads * m.index_head_dim * ctx / 4)
+        return kv_bytes, flops
+
+    def _comm(self, rows_per_rank: int, n_layers: int) -> float:
+        m = self.m
+        gather = (self.tp - 1) * rows_per_rank * m.hidden_size * 2
+        a2a = rows_per_rank * m.num_experts_per_tok * m.hidden_size * (1 + 2)    # INT8 dispatch, BF16 combine
+        return n_layers * ((gather + a2a) / self.link + 3 * self.device.link_latency)
+
+    # ---- dispatches -------------------------------------------------------------------------------
+    def prefill(self, groups: list[list[tuple[int, int]]]) -> tuple[float, dict]:
+        """One packed prefill dispatch: per group, (chunk tokens, start position) per request."""
+        w = self.w["l3_prefill_fwd"]
+        P = max((sum(n for n, _ in g) for g in groups), default=0)
+        P = -(-P // self.tp) * self.tp
+        L = P // self.tp
+        logit = sum(len(g) for g in groups)
+        dense = self._dense(w, L, logit)
+        attn = 0.0
+        for g in groups:
+            b = f = 0.0
+            for n, start in g:
+                kb, fl = self._attn(n, start + n / 2)
+                b += kb + n * sum(self.tok_bytes.values())        # written rows
+                f += fl
+            attn = max(attn, max(b / self.bw, f / self.tp / self.f16))
+        moe = self.moe_time(self.R * L, "target", "l3_prefill_fwd")
+        comm = self._comm(L, self.m.num_hidden_layers)
+        parts = {"dense": dense, "attention": attn, "moe": moe, "comm": comm,
+                 "overhead": self.device.dispatch_overhead}
+        return self.cal.prefill * sum(parts.values()), parts
+
+    def decode(self, contexts: list[list[float]], owners: list[list[int]]) -> tuple[float, dict]:
+        """One decode step: per group, each request's context and owner rank (lease % 4 at K=7)."""
+        w = self.w[self.decode_program]
+        q = 1 + self.dep.k
+        active = sum(len(c) for c in contexts)
+        rows_rank = C.LOCAL_ROWS if self.fixed_tile else max(
+            (max(np.bincount(o, minlength=self.tp)) * q for o in owners if o), default=0)
+        dense = self._dense(w, rows_rank, active * q // max(1, self.R))
+        attn = 0.0
+        wrow = q * sum(self.tok_bytes.values())
+        for ctx, own in zip(contexts, owners):
+            if len(ctx):
+                kb, fl = self._attn(q, np.asarray(ctx, dtype=float))
+                t = np.bincount(own, weights=(kb + wrow) / self.bw + fl / self.f16, minlength=self.tp)
+                attn = max(attn, float(t.max()))
+        tile = self.R * C.LOCAL_ROWS if self.fixed_tile else active * q
+        moe = self.moe_time(tile, "target")
+        comm = self._comm(rows_rank, self.m.num_hidden_layers)
+        parts = {"dense": dense, "attention": attn, "moe": moe, "comm": comm,
+                 "overhead": self.device.dispatch_overhead}
+        if self.dep.k:      # the fused program also redrafts: 3 drafter layers over 7 query rows
+            qrows = C.LOCAL_REQUESTS * self.dep.k if self.fixed_tile else rows_rank
+            parts["drafter_moe"] = self.moe_time(self.R * qrows, "draft")
+            parts["drafter_comm"] = self._comm(qrows, self.m.dspark_num_layers)
+        return self.cal.decode * sum(parts.values()), parts
+
+    def seed(self, rows: int) -> tuple[float, dict]:
+        """One bootstrap drafter wave (a seed row per group, its tail context of `rows` rows)."""
+        w = self.w["seed"]
+        dense = self._dense(w, rows, self.tp)
+        moe = self.moe_time(self.R * rows, "draft", "seed")
+        comm = self._comm(rows, self.m.dspark_num_layers)
+        parts = {"dense": dense, "moe": moe, "comm": comm, "overhead": self.device.dispatch_overhead}
+        return self.cal.seed * sum(parts.values()), parts
+
+    def with_calibration(self, cal: Calibration) -> "CostModel":
+        out = CostModel.__new__(CostModel)
+        out.__dict__.update(self.__dict__)
+        out.cal = cal
+        return out

@@ -1,0 +1,149 @@
+"""The executor interface the engine receives, and the cost-model executor.
+
+`Executor.execute(plan) -> StepResult` runs one step's dispatches (packed prefills, seeding
+waves, the decode tile) and returns, per sampled request, the accepted tokens (1..8) and the
+duration of each dispatch.  The cost-model executor takes durations from `CostModel` and
+acceptance from an `AcceptanceModel`; golden and device executors implement the same method and
+return real tokens and measured durations, so the scheduler and the engine never change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from twin.abi import constants as C
+
+from .acceptance import AcceptanceModel, ConditionalAcceptance
+from .costmodel import CostModel
+from .worker import StepPlan
+
+
+@dataclass
+class DispatchTiming:
+    kind: str                         # "prefill", "seed", "decode"
+    seconds: float
+    parts: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)     # decode: count before scheduler truncation
+    drafts: dict[str, int] = field(default_factory=dict)       # num_draft_tokens: 7, or 0 on fallback
+    dispatches: list[DispatchTiming] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return sum(d.seconds for d in self.dispatches)
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+@dataclass
+class _ReqState:
+    prompt_len: int
+    committed: int = 0               # committed_count: the next verify anchor
+    emitted: int = 0                 # output index of the next token
+    script: dict = field(default_factory=dict)
+    seed: int = 0
+
+
+class CostModelExecutor:
+    """Virtual time from the cost model; synthetic, deterministic tokens (planted EOS and stop
+    tokens from the request's script); acceptance from the acceptance model."""
+
+    def __init__(self, cost: CostModel, acceptance: AcceptanceModel | None = None, *, seed: int = 0,
+                 eos_token_id: int | None = None):
+        self.cost = cost
+        self.dep = cost.dep
+        self.acceptance = acceptance or ConditionalAcceptance()
+        self.rng = np.random.default_rng(seed)
+        self.state: dict[str, _ReqState] = {}
+        self.max_pos = self.dep.limits.max_model_len
+        self.vocab = self.dep.model.vocab_size
+        self.eos = eos_token_id if eos_token_id is not None else self.dep.model.eos_token_id
+
+    def _tokens(self, st: _ReqState, n: int) -> list[int]:
+        base = st.emitted
+        toks = self.rng.integers(2, self.vocab, n).tolist()
+        if st.script:
+            for j in range(n):
+                t = st.script.get(base + j)
+                if t is not None:
+                    toks[j] = t
+        st.emitted += n
+        return toks
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        res = StepResult(plan.step_id)
+        for rid in plan.finished_ids:
+            self.state.pop(rid, None)
+        for rid, req in plan.requests.items():
+            # a re-admitted request restarts its device state at the prompt (serving-contract §4.7)
+            self.state[rid] = _ReqState(req.prompt_len, 0, len(req.outputs), req.script)
+        if plan.error:
+            res.error = plan.error
+            res.dispatches.append(DispatchTiming("error", self.cost.device.dispatch_overhead, meta={"error": plan.error}))
+            return res
+        cm = self.cost
+        G = self.dep.partitions
+        for batch in plan.prefill:
+            groups: list[list[tuple[int, int]]] = [[] for _ in range(G)]
+            for it in batch.items:
+                groups[it.partition].append((it.num_tokens, it.num_computed))
+            secs, parts = cm.prefill(groups)
+            res.dispatches.append(DispatchTiming("prefill", secs, parts, {
+                "requests_per_group": [len(g) for g in groups],
+                "tokens_per_group": [sum(n for n, _ in g) for g in groups],
+                "requests": [it.request_id for it in batch.items]}))
+            for it in batch.items:
+                if it.terminal:
+                    st = self.state.setdefault(it.request_id, _ReqState(it.prompt_len))
+                    st.committed = it.prompt_len
+                    res.tokens[it.request_id] = self._tokens(st, 1)
+        for wave in plan.seed_waves:
+            tail = max(min(C.SLIDING_WINDOW, it.prompt_len) for it in wave)
+            band = -(-tail // C.TP_SIZE)
+            rows = next(b for b in C.DRAFTER_CONTEXT_BUCKETS if b >= band)
+            secs, parts = cm.seed(rows)
+            res.dispatches.append(DispatchTiming("seed", secs, parts, {"requests": [it.request_id for it in wave]}))
+        if plan.decode is not None:
+            self._decode(plan, res)
+        return res
+
+    def _decode(self, plan: StepPlan, res: StepResult) -> None:
+        k = self.dep.k
+        ctxs, owners, order = [], [], []
+        for g, items in enumerate(plan.decode_groups):
+            c, o = [], []
+            for ordinal, it in enumerate(items):
+                st = self.state.setdefault(it.request_id, _ReqState(0))
+                c.append(st.committed + 1)
+                o.append(it.lease % C.TP_SIZE if (k and it.lease is not None) else ordinal % C.TP_SIZE)
+                order.append((it, st))
+            ctxs.append(c)
+            owners.append(o)
+        secs, parts = self.cost.decode(ctxs, owners)
+        n = len(order)
+        if k:
+            fits = np.fromiter(((len(it.pending_drafts) > 0 and st.committed + C.DECODE_SEQ <= self.max_pos)
+                                for it, st in order), dtype=bool, count=n)
+            counts = self.acceptance.counts(n, fits, self.rng)
+        else:
+            fits = np.zeros(n, dtype=bool)
+            counts = np.ones(n, dtype=np.int64)
+        for (it, st), cnt, f in zip(order, counts.tolist(), fits.tolist()):
+            rid = it.request_id
+            res.tokens[rid] = self._tokens(st, cnt)
+            res.accepted[rid] = cnt
+            res.drafts[rid] = k if f else 0
+            st.committed += cnt
+        res.dispatches.append(DispatchTiming("decode", secs, parts, {
+            "requests_per_group": [len(g) for g in plan.decode_groups]}))

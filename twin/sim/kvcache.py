@@ -1,0 +1,496 @@
+"""The grouped prefix-cache block manager (upstream `KvCacheManager`, grouped mode).
+
+One pool per cache family per partition: partition-local block ids, a reference count and an
+optional hash per block, a free queue in eviction order (freed blocks append at the tail,
+allocation pops the head) and a `hash -> block` index.  Requests own one table per family;
+rolling families are rings of `max_blocks_per_seq` slots whose write slot is detached when
+shared and rotated through the free queue when solely owned (serving-contract.md §3).
+
+Async block-table pins (§3.5) are kept implicit: a pin of a page the request still owns costs
+nothing; only when the owner drops a pinned page (a wrap onto it, a detach) does the pin become
+a stored reference, released with the snapshot.  So `ref` of a block always equals its owners
+plus the in-flight snapshots that hold it (`effective_ref`), while pinning a 4,000-page table
+costs O(1) instead of O(pages).  No SimPy here.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from twin.abi.caches import page_alignment
+
+
+class KVCacheCapacityError(RuntimeError):
+    """A partition lacks free pages for an atomic growth; `need` and `free` are per family."""
+
+    def __init__(self, partition: int, need: dict[str, int], free: dict[str, int]):
+        self.partition, self.need, self.free = partition, need, free
+        short = ", ".join(f"{k} need {need[k]}/free {free[k]}" for k in need if need[k] > free[k])
+        super().__init__(f"partition {partition}: not enough KV pages ({short})")
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What the block manager needs of a cache family (from `twin.abi.caches`)."""
+
+    name: str
+    page_tokens: int
+    window: int | None
+    max_blocks_per_seq: int
+    blocks_per_partition: int
+
+    @property
+    def rolling(self) -> bool:
+        return self.window is not None
+
+    @property
+    def tail_pages(self) -> int:
+        return self.window // self.page_tokens if self.rolling else 0
+
+
+def family_specs(dep, slots: int) -> tuple[FamilySpec, ...]:
+    """The seven families at a deployment with `slots` capacity slots per partition."""
+    from twin.abi.capacity import family_sizing
+
+    return tuple(FamilySpec(n, s.family.page_tokens, s.family.window, s.max_blocks_per_seq,
+                            slots * s.max_blocks_per_seq) for n, s in family_sizing(dep).items())
+
+
+# ---- chained page hashes --------------------------------------------------------------------
+_HASH_RNG = np.random.default_rng(0x5EED)
+_MIX = _HASH_RNG.integers(1, 2**63, size=8192, dtype=np.uint64) | np.uint64(1)
+_CHAIN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def chained_hashes(tokens: np.ndarray, page: int) -> list[int]:
+    """One hash per full page; page i's hash depends on the fixed root and pages 0..i (a chain),
+    computed as a position-weighted polynomial so it vectorises (uint64 arithmetic wraps)."""
+    n = len(tokens) // page
+    if n == 0:
+        return []
+    t = tokens[: n * page].astype(np.uint64).reshape(n, page)
+    content = (t * _MIX[:page]).sum(axis=1, dtype=np.uint64) + np.uint64(page)
+    weights = np.cumprod(np.full(n, _CHAIN, dtype=np.uint64), dtype=np.uint64)
+    return np.cumsum(content * weights, dtype=np.uint64).tolist()
+
+
+class _Owned:
+    """Per request: tables (lists of block ids, None for empty rolling slots), logical block
+    counts reached, published page counts, the partition and in-flight snapshots."""
+
+    __slots__ = ("partition", "tables", "logical", "cached", "pins")
+
+    def __init__(self, nfam: int):
+        self.partition: int | None = None
+        self.tables: list[list] = [[] for _ in range(nfam)]
+        self.logical = [0] * nfam
+        self.cached = [0] * nfam
+        self.pins: list[Pin] = []
+
+
+@dataclass(eq=False)
+class Pin:
+    """An in-flight step's exact block tables (§3.5); `stored` lists (family, block) refs that
+    became explicit because the owner dropped the page while this pin held it."""
+
+    tables: tuple[tuple[int, ...], ...]
+    partition: int
+    stored: list = field(default_factory=list)
+
+
+class KvCacheManager:
+    def __init__(self, families: tuple[FamilySpec, ...], partitions: int, *, prefix_caching: bool = True):
+        self.families = families
+        self.names = tuple(f.name for f in families)
+        self.partitions = partitions
+        self.prefix_caching = prefix_caching
+        self.alignment = page_alignment(families)
+        self.page_sizes = sorted({f.page_tokens for f in families})
+        nf = len(families)
+        self.ref = [[[0] * f.blocks_per_partition for _ in range(partitions)] for f in families]
+        self.bhash = [[[None] * f.blocks_per_partition for _ in range(partitions)] for f in families]
+        self.index: list[list[dict]] = [[{} for _ in range(partitions)] for _ in families]
+        self.free: list[list[OrderedDict]] = [[OrderedDict.fromkeys(range(f.blocks_per_partition))
+                                               for _ in range(partitions)] for f in families]
+        self.reqs: dict[str, _Owned] = {}
+        self.load = [0] * partitions
+        self._next_partition = 0
+        self._nf = nf
+        self._full = [i for i, f in enumerate(families) if not f.rolling]
+        self._roll = [i for i, f in enumerate(families) if f.rolling]
+        self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
+
+    @classmethod
+    def from_deployment(cls, dep, slots: int) -> "KvCacheManager":
+        return cls(family_specs(dep, slots), dep.partitions, prefix_caching=dep.limits.enable_prefix_caching)
+
+    # ---- hashing ------------------------------------------------------------------------
+    def prompt_hashes(self, prompt: np.ndarray) -> dict[int, list[int]]:
+        return {p: chained_hashes(prompt, p) for p in self.page_sizes}
+
+    # ---- queries ------------------------------------------------------------------------
+    def num_free(self, f: int, p: int) -> int:
+        return len(self.free[f][p])
+
+    def table(self, rid: str, family: str) -> list:
+        return self.reqs[rid].tables[self.names.index(family)]
+
+    def partition_of(self, rid: str) -> int | None:
+        o = self.reqs.get(rid)
+        return o.partition if o else None
+
+    # ---- page primitives ----------------------------------------------------------------
+    def _take(self, f: int, p: int) -> int:
+        b, _ = self.free[f][p].popitem(last=False)
+        h = self.bhash[f][p][b]
+        if h is not None:                 # taking a page evicts its cached content
+            if self.index[f][p].get(h) == b:
+                del self.index[f][p][h]
+            self.bhash[f][p][b] = None
+            self.stats["evictions"] += 1
+        self.ref[f][p][b] = 1
+        return b
+
+    def _decref(self, f: int, p: int, b: int) -> None:
+        r = self.ref[f][p]
+        r[b] -= 1
+        if r[b] == 0:
+            self.free[f][p][b] = None
+        elif r[b] < 0:
+            raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+
+    def _drop_owned(self, o: _Owned, f: int, slot: int, b: int) -> None:
+        """The owner lets go of `b` at `slot`: pins still holding it become stored refs."""
+        p = o.partition
+        for pin in o.pins:
+            t = pin.tables[f]
+            if slot < len(t) and t[slot] == b:
+                self.ref[f][p][b] += 1
+                pin.stored.append((f, b))
+        self._decref(f, p, b)
+
+    def _pinned(self, o: _Owned, f: int, slot: int, b: int) -> bool:
+        for pin in o.pins:
+            t = pin.tables[f]
+            if slot < len(t) and t[slot] == b:
+                return True
+        return False
+
+    # ---- growth (`ensure_group_blocks`) ------------------------------------------------------
+    def _need(self, o: _Owned, f: int, tokens: int) -> int:
+        fam = self.families[f]
+        target = -(-tokens // fam.page_tokens)
+        t = o.tables[f]
+        if not fam.rolling:
+            if target > fam.max_blocks_per_seq:
+                raise ValueError(f"Full-history KV cache table capacity exceeded: {fam.name} needs {target} "
+                                 f"> max_blocks_per_seq {fam.max_blocks_per_seq}")
+            return max(0, target - len(t))
+        maxb = fam.max_blocks_per_seq
+        size = min(target, maxb)
+        need = max(0, size - len(t)) + sum(1 for x in t[:size] if x is None)
+        if target > maxb and target > o.logical[f]:
+            if o.partition is None:
+                return need
+            p = o.partition
+            r = self.ref[f][p]
+            start = max(o.logical[f], maxb)
+            seen = set()
+            for lb in range(start, target):
+                s = lb % maxb
+                if s in seen:
+                    continue        # a page taken in this call is solely owned: rotation, no extra
+                seen.add(s)
+                b = t[s] if s < len(t) else None
+                if b is not None and (r[b] > 1 or self._pinned(o, f, s, b)):
+                    need += 1
+        return need
+
+    def _fits(self, o: _Owned, p: int, tokens: int) -> tuple[bool, dict, dict]:
+        need, free = {}, {}
+        ok = True
+        for f in range(self._nf):
+            n = self._need(o, f, tokens)
+            fr = len(self.free[f][p])
+            need[self.names[f]], free[self.names[f]] = n, fr
+            ok &= n <= fr
+        return ok, need, free
+
+    def ensure(self, rid: str, tokens: int, partition: int | None = None) -> int:
+        """Grow `rid`'s tables to cover `tokens` source tokens, atomically; a new request goes to
+        the least-loaded partition that can hold it (ties round-robin).  Returns the partition."""
+        o = self.reqs.get(rid)
+        new = o is None
+        if new:
+            o = _Owned(self._nf)
+        if o.partition is None and partition is None:
+            p = self._choose_partition(o, tokens)
+        else:
+            p = o.partition if o.partition is not None else partition
+            ok, need, free = self._fits(o, p, tokens)
+            if not ok:
+                raise KVCacheCapacityError(p, need, free)
+        if new:
+            self.reqs[rid] = o
+        if o.partition is None:
+            o.partition = p
+            self.load[p] += 1
+        for f in range(self._nf):
+            self._grow(o, f, tokens)
+        return p
+
+    def _choose_partition(self, o: _Owned, tokens: int) -> int:
+        best, best_load, last = None, None, None
+        for i in range(self.partitions):
+            p = (self._next_partition + i) % self.partitions
+            ok, need, free = self._fits(o, p, tokens)
+            if not ok:
+                last = last or (p, need, free)
+            elif best is None or self.load[p] < best_load:
+                best, best_load = p, self.load[p]
+        if best is None:
+            raise KVCacheCapacityError(*last)
+        self._next_partition = (best + 1) % self.partitions
+        return best
+
+    def _grow(self, o: _Owned, f: int, tokens: int) -> None:
+        fam = self.families[f]
+        p = o.partition
+        t = o.tables[f]
+        target = -(-tokens // fam.page_tokens)
+        if not fam.rolling:
+            while len(t) < target:
+                t.append(self._take(f, p))
+            o.logical[f] = max(o.logical[f], target)
+            return
+        maxb = fam.max_blocks_per_seq
+        size = min(target, maxb)
+        for s in range(size):
+            if s < len(t):
+                if t[s] is None:
+                    t[s] = self._take(f, p)
+            else:
+                t.append(self._take(f, p))
+        if target > maxb and target > o.logical[f]:
+            r = self.ref[f][p]
+            fresh = set()
+            for lb in range(max(o.logical[f], maxb), target):
+                s = lb % maxb
+                if s in fresh:
+                    continue
+                b = t[s]
+                if r[b] > 1 or self._pinned(o, f, s, b):
+                    self._drop_owned(o, f, s, b)          # detach-on-write: no copy, slot is rewritten
+                    t[s] = self._take(f, p)
+                    self.stats["detaches"] += 1
+                else:
+                    self._drop_owned(o, f, s, b)          # rotate through the free queue
+                    t[s] = self._take(f, p)
+                    self.stats["rotations"] += 1
+                fresh.add(s)
+        o.logical[f] = max(o.logical[f], target)
+
+    # ---- prefix lookup and attach (`acquire_group_prefix_blocks`) -------------------------
+    def lookup(self, hashes: dict[int, list[int]], max_hit_tokens: int) -> tuple[int, int | None]:
+        """Longest aligned hit over all partitions (ties to the lowest index), as (tokens, partition)."""
+        if not self.prefix_caching or max_hit_tokens < self.alignment:
+            return 0, None
+        best, best_p = 0, None
+        A = self.alignment
+        for p in range(self.partitions):
+            cand = max_hit_tokens // A * A
+            for f in self._full:
+                fam = self.families[f]
+                idx, hs = self.index[f][p], hashes[fam.page_tokens]
+                hits = 0
+                limit = cand // fam.page_tokens
+                while hits < limit and hs[hits] in idx:
+                    hits += 1
+                cand = min(cand, hits * fam.page_tokens) // A * A
+            while cand > best:
+                if self._rolling_valid(p, hashes, cand):
+                    break
+                cand -= A
+            if cand > best:
+                best, best_p = cand, p
+        return best, best_p
+
+    def _rolling_valid(self, p: int, hashes, end: int) -> bool:
+        for f in self._roll:
+            fam = self.families[f]
+            idx, hs = self.index[f][p], hashes[fam.page_tokens]
+            eb = end // fam.page_tokens
+            for i in range(max(0, eb - fam.tail_pages), eb):
+                if hs[i] not in idx:
+                    return False
+        return True
+
+    def attach(self, rid: str, hashes, hit: int, partition: int) -> None:
+        """Take references on the hit's pages in `partition` and pin the request there."""
+        if rid in self.reqs:
+            raise ValueError(f"request {rid!r} already owns blocks")
+        o = self.reqs[rid] = _Owned(self._nf)
+        o.partition = partition
+        self.load[partition] += 1
+        for f, fam in enumerate(self.families):
+            idx, hs = self.index[f][partition], hashes[fam.page_tokens]
+            eb = hit // fam.page_tokens
+            if fam.rolling:
+                size = min(eb, fam.max_blocks_per_seq)
+                t: list = [None] * size
+                for i in range(max(0, eb - fam.tail_pages), eb):
+                    t[i % size] = idx[hs[i]]
+            else:
+                t = [idx[hs[i]] for i in range(eb)]
+            for b in t:
+                if b is not None:
+                    if self.ref[f][partition][b] == 0:
+                        del self.free[f][partition][b]
+                    self.ref[f][partition][b] += 1
+            o.tables[f] = t
+            o.logical[f] = eb
+            o.cached[f] = eb
+
+    # ---- pins and publication ---------------------------------------------------------------
+    def pin(self, rid: str) -> Pin:
+        """`retain_group_block_snapshot`: the exact tables a step was scheduled with."""
+        o = self.reqs[rid]
+        pin = Pin(tuple(tuple(-1 if b is None else b for b in t) for t in o.tables), o.partition)
+        o.pins.append(pin)
+        return pin
+
+    def unpin(self, rid: str, pin: Pin) -> None:
+        o = self.reqs.get(rid)
+        if o is not None and pin in o.pins:
+            o.pins.remove(pin)
+        for f, b in pin.stored:
+            self._decref(f, pin.partition, b)
+        pin.stored.clear()
+
+    def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
+        """`cache_group_blocks_from_snapshot`: after a confirmed step, hash the completed prompt
+        pages through the pinned tables (never the live ones)."""
+        o = self.reqs.get(rid)
+        if o is None or not self.prefix_caching or hashes is None:
+            return
+        p = pin.partition
+        for f, fam in enumerate(self.families):
+            hs = hashes[fam.page_tokens]
+            done = min(confirmed // fam.page_tokens, len(hs))
+            t = pin.tables[f]
+            start = o.cached[f]
+            if fam.rolling:
+                start = max(start, done - len(t))
+            if done <= start:
+                continue
+            idx, bh = self.index[f][p], self.bhash[f][p]
+            for i in range(start, done):
+                b = t[i % len(t)] if fam.rolling else t[i]
+                if b < 0:
+                    continue
+                h = hs[i]
+                owner = idx.get(h)
+                if owner is None:
+                    old = bh[b]
+                    if old is not None and idx.get(old) == b:
+                        del idx[old]
+                    bh[b] = h
+                    idx[h] = b
+                elif owner != b:          # duplicate content: keep the index, drop this block's hash
+                    old = bh[b]
+                    if old is not None and idx.get(old) == b:
+                        del idx[old]
+                    bh[b] = None
+            o.cached[f] = max(o.cached[f], done)
+
+    # ---- release -----------------------------------------------------------------------------
+    def release(self, rid: str) -> None:
+        """`release_all_group_requests`: pins first, then owned pages in table order; freed pages
+        keep their hashes at the free-queue tail."""
+        o = self.reqs.pop(rid, None)
+        if o is None:
+            return
+        for pin in list(o.pins):
+            o.pins.remove(pin)
+            for f, b in pin.stored:
+                self._decref(f, pin.partition, b)
+            pin.stored.clear()
+        p = o.partition
+        for f, t in enumerate(o.tables):
+            for b in t:
+                if b is not None:
+                    self._decref(f, p, b)
+        if p is not None:
+            self.load[p] -= 1
+
+    # ---- checking ----------------------------------------------------------------------------
+    def effective_refs(self) -> list[list[dict[int, int]]]:
+        """Owners plus in-flight pins, recomputed from scratch (for invariant checks)."""
+        out = [[dict() for _ in range(self.partitions)] for _ in self.families]
+        for o in self.reqs.values():
+            for f, t in enumerate(o.tables):
+                d = out[f][o.partition]
+                for b in t:
+                    if b is not None:
+                        d[b] = d.get(b, 0) + 1
+                for pin in o.pins:
+                    seen = set()
+                    for b in pin.tables[f]:
+                        if b >= 0 and b not in seen:
+                            seen.add(b)
+                            d[b] = d.get(b, 0) + 1
+        return out
+
+    def implicit_pins(self) -> list[list[dict[int, int]]]:
+        out = [[dict() for _ in range(self.partitions)] for _ in self.families]
+        for o in self.reqs.values():
+            for pin in o.pins:
+                stored = {}
+                for f, b in pin.stored:
+                    stored[(f, b)] = stored.get((f, b), 0) + 1
+                for f in range(self._nf):
+                    d = out[f][o.partition]
+                    for b in set(pin.tables[f]):
+                        if b < 0:
+                            continue
+                        if stored.get((f, b), 0):
+                            stored[(f, b)] -= 1
+                            continue
+                        d[b] = d.get(b, 0) + 1
+        return out
+
+    def check(self) -> None:
+        """Assert the pool invariants: no leaks, ref counts equal live references, no block twice
+        in one request's row, free queue = zero-ref pages, index entries point at their hashes."""
+        eff = self.effective_refs()
+        imp = self.implicit_pins()
+        for f, fam in enumerate(self.families):
+            for p in range(self.partitions):
+                r = self.ref[f][p]
+                for b in range(fam.blocks_per_partition):
+                    want = eff[f][p].get(b, 0)
+                    got = r[b] + imp[f][p].get(b, 0)
+                    assert got == want, f"{fam.name} p{p} block {b}: ref {r[b]}+{imp[f][p].get(b, 0)} != live {want}"
+                    assert (b in self.free[f][p]) == (r[b] == 0), f"{fam.name} p{p} block {b}: free queue vs ref {r[b]}"
+                for h, b in self.index[f][p].items():
+                    assert self.bhash[f][p][b] == h, f"{fam.name} p{p}: index entry for block {b} is stale"
+        for rid, o in self.reqs.items():
+            for f, t in enumerate(o.tables):
+                ids = [b for b in t if b is not None]
+                assert len(ids) == len(set(ids)), f"{rid}: block shared within its {self.names[f]} row"
+                fam = self.families[f]
+                assert len(t) <= fam.max_blocks_per_seq, f"{rid}: {fam.name} table over max_blocks_per_seq"
+        assert sum(self.load) == len(self.reqs) and all(x >= 0 for x in self.load)
+
+    def used_pages(self, p: int) -> dict[str, int]:
+        return {n: f.blocks_per_partition - len(self.free[i][p]) for i, (n, f) in enumerate(zip(self.names, self.families))}
+
+    def __repr__(self) -> str:
+        return f"KvCacheManager({self.partitions} partitions, {dict(zip(self.names, (f.blocks_per_partition for f in self.families)))})"
+
+
+def pages_for(tokens: int, page: int) -> int:
+    return math.ceil(tokens / page)

@@ -1,0 +1,188 @@
+"""Metrics with `vllm bench serve` definitions, as pandas frames, PNG plots and a Perfetto trace.
+
+- TTFT: first token time - arrival; E2EL: finish time - arrival;
+- TPOT: (E2EL - TTFT) / (output tokens - 1), for requests with more than one output token;
+- ITL: gaps between successive streamed chunks (a K=7 step streams 1..8 tokens as one chunk);
+- throughput over the benchmark duration (first arrival to last finish); goodput counts the
+  completed requests that meet every given SLO (TTFT, TPOT, E2EL, in milliseconds).
+Plus per-position acceptance (vLLM's accepted-per-position counters), prefix hit rate,
+occupancy per group and preemptions.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .request import Finish
+
+COMPLETED = {Finish.EOS, Finish.LENGTH, Finish.STOP}
+PERCENTILES = (50, 90, 95, 99)
+
+
+def requests_frame(requests, rec) -> pd.DataFrame:
+    rows = []
+    for r in requests:
+        d = rec.req.get(r.request_id, {})
+        first, end = d.get("first"), d.get("end")
+        n = len(r.outputs)
+        ttft = None if first is None else first - r.arrival
+        e2el = None if end is None else end - r.arrival
+        tpot = (e2el - ttft) / (n - 1) if (ttft is not None and e2el is not None and n > 1) else None
+        rows.append({"request_id": r.request_id, "tag": r.tag, "arrival": r.arrival, "admitted": d.get("admitted"),
+                     "first_token": first, "end": end, "prompt_len": r.prompt_len, "output_len": n,
+                     "max_new_tokens": r.max_new_tokens, "finish": r.finish.value if r.finish else None,
+                     "finish_detail": r.finish_detail, "cached_tokens": d.get("cached", 0),
+                     "preemptions": r.num_preemptions, "dropped_tokens": r.dropped_tokens, "chunks": d.get("chunks", 0),
+                     "ttft": ttft, "tpot": tpot, "e2el": e2el,
+                     "completed": r.finish in COMPLETED})
+    return pd.DataFrame(rows)
+
+
+def steps_frame(rec) -> pd.DataFrame:
+    cols = ["step", "t", "n_prefill", "n_decode", "tokens", "waiting", "running"]
+    df = pd.DataFrame([s[:7] for s in rec.steps], columns=cols)
+    live = np.array([s[7] for s in rec.steps]).reshape(len(rec.steps), rec.partitions)
+    for p in range(rec.partitions):
+        df[f"live_p{p}"] = live[:, p] if len(rec.steps) else []
+    return df
+
+
+def dispatches_frame(rec) -> pd.DataFrame:
+    rows = []
+    for step, kind, start, secs, meta, parts in rec.dispatches:
+        row = {"step": step, "kind": kind, "start": start, "seconds": secs,
+               "requests_per_group": meta.get("requests_per_group"), "tokens_per_group": meta.get("tokens_per_group")}
+        row.update({f"t_{k}": v for k, v in parts.items()})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def occupancy_frame(rec) -> pd.DataFrame:
+    return pd.DataFrame(rec.pages, columns=["t", "partition", "family", "used_pages"])
+
+
+def acceptance(rec) -> dict:
+    h = rec.accept_hist
+    verifies = int(h.sum())
+    if not rec.k:
+        return {"verifies": 0, "fallback_steps": rec.fallbacks}
+    at_least = np.cumsum(h[::-1])[::-1]            # at_least[c] = verifies with count >= c
+    per_pos = [float(at_least[i + 2] / verifies) if verifies else None for i in range(rec.k)]
+    mean_len = float((np.arange(len(h)) * h).sum() / verifies) if verifies else None
+    return {"verifies": verifies, "fallback_steps": rec.fallbacks, "mean_accepted_length": mean_len,
+            "acceptance_per_position": per_pos, "histogram": {int(c): int(h[c]) for c in range(1, len(h))}}
+
+
+def _stats(x) -> dict:
+    x = np.asarray([v for v in x if v is not None and not pd.isna(v)], dtype=float) * 1e3
+    if not len(x):
+        return {"mean_ms": None, "median_ms": None, "std_ms": None, **{f"p{p}_ms": None for p in PERCENTILES}}
+    return {"mean_ms": float(x.mean()), "median_ms": float(np.median(x)), "std_ms": float(x.std()),
+            **{f"p{p}_ms": float(np.percentile(x, p)) for p in PERCENTILES}}
+
+
+def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
+    done = req_df[req_df["completed"]]
+    start = float(req_df["arrival"].min()) if len(req_df) else 0.0
+    end = float(req_df["end"].max()) if len(req_df) and req_df["end"].notna().any() else start
+    dur = max(end - start, 1e-12)
+    out_tok = int(done["output_len"].sum())
+    in_tok = int(done["prompt_len"].sum())
+    good = done
+    for key in ("ttft", "tpot", "e2el"):
+        if slo and slo.get(key) is not None:
+            lim = slo[key] / 1e3
+            good = good[good[key].isna() | (good[key] <= lim)] if key == "tpot" else good[good[key] <= lim]
+    p = rec.prefix
+    return {
+        "completed": int(len(done)), "failed": int(len(req_df) - len(done)),
+        "finish_reasons": req_df["finish"].value_counts().to_dict(),
+        "duration_s": dur, "total_input_tokens": in_tok, "total_output_tokens": out_tok,
+        "request_throughput": len(done) / dur, "output_token_throughput": out_tok / dur,
+        "total_token_throughput": (in_tok + out_tok) / dur,
+        "request_goodput": (len(good) / dur) if slo else None, "slo_ms": slo or {},
+        "ttft": _stats(done["ttft"]), "tpot": _stats(done["tpot"]), "itl": _stats(np.asarray(rec.itl)),
+        "e2el": _stats(done["e2el"]),
+        "acceptance": acceptance(rec),
+        "prefix_cache": {**p, "hit_rate": (p["hits"] / p["queries"]) if p["queries"] else 0.0,
+                         "token_hit_rate": (p["hit_tokens"] / p["query_tokens"]) if p["query_tokens"] else 0.0},
+        "preemptions": int(sum(1 for e in rec.events if e[1] == "preempt")),
+        "dropped_tokens": int(req_df["dropped_tokens"].sum()) if len(req_df) else 0,
+    }
+
+
+# ---- trace and plots ---------------------------------------------------------------------------
+def perfetto_trace(rec, steps: pd.DataFrame) -> dict:
+    """Chrome/Perfetto JSON: device dispatches as slices, live requests per partition as counters."""
+    ev = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "device (16 NPUs)"}},
+          {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "engine"}}]
+    tid = {"prefill": 0, "seed": 1, "decode": 2, "error": 3}
+    for step, kind, start, secs, meta, parts in rec.dispatches:
+        ev.append({"name": kind, "cat": "dispatch", "ph": "X", "ts": start * 1e6, "dur": secs * 1e6, "pid": 0,
+                   "tid": tid.get(kind, 4), "args": {"step": step, **{k: v for k, v in meta.items() if k != "requests"},
+                                                     **{f"t_{k}_ms": v * 1e3 for k, v in parts.items()}}})
+    for row in steps.itertuples(index=False):
+        ev.append({"name": "schedule", "cat": "engine", "ph": "i", "s": "t", "ts": row.t * 1e6, "pid": 1, "tid": 0,
+                   "args": {"step": row.step, "prefill": row.n_prefill, "decode": row.n_decode}})
+        ev.append({"name": "live requests", "ph": "C", "ts": row.t * 1e6, "pid": 1,
+                   "args": {c: getattr(row, c) for c in steps.columns if c.startswith("live_p")}})
+    return {"traceEvents": ev, "displayTimeUnit": "ms"}
+
+
+def plots(out: Path, req_df, steps, occ, acc: dict) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    done = req_df[req_df["completed"]]
+    for a, key in zip(ax, ("ttft", "tpot", "e2el")):
+        x = np.sort(done[key].dropna().to_numpy() * 1e3)
+        if len(x):
+            a.plot(x, np.arange(1, len(x) + 1) / len(x))
+        a.set_xlabel(f"{key.upper()} (ms)")
+        a.set_ylabel("CDF")
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110)
+    plt.close(fig)
+    files.append("latency_cdf.png")
+
+    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for c in [c for c in steps.columns if c.startswith("live_p")]:
+        ax[0].step(steps["t"], steps[c], where="post", label=c[5:].replace("p", "group "))
+    ax[0].set_ylabel("live requests")
+    ax[0].axhline(64, color="red", lw=0.8, ls="--")
+    ax[0].legend(fontsize=8)
+    if len(occ):
+        tot = occ.groupby(["t", "family"])["used_pages"].sum().unstack()
+        for fam in tot.columns:
+            ax[1].plot(tot.index, tot[fam] / tot[fam].max() if tot[fam].max() else tot[fam], label=fam)
+    ax[1].set_ylabel("used pages (/ run max)")
+    ax[1].set_xlabel("simulated time (s)")
+    ax[1].legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(out / "occupancy.png", dpi=110)
+    plt.close(fig)
+    files.append("occupancy.png")
+
+    if acc.get("acceptance_per_position"):
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        pp = acc["acceptance_per_position"]
+        ax.bar(range(1, len(pp) + 1), pp)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("accepted fraction of verifies")
+        ax.set_title(f"mean accepted length {acc['mean_accepted_length']:.2f}")
+        fig.tight_layout()
+        fig.savefig(out / "acceptance.png", dpi=110)
+        plt.close(fig)
+        files.append("acceptance.png")
+    return files
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)))

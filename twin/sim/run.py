@@ -1,0 +1,146 @@
+"""One simulation run: wire deployment, capacity, scheduler, executor and engine; collect results.
+
+    result = simulate(SimConfig(dep, requests=generate(default_spec())))
+    result.summary, result.requests, result.steps, result.risks; result.write("out/")
+
+Capacity comes from `twin.abi`: slots per partition from the HBM account (or from measured
+per-rank memory, or a page count), then `allocate_with_retry` halves them on a simulated OOM.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import simpy
+
+from twin.abi.capacity import admit_slots, allocate_with_retry, hbm_account
+from twin.abi.errors import ConfigError
+
+from . import metrics, risk
+from .acceptance import AcceptanceModel, ConditionalAcceptance
+from .costmodel import Calibration, CostModel, DeviceLimits, Routing
+from .engine import Engine
+from .executor import CostModelExecutor
+from .kvcache import KvCacheManager
+from .leases import LeaseManager
+from .probes import Recorder
+from .request import Request
+from .scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass
+class SimConfig:
+    dep: object                                   # twin.abi.Deployment
+    requests: list[Request] = field(default_factory=list)
+    device: DeviceLimits | None = None
+    routing: Routing = field(default_factory=Routing)
+    acceptance: AcceptanceModel = field(default_factory=ConditionalAcceptance)
+    calibration: Calibration | None = None
+    slots: int | None = None                      # override startup admission
+    rank_memory: list | None = None               # measured (total, free) bytes per rank
+    oom_above_slots: int | None = None            # simulated OOM: allocations above this many slots fail
+    async_depth: int = 2
+    stop_check: str = "end"
+    slo_ms: dict | None = None                    # goodput SLOs: {"ttft": ms, "tpot": ms, "e2el": ms}
+    seed: int = 0
+    fixed_tile: bool = True
+    until: float | None = None                    # stop at this simulated time (s)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    slots: int
+    scheduler: Scheduler
+    recorder: Recorder
+    wall_s: float
+    sim_s: float
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    dispatches: pd.DataFrame
+    occupancy: pd.DataFrame
+    risks: pd.DataFrame
+    risk_summary: pd.DataFrame
+    summary: dict
+
+    def write(self, out: str | Path, *, plots: bool = True, trace: bool = True) -> list[str]:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        files = []
+        for name, df in (("requests", self.requests), ("steps", self.steps), ("dispatches", self.dispatches),
+                         ("occupancy", self.occupancy), ("risks", self.risks), ("risk_summary", self.risk_summary)):
+            df.to_csv(out / f"{name}.csv", index=False)
+            files.append(f"{name}.csv")
+        metrics.write_json(out / "summary.json", self.summary)
+        files.append("summary.json")
+        if trace:
+            metrics.write_json(out / "trace.json", metrics.perfetto_trace(self.recorder, self.steps))
+            files.append("trace.json")
+        if plots:
+            files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"])
+        return files
+
+
+def startup_slots(cfg: SimConfig, device: DeviceLimits) -> int:
+    """Slots per partition: `init_kv_cache` admission, then the halving retry on OOM."""
+    dep = cfg.dep
+    if cfg.slots is not None:
+        if not 1 <= cfg.slots <= 64:
+            raise ConfigError("slots", cfg.slots, "1..64 capacity slots per partition")
+        slots = cfg.slots
+    elif cfg.rank_memory is not None:
+        slots = admit_slots(dep, rank_memory=cfg.rank_memory)
+    else:
+        acct = hbm_account(dep, hbm_bytes=device.hbm_bytes, strict=True)
+        slots = acct.slots_per_partition
+    limit = cfg.oom_above_slots
+    return allocate_with_retry(slots, lambda s: limit is None or s <= limit)
+
+
+def build(cfg: SimConfig, env: simpy.Environment | None = None):
+    """The wired objects of a run (for tests and notebooks that drive them directly)."""
+    dep = cfg.dep
+    device = cfg.device or DeviceLimits.load()
+    slots = startup_slots(cfg, device)
+    env = env or simpy.Environment()
+    kv = KvCacheManager.from_deployment(dep, slots)
+    scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check)
+    sched = Scheduler(scfg, kv, leases=LeaseManager(dep.partitions) if dep.k else None,
+                      noise_token=dep.model.dspark_noise_token_id)
+    rec = Recorder(env, sched, partitions=dep.partitions, k=dep.k)
+    sched.probe = rec
+    cost = CostModel(dep, slots, device, cfg.routing, cfg.calibration, seed=cfg.seed, fixed_tile=cfg.fixed_tile)
+    ex = CostModelExecutor(cost, cfg.acceptance, seed=cfg.seed)
+    eng = Engine(env, sched, ex, dep, device, rec, depth=cfg.async_depth)
+    return env, eng, sched, rec, slots
+
+
+def simulate(cfg: SimConfig, progress: Callable[[float, int, int], None] | None = None,
+             progress_every: float = 1.0) -> SimResult:
+    env, eng, sched, rec, slots = build(cfg)
+    eng.submit(cfg.requests)
+    total = len(cfg.requests)
+    if progress:
+        def tick():
+            while True:
+                progress(env.now, len(sched.finished), total)
+                yield env.timeout(progress_every)
+        env.process(tick())
+    t0 = time.perf_counter()
+    env.run(until=eng.done if cfg.until is None else cfg.until)
+    wall = time.perf_counter() - t0
+    if progress:
+        progress(env.now, len(sched.finished), total)
+    req_df = metrics.requests_frame(cfg.requests, rec)
+    steps = metrics.steps_frame(rec)
+    flags = risk.scan(rec, cfg.dep.topology.ep)
+    summ = metrics.summary(req_df, rec, cfg.slo_ms)
+    summ.update({"slots_per_partition": slots, "simulated_s": env.now, "wall_s": wall,
+                 "sim_s_per_wall_s": env.now / wall if wall else None, "steps": len(rec.steps),
+                 "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
+                 "kv_stats": dict(sched.kv.stats)})
+    return SimResult(cfg, slots, sched, rec, wall, env.now, req_df, steps, metrics.dispatches_frame(rec),
+                     metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ)

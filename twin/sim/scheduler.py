@@ -1,0 +1,409 @@
+"""The serving scheduler, as upstream's `Scheduler` (serving-contract.md §4.2-§4.10).
+
+Plain Python, no SimPy: the same object drives a virtual-time run (the SimPy engine) or a
+wall-clock loop with a golden or device executor.  One `schedule()` is one step command:
+
+- phase 1, running requests in order, under a *global* token budget in which a K=7 decode
+  request costs 1 + 7; chunked prefill at the per-request chunk limit; on a table-growth
+  failure the latest arrival is preempted (same partition first) and the growth retried once;
+- phase 2, waiting requests FIFO: prefix lookup, partition choice, head-of-line blocking.
+
+`advance_after_schedule` and `update_from_output` do the async accounting (placeholders, the
+terminal-prefill barrier, pins, publication after confirmation, per-token EOS/length truncation).
+Stop strings are the engine's job (`check_stop`), as upstream.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from twin.abi import constants as C
+from twin.abi.batches import PLACEHOLDER_TOKEN, DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
+from twin.abi.errors import ConfigError
+
+from .kvcache import KVCacheCapacityError, KvCacheManager, Pin
+from .leases import LeaseManager, LeasesExhausted
+from .request import Finish, Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_running: int
+    chunk_limit: int                 # min(max_prefill_tokens_per_request, long_prefill_token_threshold)
+    max_seq_len: int
+    k: int
+    prefix_caching: bool = True
+    replay_tokens: int = 0           # speculative_prefix_cache_replay_tokens (128 at K=7)
+    async_depth: int = 2
+    stop_check: str = "end"          # "end": upstream (text.endswith after all tokens); "token": per token
+
+    @classmethod
+    def from_deployment(cls, dep, **kw) -> "SchedulerConfig":
+        lim = dep.limits
+        return cls(lim.max_num_batched_tokens, lim.max_num_seqs, lim.max_prefill_tokens_per_request,
+                   lim.max_model_len, lim.k, lim.enable_prefix_caching,
+                   lim.speculative_prefix_cache_replay_tokens, **kw)
+
+    def __post_init__(self):
+        if self.async_depth not in (1, 2):
+            raise ConfigError("async_depth", self.async_depth, "1 (synchronous) or 2 (async scheduling)")
+        if self.stop_check not in ("end", "token"):
+            raise ConfigError("stop_check", self.stop_check, "'end' (upstream) or 'token'")
+
+
+@dataclass(eq=False)
+class Scheduled:
+    """One request in a step command (`ScheduledRequest` plus what advance/update need)."""
+
+    req: Request
+    num_new: int
+    spec: int
+    start: int                       # num_computed at schedule time
+    prefill: bool
+    samples: bool
+    incarnation: int
+    pin: Pin | None = None
+
+
+@dataclass(eq=False)
+class StepCommand:
+    """What the engine sends the worker (`StepCommand`): deltas only."""
+
+    step_id: int
+    scheduled: list[Scheduled]
+    prefill: PrefillBatch
+    decode: DecodeBatch
+    new_requests: tuple[Request, ...]
+    finished_ids: tuple[str, ...]
+    error: str | None = None         # a worker-side failure this command will raise (lease exhaustion)
+
+    @property
+    def decode_only(self) -> bool:
+        return not self.prefill.items and bool(self.decode.items)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new + s.spec for s in self.scheduled)
+
+
+class SchedulerProbe:
+    """Hooks for monitoring; the scheduler calls them and never reads anything back."""
+
+    def admitted(self, req: Request, hit_tokens: int, fallback: bool) -> None: ...
+    def preempted(self, req: Request, by: Request) -> None: ...
+    def finished(self, req: Request) -> None: ...
+    def stop_in_chunk(self, req: Request, index: int, n_new: int) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KvCacheManager, *, leases: LeaseManager | None = None,
+                 probe: SchedulerProbe | None = None, noise_token: int = 0):
+        self.cfg = cfg
+        self.kv = kv
+        self.leases = leases if leases is not None else (LeaseManager(kv.partitions) if cfg.k else None)
+        self.probe = probe or SchedulerProbe()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished: list[Request] = []
+        self._finished_ids: list[str] = []
+        self._step = 0
+        self._noise = (noise_token,) * cfg.k
+        self.max_hit_offset = max(1, cfg.replay_tokens)
+
+    # ---- admission (`add_request`) -------------------------------------------------------------
+    def add_request(self, req: Request) -> bool:
+        if req.request_id in self.requests:
+            raise ConfigError("request_id", req.request_id, "an id not already submitted")
+        self.requests[req.request_id] = req
+        L = self.cfg.max_seq_len
+        if req.prompt_len == 0 or req.prompt_len >= L:
+            why = "empty prompt" if req.prompt_len == 0 else (
+                f"prompt_len {req.prompt_len} leaves nothing to generate under max_seq_len {L}"
+                if req.prompt_len == L else f"prompt_len {req.prompt_len} > max_seq_len {L}")
+            self._finish(req, Finish.REJECTED, why)
+            return False
+        if req.sampling.max_new_tokens < 1:
+            self._finish(req, Finish.REJECTED, f"max_new_tokens {req.sampling.max_new_tokens} < 1")
+            return False
+        req.max_new_tokens = min(req.sampling.max_new_tokens, L - req.prompt_len)
+        if self.cfg.prefix_caching and req.hashes is None:
+            req.hashes = self.kv.prompt_hashes(req.prompt)
+        req.status = Status.WAITING
+        self.waiting.append(req)
+        return True
+
+    def abort(self, rid: str, detail: str = "aborted by client") -> None:
+        req = self.requests[rid]
+        if not req.finished:
+            self._finish(req, Finish.ABORTED, detail)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- schedule() -------------------------------------------------------------------------
+    def _limit(self, req: Request, budget: int) -> int:
+        n = min(req.num_new_tokens_needed, budget, self.cfg.max_seq_len - req.num_computed)
+        if req.is_prefill:
+            n = min(n, self.cfg.chunk_limit)
+        return n
+
+    def schedule(self) -> StepCommand:
+        cfg = self.cfg
+        budget = cfg.max_num_batched_tokens
+        out: dict[str, Scheduled] = {}
+        for r in self.running:
+            r.preempted_this_pass = False
+        if self.leases:
+            for rid in self._finished_ids:
+                self.leases.release(rid)     # the worker frees finished leases before new reservations
+        finished_ids, self._finished_ids = tuple(self._finished_ids), []
+
+        # phase 1: running requests
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            i += 1
+            if req.terminal_prefill_in_flight or req.status is not Status.RUNNING:
+                continue
+            num_new = self._limit(req, budget)
+            if num_new <= 0:
+                continue
+            prefill = req.is_prefill
+            spec = 0 if prefill else max(0, min(cfg.k, cfg.max_seq_len - req.num_computed - num_new))
+            cost = num_new + spec
+            if cost > budget:
+                continue
+            try:
+                self.kv.ensure(req.request_id, req.num_computed + cost)
+            except KVCacheCapacityError:
+                victim = self._victim(req)
+                if victim is None:
+                    continue
+                budget += self._preempt(victim, req, out)
+                if self.running.index(req) < i - 1:
+                    i -= 1                       # the victim sat before us in `running`
+                try:
+                    self.kv.ensure(req.request_id, req.num_computed + cost)
+                except KVCacheCapacityError:
+                    continue
+            out[req.request_id] = Scheduled(req, num_new, spec, req.num_computed, prefill,
+                                            (not prefill) or req.num_computed + num_new >= req.prompt_len,
+                                            req.incarnation)
+            budget -= cost
+
+        # phase 2: waiting requests, FIFO, head-of-line blocking
+        new_reqs = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_running:
+            req = self.waiting[0]
+            if req.preempted_this_pass:
+                break
+            rid = req.request_id
+            hit, part = 0, None
+            if self.cfg.prefix_caching:
+                hit, part = self.kv.lookup(req.hashes, req.prompt_len - self.max_hit_offset)
+            fallback = False
+            if hit:
+                self.kv.attach(rid, req.hashes, hit, part)
+                req.num_computed = hit
+                num_new = self._limit(req, budget)
+                try:
+                    self.kv.ensure(rid, hit + num_new)
+                except KVCacheCapacityError:
+                    self.kv.release(rid)          # prefix_cache_fallback: retry cold anywhere
+                    hit, fallback = 0, True
+            if not hit:
+                req.num_computed = 0
+                num_new = self._limit(req, budget)
+                try:
+                    self.kv.ensure(rid, num_new)
+                except KVCacheCapacityError:
+                    self.kv.release(rid)
+                    break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.partition = self.kv.partition_of(rid)
+            req.cached_tokens = hit
+            self.running.append(req)
+            self.probe.admitted(req, hit, fallback)
+            new_reqs.append(req)
+            out[rid] = Scheduled(req, num_new, 0, req.num_computed, True,
+                                 req.num_computed + num_new >= req.prompt_len, req.incarnation)
+            budget -= num_new
+        if not out:
+            self._finished_ids[:0] = finished_ids   # nothing to send: they ride the next command
+            finished_ids = ()
+        return self._command(out, tuple(new_reqs), finished_ids)
+
+    def _victim(self, req: Request) -> Request | None:
+        """Latest arrival among the other running requests, same partition first."""
+        cands = [r for r in self.running if r is not req and r.status is Status.RUNNING]
+        if not cands:
+            return None
+        same = [r for r in cands if r.partition == req.partition]
+        pool = same or cands
+        return max(pool, key=lambda r: (r.arrival, r.request_id))
+
+    def _preempt(self, victim: Request, by: Request, out: dict) -> int:
+        """Free everything, reset to computed 0, back to the front of `waiting`; returns the
+        budget handed back if the victim was already scheduled in this pass."""
+        back = 0
+        s = out.pop(victim.request_id, None)
+        if s is not None:
+            back = s.num_new + s.spec
+        self.probe.preempted(victim, by)
+        self.kv.release(victim.request_id)
+        self._finished_ids.append(victim.request_id)   # the worker drops lease and drafter state
+        self.running.remove(victim)
+        victim.num_computed = 0
+        victim.num_placeholders = 0
+        victim.terminal_prefill_in_flight = False
+        victim.partition = None
+        victim.lease = victim.generation = None
+        victim.incarnation += 1
+        victim.num_preemptions += 1
+        victim.status = Status.PREEMPTED
+        victim.preempted_this_pass = True
+        self.waiting.appendleft(victim)
+        return back
+
+    def _command(self, out: dict[str, Scheduled], new_reqs, finished_ids) -> StepCommand:
+        self._step += 1
+        pre, dec = [], []
+        error = None
+        for s in out.values():
+            req = s.req
+            s.pin = self.kv.pin(req.request_id)
+            blocks = dict(zip(self.kv.names, s.pin.tables))
+            if self.leases is not None and req.lease is None and s.prefill:
+                try:
+                    req.lease, req.generation = self.leases.reserve(req.request_id, req.partition)
+                except LeasesExhausted as e:
+                    error = error or str(e)
+            if s.prefill:
+                pre.append(PrefillItem(req.request_id, tuple(req.prompt[s.start:s.start + s.num_new].tolist()),
+                                       s.start, req.prompt_len, blocks, req.partition, req.lease, req.generation))
+            else:
+                anchor = s.start + s.num_new - 1
+                last = PLACEHOLDER_TOKEN if req.num_placeholders else req.outputs[-1]
+                drafts = self._noise if self.cfg.k and anchor + self.cfg.k < self.cfg.max_seq_len else ()
+                dec.append(DecodeItem(req.request_id, last, anchor, blocks, req.partition, drafts,
+                                      req.lease, req.generation))
+        return StepCommand(self._step, list(out.values()), PrefillBatch(tuple(pre)),
+                           DecodeBatch(tuple(dec), self.cfg.k), new_reqs, finished_ids, error)
+
+    # ---- async accounting ----------------------------------------------------------------------
+    def advance_after_schedule(self, cmd: StepCommand) -> None:
+        k = self.cfg.k
+        for s in cmd.scheduled:
+            req = s.req
+            req.num_computed += s.num_new
+            if s.samples:
+                req.num_placeholders += 1 + s.spec
+                req.num_computed += s.spec
+                if s.prefill and k > 0:
+                    req.terminal_prefill_in_flight = True
+
+    def update_from_output(self, cmd: StepCommand, tokens: dict[str, list[int]]) -> list[tuple[Request, int]]:
+        """Apply one step's accepted tokens; returns (request, tokens appended) for stop checks."""
+        touched = []
+        for s in cmd.scheduled:
+            req = s.req
+            rid = req.request_id
+            if req.finished or req.incarnation != s.incarnation:
+                continue                          # stale: its pin went with the finish/preemption
+            self.kv.publish(rid, s.pin, s.start + s.num_new, req.hashes)
+            self.kv.unpin(rid, s.pin)
+            if not s.samples:
+                continue
+            req.terminal_prefill_in_flight = False
+            toks = tokens.get(rid, ())
+            retained = 0
+            for t in toks:
+                req.outputs.append(t)
+                retained += 1
+                reason = self._stop_reason(req, t)
+                if reason is not None:
+                    req.dropped_tokens += len(toks) - retained
+                    self._finish(req, reason)
+                    break
+            if req.finished:
+                touched.append((req, retained))
+                continue
+            req.num_placeholders -= 1 + s.spec
+            req.num_computed += (retained - 1) - s.spec
+            touched.append((req, retained))
+        return touched
+
+    def _stop_reason(self, req: Request, t: int) -> Finish | None:
+        sp = req.sampling
+        if sp.eos_token_id is not None and not sp.ignore_eos and t == sp.eos_token_id:
+            return Finish.EOS
+        if len(req.outputs) >= req.max_new_tokens:
+            return Finish.LENGTH
+        return None
+
+    def check_stop(self, touched: Iterable[tuple[Request, int]]) -> None:
+        """The engine's stop-string check after `update_from_output` (serving-contract §4.10):
+        upstream tests `endswith(stop)` once on the cumulative output, so a stop completed by an
+        earlier token of a multi-token acceptance is missed ("end"); "token" checks each token."""
+        for req, n in touched:
+            stops = req.sampling.stop
+            if not stops or n == 0 or req.finished:
+                continue
+            out = req.outputs
+            L = len(out)
+            first = None
+            for j in range(L - n + 1, L + 1):     # output lengths after each appended token
+                if any(j >= len(st) and tuple(out[j - len(st):j]) == st for st in stops):
+                    first = j
+                    break
+            if first is None:
+                continue
+            if first < L:
+                self.probe.stop_in_chunk(req, first, n)
+                if self.cfg.stop_check == "token":
+                    req.dropped_tokens += L - first
+                    del out[first:]
+                elif not any(L >= len(st) and tuple(out[L - len(st):]) == st for st in stops):
+                    continue                      # upstream misses it: generation goes on
+            self._finish(req, Finish.STOP)
+
+    # ---- finishing ---------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: Finish, detail: str = "") -> None:
+        was_running = req.status in (Status.RUNNING,)
+        req.status = Status.FINISHED
+        req.finish = reason
+        req.finish_detail = detail
+        req.num_placeholders = 0
+        req.terminal_prefill_in_flight = False
+        self.kv.release(req.request_id)
+        if was_running and req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._finished_ids.append(req.request_id)
+        self.finished.append(req)
+        self.probe.finished(req)
+
+    def fail_inflight(self, cmds: Iterable[StepCommand], detail: str) -> None:
+        """A worker error or timeout: every request in the failed and in-flight batches aborts
+        with finish reason "error" (serving-contract §4.11)."""
+        for cmd in cmds:
+            for s in cmd.scheduled:
+                if not s.req.finished and s.req.incarnation == s.incarnation:
+                    self._finish(s.req, Finish.ERROR, detail)
+
+    # ---- accounting checks -----------------------------------------------------------------------
+    def check(self) -> None:
+        for r in self.running:
+            assert r.status is Status.RUNNING and r.num_placeholders >= 0, r
+            assert r.num_computed <= self.cfg.max_seq_len, r
+            assert len(r.outputs) <= r.max_new_tokens, r
+        for r in self.finished:
+            assert r.finish is not None and r.status is Status.FINISHED
+            assert self.kv.partition_of(r.request_id) is None, f"{r.request_id}: finished but owns blocks"
+        assert len(self.running) <= self.cfg.max_num_running

@@ -1,0 +1,100 @@
+"""The worker's plan of a step command: packed prefill dispatches, seeding waves, decode tile.
+
+Pure functions over the ABI batch types, as upstream's worker and runner split a command
+(serving-contract §4.6, §4.8, §7.4).  A plan carries the runner's own validation errors
+("requests per TP group exceed capacity", "decode batch exceeds local capacity 64"), which the
+engine treats as a worker error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twin.abi import constants as C
+from twin.abi.batches import DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    prefill: tuple[PrefillBatch, ...]          # dispatches, run one after the other
+    seed_waves: tuple[tuple[PrefillItem, ...], ...]
+    decode: DecodeBatch | None
+    decode_groups: tuple[tuple[DecodeItem, ...], ...]   # per TP group, in stream order
+    decode_only: bool
+    error: str | None = None
+    requests: dict = field(default_factory=dict)       # NewRequestData shipped with this command
+    finished_ids: tuple[str, ...] = ()
+
+
+def split_prefill(items, max_batch: int, per_partition: int,
+                  tokens_per_partition: int = C.PREFILL_TOKENS_PER_GROUP) -> list[PrefillBatch]:
+    """`_partitioned_prefill_chunks`: greedy first-fit in order; a request that does not fit the
+    current dispatch is deferred to the next dispatch of the same step."""
+    pending = list(items)
+    for it in pending:
+        if it.num_tokens > tokens_per_partition:
+            raise ValueError(f"prefill chunk of {it.request_id!r} has {it.num_tokens} tokens > "
+                             f"{tokens_per_partition} per partition")
+    out = []
+    while pending:
+        cur, deferred = [], []
+        reqs: dict[int, int] = {}
+        toks: dict[int, int] = {}
+        for it in pending:
+            p = it.partition
+            if (len(cur) < max_batch and reqs.get(p, 0) < per_partition
+                    and toks.get(p, 0) + it.num_tokens <= tokens_per_partition):
+                cur.append(it)
+                reqs[p] = reqs.get(p, 0) + 1
+                toks[p] = toks.get(p, 0) + it.num_tokens
+            else:
+                deferred.append(it)
+        out.append(PrefillBatch(tuple(cur)))
+        pending = deferred
+    return out
+
+
+def seeding_waves(terminal: list[PrefillItem]) -> list[tuple[PrefillItem, ...]]:
+    """Wave w holds the w-th completed request of every group (one seed row per group)."""
+    by_group: dict[int, list[PrefillItem]] = {}
+    for it in terminal:
+        by_group.setdefault(it.partition, []).append(it)
+    depth = max((len(v) for v in by_group.values()), default=0)
+    return [tuple(v[w] for _, v in sorted(by_group.items()) if w < len(v)) for w in range(depth)]
+
+
+def decode_groups(items, partitions: int, k: int) -> tuple[tuple[tuple[DecodeItem, ...], ...], str | None]:
+    """Per TP group, in group ordinal order; at K=7 each request's owner rank is lease % 4 and
+    holds at most 16 requests."""
+    groups: list[list[DecodeItem]] = [[] for _ in range(partitions)]
+    for it in items:
+        groups[it.partition].append(it)
+    error = None
+    for g, v in enumerate(groups):
+        if len(v) > C.DECODE_BATCH:
+            error = error or f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {len(v)})"
+        if k and error is None:
+            owners = [0] * C.TP_SIZE
+            for it in v:
+                if it.lease is not None:
+                    owners[it.lease % C.TP_SIZE] += 1
+            if max(owners) > C.LOCAL_REQUESTS:
+                error = f"TP group {g} owner rank over {C.LOCAL_REQUESTS} requests"
+    return tuple(tuple(v) for v in groups), error
+
+
+def plan(cmd, dep) -> StepPlan:
+    """Split a `StepCommand` the way the worker and runner do."""
+    error = cmd.error
+    pre = cmd.prefill.items
+    dispatches: list[PrefillBatch] = []
+    if pre:
+        try:
+            dispatches = split_prefill(pre, dep.prefill_batch, dep.prefill_requests_per_partition)
+        except ValueError as e:
+            error = error or str(e)
+    waves = seeding_waves([it for it in pre if it.terminal]) if dep.k else []
+    groups, derr = decode_groups(cmd.decode.items, dep.partitions, dep.k)
+    return StepPlan(cmd.step_id, tuple(dispatches), tuple(waves), cmd.decode if cmd.decode.items else None,
+                    groups, cmd.decode_only, error or derr, {r.request_id: r for r in cmd.new_requests},
+                    cmd.finished_ids)
