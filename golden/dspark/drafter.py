@@ -1,5 +1,6 @@
-"""The DSpark drafter (kernel-math.md K21-K24): target-hidden capture, dspark_proj, context KV into
-the lease ring, the anchor-first 7-row query block and the three draft layers.
+"""The DSpark drafter (kernel-math.md K22-K24): dspark_proj, context KV into the lease ring, the
+anchor-first 7-row query block and the three draft layers.  The target-hidden capture (K21, both
+`target_hidden_tap` conventions) is `golden.compose.target_hidden` over the target's taps.
 
 A drafter row of a request is (lease, anchor a, anchor token tau, context rows): the context rows
 are the target hidden states of the tokens committed since the last drafter call (positions
@@ -28,26 +29,6 @@ from .parallel import SINGLE
 from .ring import ring_slots, window_positions
 
 QW = C.DSPARK_QUERY_WIDTH
-HIDDEN_TAPS = ("hc_head_of_outputs", "mean_of_inputs")
-
-
-# ---- K21 target-hidden capture -------------------------------------------------------------------
-def target_hidden(x_hc_in, x_hc_out, model_w, *, tap: str = "hc_head_of_outputs", cfg, nm):
-    """main_hidden [T, 3D] (bf16 values) from the target layers L-3, L-2, L-1.
-
-    x_hc_in / x_hc_out: the [T, HC, D] residual streams entering / leaving each of the three layers.
-    `hc_head_of_outputs` (pypto-lib, default): hc_head with the model's final head parameters of each
-    layer's output.  `mean_of_inputs` (official V4.1 / vLLM): the mean over the streams of each input."""
-    if tap == "hc_head_of_outputs":
-        parts = [hc_head(x, model_w["hc_head_fn"], model_w["hc_head_scale"], model_w["hc_head_base"], cfg=cfg, nm=nm)
-                 for x in x_hc_out]
-    elif tap == "mean_of_inputs":
-        parts = [nm.bf16(nm.xp.mean(nm.asf(x), axis=1)) for x in x_hc_in]
-    else:
-        raise AbiError("target_hidden_tap", tap, f"one of {HIDDEN_TAPS}", where="dspark capture")
-    if len(parts) != 3:
-        raise AbiError("target layers", len(parts), "3 (L-3, L-2, L-1)", where="dspark capture")
-    return nm.xp.concatenate(parts, axis=-1)
 
 
 # ---- K22 dspark_proj ------------------------------------------------------------------------------

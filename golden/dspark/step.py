@@ -1,0 +1,328 @@
+"""The fused K=7 step and its drivers (kernel-math.md §5.2-5.4, serving-contract.md §7.3-7.5).
+
+  prefill_and_seed   packed prefill of the prompts, tail capture (last 128 rows), seeding in waves
+  fused_step         prepare -> target forward (eager publication of every live verify row) ->
+                     accept -> drafter (context KV of the accepted rows, query block) -> Markov -> commit
+  generate           whole requests at K=7 (fused steps) or K=0 (one row per request per step)
+
+`Golden` holds configuration and weights; `Run` holds everything a run mutates (target caches, the
+device state, the drafter pools, per-request bookkeeping).  The target forward is
+`golden.compose.forward`, the drafter `golden.dspark.drafter`; speculation never changes a token,
+which the tests check against K=0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from twin.abi import constants as C
+from twin.abi.errors import AbiError
+
+from ..compose import Taps, forward, target_hidden
+from ..numerics import Numerics, numerics
+from ..paged import DECODE, PREFILL, Span, alloc_caches, assign_blocks, lower
+from .drafter import DraftRow, drafter_forward
+from .markov import dspark_markov
+from .parallel import SINGLE
+from .ring import new_pools
+from .state import SlotRef, accept, commit_drafts, new_state, prepare, seed
+from .summary import SpeculationCounters
+
+QW = C.DSPARK_QUERY_WIDTH
+TAIL = C.SLIDING_WINDOW
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+
+
+@dataclass
+class Golden:
+    """Configuration and weights of a functional run."""
+
+    cfg: object
+    ckpt: object                       # target checkpoint (golden.checkpoint protocol)
+    dckpt: object | None = None        # drafter checkpoint (golden.dspark.weights); None at K=0
+    nm: Numerics | str = "device"
+    max_model_len: int = 1024          # the position limit of every request
+    groups: int = 1                    # TP groups (cache partitions)
+    tap: str = "hc_head_of_outputs"    # target_hidden_tap
+    par: object = SINGLE
+
+    def __post_init__(self):
+        self.nm = numerics(self.nm)
+        if not 1 <= self.max_model_len <= self.cfg.max_position_embeddings:
+            raise AbiError("max_model_len", self.max_model_len, f"1..{self.cfg.max_position_embeddings}",
+                           where="golden run")
+
+
+@dataclass
+class Seq:
+    """One request's bookkeeping in a run."""
+
+    req: Request
+    index: int                         # row in the target's block tables
+    group: int
+    lease: int | None = None
+    generation: int = 0
+    anchor: int = 0                    # position of the current (not yet cached) token
+    current: int = -1
+    generated: list = field(default_factory=list)
+    tail: dict = field(default_factory=dict)       # position -> captured target hidden row
+
+    @property
+    def budget(self) -> int:
+        return self.req.max_new_tokens
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.budget
+
+    @property
+    def ref(self) -> SlotRef:
+        return SlotRef(self.group, self.lease, self.generation)
+
+
+@dataclass
+class Run:
+    caches: list
+    blocks: list
+    seqs: list
+    state: object = None               # DeviceState (K=7)
+    pools: list = None                 # drafter pools per group (K=7)
+    free_leases: list = None
+    generations: np.ndarray = None
+    counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+    steps: int = 0
+    hidden_log: dict = None            # request -> {position: main_hidden row} (optional, for checks)
+
+
+def _check_requests(g: Golden, requests):
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise AbiError("request_id", ids, "unique request ids", where="golden run")
+    for r in requests:
+        L = len(r.prompt)
+        if not 1 <= L < g.max_model_len:
+            raise AbiError("prompt", L, f"1..{g.max_model_len - 1} tokens (max_model_len={g.max_model_len})",
+                           where=r.request_id)
+        if not 1 <= r.max_new_tokens <= g.max_model_len - L:
+            raise AbiError("max_new_tokens", r.max_new_tokens,
+                           f"1..{g.max_model_len - L} (prompt + output <= max_model_len)", where=r.request_id)
+        if min(r.prompt) < 0 or max(r.prompt) >= g.cfg.vocab_size:
+            raise AbiError("prompt", [t for t in r.prompt if not 0 <= t < g.cfg.vocab_size][0],
+                           f"token ids in [0, {g.cfg.vocab_size})", where=r.request_id)
+
+
+def new_run(g: Golden, requests, *, k: int, block_seed: int | None = None, log_hidden: bool = False) -> Run:
+    if k not in C.SUPPORTED_K:
+        raise AbiError("k", k, "0 (target only) or 7 (DSPARK_QUERY_WIDTH)", where="golden run")
+    _check_requests(g, requests)
+    rng = None if block_seed is None else np.random.default_rng(block_seed)
+    blocks, pages = assign_blocks(g.cfg, len(requests), g.max_model_len, rng=rng)
+    seqs = [Seq(r, i, i % g.groups) for i, r in enumerate(requests)]
+    run = Run(alloc_caches(g.cfg, pages, g.nm), blocks, seqs, hidden_log={} if log_hidden else None)
+    if k:
+        if g.dckpt is None:
+            raise AbiError("dckpt", None, "a drafter checkpoint at K=7", where="golden run")
+        run.state = new_state(g.groups, g.cfg.dspark_noise_token_id)
+        run.pools = new_pools(g.cfg, g.groups, g.nm)
+        run.free_leases = [list(range(C.DRAFTER_LEASES_PER_GROUP)) for _ in range(g.groups)]
+        run.generations = np.zeros((g.groups, C.DRAFTER_LEASES_PER_GROUP), np.int64)
+    return run
+
+
+def _forward(g: Golden, run: Run, spans, form):
+    taps = Taps(stages={"x_hc", "attn_in"})
+    out = forward(g.ckpt, lower(g.cfg, spans, form=form), run.caches, cfg=g.cfg, nm=g.nm, taps=taps)
+    run.caches = out.caches
+    mh = target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.tap)
+    return np.asarray(out.sampled), np.asarray(mh)
+
+
+def _log_hidden(run: Run, s: Seq, positions, rows):
+    if run.hidden_log is not None:
+        log = run.hidden_log.setdefault(s.req.request_id, {})
+        for p, h in zip(positions, rows):
+            log[int(p)] = h
+
+
+# ---- prefill, tail capture, seeding ------------------------------------------------------------------
+def reserve_lease(run: Run, s: Seq) -> None:
+    """At the first prefill chunk: pop the group's last free lease, bump its generation."""
+    free = run.free_leases[s.group]
+    if not free:
+        raise AbiError("leases", 0, f"a free drafter lease (drafter leases exhausted for TP group {s.group})",
+                       where=s.req.request_id)
+    s.lease = free.pop()
+    run.generations[s.group, s.lease] += 1
+    s.generation = int(run.generations[s.group, s.lease])
+
+
+def release_lease(run: Run, s: Seq) -> None:
+    from .state import release
+    if s.lease is not None:
+        run.state = release(run.state, s.ref)
+        run.free_leases[s.group].append(s.lease)
+        s.lease = None
+
+
+def seeding_waves(seqs) -> list[list]:
+    """Wave w holds the w-th completed request of every group; order within a group is kept."""
+    by_group: dict[int, list] = {}
+    for s in seqs:
+        by_group.setdefault(s.group, []).append(s)
+    n = max((len(v) for v in by_group.values()), default=0)
+    return [[v[w] for _, v in sorted(by_group.items()) if w < len(v)] for w in range(n)]
+
+
+def prefill_and_seed(g: Golden, run: Run, *, k: int, chunk: int | None = None) -> None:
+    """Prefill every prompt (packed, in chunks of at most `chunk` tokens per request), capture the
+    last 128 rows of target hidden per request, sample the first token, and at K=7 seed the drafter."""
+    seqs = run.seqs
+    done = {s.index: 0 for s in seqs}
+    if k:
+        for s in seqs:
+            reserve_lease(run, s)
+    while any(done[s.index] < len(s.req.prompt) for s in seqs):
+        spans, owners = [], []
+        for s in seqs:
+            a = done[s.index]
+            if a >= len(s.req.prompt):
+                continue
+            b = len(s.req.prompt) if chunk is None else min(len(s.req.prompt), a + chunk)
+            spans.append(Span(s.index, a, tuple(s.req.prompt[a:b]), run.blocks[s.index]))
+            owners.append((s, a, b))
+        sampled, mh = _forward(g, run, spans, PREFILL)
+        row = 0
+        for i, (s, a, b) in enumerate(owners):
+            pos = np.arange(a, b)
+            for p, h in zip(pos, mh[row:row + b - a]):
+                s.tail[int(p)] = h
+            s.tail = {p: h for p, h in s.tail.items() if p > b - 1 - TAIL}      # rolling, capped at 128
+            _log_hidden(run, s, pos, mh[row:row + b - a])
+            row += b - a
+            done[s.index] = b
+            if b == len(s.req.prompt):                                           # terminal chunk samples
+                s.anchor, s.current = b, int(sampled[i])
+                s.generated.append(s.current)
+    if k:
+        for wave in seeding_waves(seqs):
+            seed_wave(g, run, wave)
+
+
+def seed_wave(g: Golden, run: Run, wave) -> None:
+    """One bootstrap drafter dispatch: at most one request per group."""
+    for s in wave:
+        L = len(s.req.prompt)
+        a = L - 1
+        want = list(range(max(0, a + 1 - TAIL), a + 1))
+        if sorted(s.tail) != want:
+            raise AbiError("tail", (min(s.tail), max(s.tail)) if s.tail else None,
+                           f"positions [{want[0]}, {a}] (the last 128 prompt rows)", where=s.req.request_id)
+        if L + QW >= g.max_model_len:              # the first verify window would not fit: no drafts
+            run.state = seed(run.state, s.ref, s.current, [], prompt_len=L, position_limit=g.max_model_len)
+            continue
+        row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=C.TP_SIZE * s.group + s.lease % C.TP_SIZE)
+        mh = np.stack([s.tail[p] for p in want])
+        drafts = _draft(g, run, s.group, [row], mh, num_sampled=0)
+        run.state = seed(run.state, s.ref, s.current, drafts[0], prompt_len=L, position_limit=g.max_model_len)
+
+
+def _draft(g: Golden, run: Run, group: int, rows, main_hidden, *, num_sampled: int):
+    head, run.pools[group] = drafter_forward(run.pools[group], main_hidden, rows, g.dckpt, g.ckpt.model(),
+                                             cfg=g.cfg, nm=g.nm, par=g.par)
+    dm = g.dckpt.model()
+    tau = np.array([r.anchor_token for r in rows], np.int64)
+    drafts, _ = dspark_markov(head, dm["final_norm_weight"], g.ckpt.model()["lm_head_weight"],
+                              np.full(len(rows), num_sampled), tau, tau, dm["markov_w1"], dm["markov_w2"],
+                              dm["confidence_head_weight"], cfg=g.cfg, nm=g.nm, par=g.par)
+    return np.asarray(drafts)
+
+
+# ---- the fused step ----------------------------------------------------------------------------------
+DraftPolicy = Callable[[Seq, np.ndarray], np.ndarray]
+
+
+def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = None):
+    """One K=7 verify step for `seqs` (all in decode).  Returns the `Accepted` record.
+
+    draft_policy(seq, drafts) may replace the Markov drafts before commit (tests drive arbitrary
+    acceptance patterns with it); the drafter still runs and writes its caches."""
+    refs = [s.ref for s in seqs]
+    prep = prepare(run.state, refs)
+    spans = [Span(s.index, int(prep.anchor[i]), tuple(int(t) for t in prep.tokens[i, :prep.active_width[i]]),
+                  run.blocks[s.index]) for i, s in enumerate(seqs)]
+    flat, mh = _forward(g, run, spans, DECODE)          # eager publication: every live row writes
+    sampled = np.full((len(seqs), C.DECODE_SEQ), -1, np.int64)
+    starts = np.concatenate([[0], np.cumsum(prep.active_width)])
+    for i in range(len(seqs)):
+        sampled[i, :prep.active_width[i]] = flat[starts[i]:starts[i + 1]]
+    acc, run.state = accept(run.state, prep, sampled)
+    run.counters.record([s.req.request_id for s in seqs], acc)
+    by_group: dict[int, list] = {}
+    for i, s in enumerate(seqs):
+        c = int(acc.counts[i])
+        pos = np.arange(int(acc.old_anchor[i]), int(acc.old_anchor[i]) + c)
+        _log_hidden(run, s, pos, mh[starts[i]:starts[i] + c])
+        s.generated.extend(int(t) for t in acc.token_ids[i, :c])
+        s.anchor, s.current = int(acc.old_anchor[i]) + c, int(acc.next_token[i])
+        if acc.redraft[i]:
+            by_group.setdefault(s.group, []).append((i, s, mh[starts[i]:starts[i] + c], pos))
+    for group, items in sorted(by_group.items()):
+        rows = [DraftRow(s.lease, int(acc.drafter_anchor[i]), int(acc.next_token[i]), tuple(int(p) for p in pos),
+                         owner_rank=C.TP_SIZE * group + s.lease % C.TP_SIZE) for i, s, _, pos in items]
+        drafts = _draft(g, run, group, rows, np.concatenate([h for _, _, h, _ in items]), num_sampled=1)
+        if draft_policy is not None:
+            drafts = np.stack([np.asarray(draft_policy(s, drafts[j]), np.int64) for j, (_, s, _, _) in enumerate(items)])
+        run.state = commit_drafts(run.state, [s.ref for _, s, _, _ in items], drafts)
+    run.steps += 1
+    return acc
+
+
+def plain_step(g: Golden, run: Run, seqs) -> None:
+    """K=0: one row per request (the current token at its anchor), one new token each."""
+    spans = [Span(s.index, s.anchor, (s.current,), run.blocks[s.index]) for s in seqs]
+    flat, mh = _forward(g, run, spans, DECODE)
+    for i, s in enumerate(seqs):
+        _log_hidden(run, s, [s.anchor], mh[i:i + 1])
+        s.anchor, s.current = s.anchor + 1, int(flat[i])
+        s.generated.append(s.current)
+    run.steps += 1
+
+
+def generate(g: Golden, requests, *, k: int, chunk: int | None = None, draft_policy: DraftPolicy | None = None,
+             block_seed: int | None = None, log_hidden: bool = False, until_anchor: dict | None = None) -> Run:
+    """Run `requests` to completion.  Outputs are truncated to max_new_tokens (scheduler truncation,
+    after the speculation counters).  until_anchor {request_id: anchor} (K=0 only) keeps a request
+    running until its anchor reaches the given position instead (for cache comparisons)."""
+    run = new_run(g, requests, k=k, block_seed=block_seed, log_hidden=log_hidden)
+    prefill_and_seed(g, run, k=k, chunk=chunk)
+
+    def live(s):
+        if until_anchor is not None and s.req.request_id in until_anchor:
+            return s.anchor < until_anchor[s.req.request_id]
+        return not s.done
+
+    while True:
+        active = [s for s in run.seqs if live(s)]
+        if not active:
+            break
+        if k:
+            fused_step(g, run, active, draft_policy=draft_policy)
+        else:
+            plain_step(g, run, active)
+        if k:
+            for s in active:
+                if not live(s):
+                    release_lease(run, s)
+    return run
+
+
+def outputs(run: Run) -> dict:
+    return {s.req.request_id: s.generated[: s.budget] for s in run.seqs}
