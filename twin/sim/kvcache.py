@@ -81,7 +81,7 @@ class _Owned:
     """Per request: tables (lists of block ids, None for empty rolling slots), logical block
     counts reached, published page counts, the partition and in-flight snapshots."""
 
-    __slots__ = ("partition", "tables", "logical", "cached", "pins")
+    __slots__ = ("partition", "tables", "logical", "cached", "pins", "holes", "published")
 
     def __init__(self, nfam: int):
         self.partition: int | None = None
@@ -89,6 +89,8 @@ class _Owned:
         self.logical = [0] * nfam
         self.cached = [0] * nfam
         self.pins: list[Pin] = []
+        self.holes = False              # rolling None slots after a prefix attach
+        self.published = False          # every prompt page published: nothing left to hash
 
 
 @dataclass(eq=False)
@@ -121,6 +123,7 @@ class KvCacheManager:
         self._nf = nf
         self._full = [i for i, f in enumerate(families) if not f.rolling]
         self._roll = [i for i, f in enumerate(families) if f.rolling]
+        self._page_tokens = [f.page_tokens for f in families]
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
 
     @classmethod
@@ -180,6 +183,13 @@ class KvCacheManager:
         return False
 
     # ---- growth (`ensure_group_blocks`) ------------------------------------------------------
+    def _work(self, o: _Owned, tokens: int) -> list[int]:
+        """Families whose tables must change to cover `tokens` (most decode steps touch few)."""
+        lg, pt = o.logical, self._page_tokens
+        if o.holes:
+            return list(range(self._nf))
+        return [f for f in range(self._nf) if -(-tokens // pt[f]) > lg[f]]
+
     def _need(self, o: _Owned, f: int, tokens: int) -> int:
         fam = self.families[f]
         target = -(-tokens // fam.page_tokens)
@@ -191,15 +201,13 @@ class KvCacheManager:
             return max(0, target - len(t))
         maxb = fam.max_blocks_per_seq
         size = min(target, maxb)
-        need = max(0, size - len(t)) + sum(1 for x in t[:size] if x is None)
-        if target > maxb and target > o.logical[f]:
-            if o.partition is None:
-                return need
-            p = o.partition
-            r = self.ref[f][p]
-            start = max(o.logical[f], maxb)
+        need = max(0, size - len(t))
+        if o.holes:
+            need += sum(1 for x in t[:size] if x is None)
+        if target > maxb and target > o.logical[f] and o.partition is not None:
+            r = self.ref[f][o.partition]
             seen = set()
-            for lb in range(start, target):
+            for lb in range(max(o.logical[f], maxb), target):
                 s = lb % maxb
                 if s in seen:
                     continue        # a page taken in this call is solely owned: rotation, no extra
@@ -209,10 +217,10 @@ class KvCacheManager:
                     need += 1
         return need
 
-    def _fits(self, o: _Owned, p: int, tokens: int) -> tuple[bool, dict, dict]:
+    def _fits(self, o: _Owned, p: int, tokens: int, work: list[int]) -> tuple[bool, dict, dict]:
         need, free = {}, {}
         ok = True
-        for f in range(self._nf):
+        for f in work:
             n = self._need(o, f, tokens)
             fr = len(self.free[f][p])
             need[self.names[f]], free[self.names[f]] = n, fr
@@ -226,11 +234,12 @@ class KvCacheManager:
         new = o is None
         if new:
             o = _Owned(self._nf)
+        work = self._work(o, tokens)
         if o.partition is None and partition is None:
-            p = self._choose_partition(o, tokens)
+            p = self._choose_partition(o, tokens, work)
         else:
             p = o.partition if o.partition is not None else partition
-            ok, need, free = self._fits(o, p, tokens)
+            ok, need, free = self._fits(o, p, tokens, work)
             if not ok:
                 raise KVCacheCapacityError(p, need, free)
         if new:
@@ -238,15 +247,16 @@ class KvCacheManager:
         if o.partition is None:
             o.partition = p
             self.load[p] += 1
-        for f in range(self._nf):
+        for f in work:
             self._grow(o, f, tokens)
+        o.holes = False
         return p
 
-    def _choose_partition(self, o: _Owned, tokens: int) -> int:
+    def _choose_partition(self, o: _Owned, tokens: int, work: list[int]) -> int:
         best, best_load, last = None, None, None
         for i in range(self.partitions):
             p = (self._next_partition + i) % self.partitions
-            ok, need, free = self._fits(o, p, tokens)
+            ok, need, free = self._fits(o, p, tokens, work)
             if not ok:
                 last = last or (p, need, free)
             elif best is None or self.load[p] < best_load:
@@ -268,12 +278,12 @@ class KvCacheManager:
             return
         maxb = fam.max_blocks_per_seq
         size = min(target, maxb)
-        for s in range(size):
-            if s < len(t):
+        if o.holes:
+            for s in range(min(size, len(t))):
                 if t[s] is None:
                     t[s] = self._take(f, p)
-            else:
-                t.append(self._take(f, p))
+        while len(t) < size:
+            t.append(self._take(f, p))
         if target > maxb and target > o.logical[f]:
             r = self.ref[f][p]
             fresh = set()
@@ -282,14 +292,10 @@ class KvCacheManager:
                 if s in fresh:
                     continue
                 b = t[s]
-                if r[b] > 1 or self._pinned(o, f, s, b):
-                    self._drop_owned(o, f, s, b)          # detach-on-write: no copy, slot is rewritten
-                    t[s] = self._take(f, p)
-                    self.stats["detaches"] += 1
-                else:
-                    self._drop_owned(o, f, s, b)          # rotate through the free queue
-                    t[s] = self._take(f, p)
-                    self.stats["rotations"] += 1
+                shared = r[b] > 1 or self._pinned(o, f, s, b)
+                self._drop_owned(o, f, s, b)   # detach-on-write when shared, else rotate via the free queue
+                t[s] = self._take(f, p)
+                self.stats["detaches" if shared else "rotations"] += 1
                 fresh.add(s)
         o.logical[f] = max(o.logical[f], target)
 
@@ -351,6 +357,7 @@ class KvCacheManager:
                         del self.free[f][partition][b]
                     self.ref[f][partition][b] += 1
             o.tables[f] = t
+            o.holes |= None in t
             o.logical[f] = eb
             o.cached[f] = eb
 
@@ -358,7 +365,7 @@ class KvCacheManager:
     def pin(self, rid: str) -> Pin:
         """`retain_group_block_snapshot`: the exact tables a step was scheduled with."""
         o = self.reqs[rid]
-        pin = Pin(tuple(tuple(-1 if b is None else b for b in t) for t in o.tables), o.partition)
+        pin = Pin(tuple(map(tuple, o.tables)), o.partition)
         o.pins.append(pin)
         return pin
 
@@ -374,9 +381,10 @@ class KvCacheManager:
         """`cache_group_blocks_from_snapshot`: after a confirmed step, hash the completed prompt
         pages through the pinned tables (never the live ones)."""
         o = self.reqs.get(rid)
-        if o is None or not self.prefix_caching or hashes is None:
+        if o is None or o.published or not self.prefix_caching or hashes is None:
             return
         p = pin.partition
+        complete = True
         for f, fam in enumerate(self.families):
             hs = hashes[fam.page_tokens]
             done = min(confirmed // fam.page_tokens, len(hs))
@@ -384,12 +392,13 @@ class KvCacheManager:
             start = o.cached[f]
             if fam.rolling:
                 start = max(start, done - len(t))
+            complete &= done >= len(hs)
             if done <= start:
                 continue
             idx, bh = self.index[f][p], self.bhash[f][p]
             for i in range(start, done):
                 b = t[i % len(t)] if fam.rolling else t[i]
-                if b < 0:
+                if b is None:
                     continue
                 h = hs[i]
                 owner = idx.get(h)
@@ -405,6 +414,7 @@ class KvCacheManager:
                         del idx[old]
                     bh[b] = None
             o.cached[f] = max(o.cached[f], done)
+        o.published = complete
 
     # ---- release -----------------------------------------------------------------------------
     def release(self, rid: str) -> None:
@@ -439,7 +449,7 @@ class KvCacheManager:
                 for pin in o.pins:
                     seen = set()
                     for b in pin.tables[f]:
-                        if b >= 0 and b not in seen:
+                        if b is not None and b not in seen:
                             seen.add(b)
                             d[b] = d.get(b, 0) + 1
         return out
@@ -454,7 +464,7 @@ class KvCacheManager:
                 for f in range(self._nf):
                     d = out[f][o.partition]
                     for b in set(pin.tables[f]):
-                        if b < 0:
+                        if b is None:
                             continue
                         if stored.get((f, b), 0):
                             stored[(f, b)] -= 1

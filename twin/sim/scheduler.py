@@ -110,6 +110,7 @@ class Scheduler:
         self.finished: list[Request] = []
         self._finished_ids: list[str] = []
         self._step = 0
+        self._pass = 0
         self._noise = (noise_token,) * cfg.k
         self.max_hit_offset = max(1, cfg.replay_tokens)
 
@@ -155,8 +156,7 @@ class Scheduler:
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
         out: dict[str, Scheduled] = {}
-        for r in self.running:
-            r.preempted_this_pass = False
+        self._pass += 1
         if self.leases:
             for rid in self._finished_ids:
                 self.leases.release(rid)     # the worker frees finished leases before new reservations
@@ -199,7 +199,7 @@ class Scheduler:
         new_reqs = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_running:
             req = self.waiting[0]
-            if req.preempted_this_pass:
+            if req.preempted_in_pass == self._pass:
                 break
             rid = req.request_id
             hit, part = 0, None
@@ -266,7 +266,7 @@ class Scheduler:
         victim.incarnation += 1
         victim.num_preemptions += 1
         victim.status = Status.PREEMPTED
-        victim.preempted_this_pass = True
+        victim.preempted_in_pass = self._pass
         self.waiting.appendleft(victim)
         return back
 
