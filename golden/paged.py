@@ -130,6 +130,10 @@ def lower(cfg, spans, *, form: str = PREFILL, logits: str | None = None, depths:
         raise AbiError("form", form, f"'{PREFILL}' or '{DECODE}'", where="lower")
     fams = families(cfg)
     logits = logits or ("last" if form == PREFILL else "all")
+    for s in spans:
+        missing = set(FAMILY_NAMES) - set(s.blocks)
+        if missing:
+            raise AbiError("blocks", sorted(missing), "block ids for all 7 cache families", where=f"request {s.request}")
     B = max(s.request for s in spans) + 1
     depths = dict(depths or {})
     for name, fam in fams.items():
@@ -145,9 +149,6 @@ def lower(cfg, spans, *, form: str = PREFILL, logits: str | None = None, depths:
         if s.request in seen:
             raise AbiError("spans", s.request, "one span per request per call", where="lower")
         seen.add(s.request)
-        missing = set(FAMILY_NAMES) - set(s.blocks)
-        if missing:
-            raise AbiError("blocks", sorted(missing), "block ids for all 7 cache families", where=f"request {s.request}")
         for name in fams:
             blk = s.blocks[name]
             if len(set(blk)) != len(blk):

@@ -108,7 +108,9 @@ def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SIN
         return q, kv
 
     q, kv = par.map_rows(project, owners, nm=nm)
-    slots = np.concatenate([ring_slots(r.lease, block_positions(r.anchor), l) for r in rows])
+    # padding rows read the zero filler ring but publish nothing
+    slots = np.concatenate([ring_slots(r.lease, block_positions(r.anchor), l) if r.lease is not None
+                            else np.full(QW, -1, np.int64) for r in rows])
     pool = write_rows(pool, l, slots, kv, nm=nm)
     win = np.stack([window_positions(r.anchor) for r in rows])                     # [B, 192]
     wslots = np.stack([ring_slots(r.lease, win[b], l) for b, r in enumerate(rows)])

@@ -73,6 +73,8 @@ class Seq:
     anchor: int = 0                    # position of the current (not yet cached) token
     current: int = -1
     generated: list = field(default_factory=list)
+    draft_anchor: int | None = None    # anchor of the last drafter call that wrote context
+    released: bool = False
     tail: dict = field(default_factory=dict)       # position -> captured target hidden row
 
     @property
@@ -166,10 +168,10 @@ def reserve_lease(run: Run, s: Seq) -> None:
 
 def release_lease(run: Run, s: Seq) -> None:
     from .state import release
-    if s.lease is not None:
+    if s.lease is not None and not s.released:
         run.state = release(run.state, s.ref)
         run.free_leases[s.group].append(s.lease)
-        s.lease = None
+        s.released = True
 
 
 def seeding_waves(seqs) -> list[list]:
@@ -231,6 +233,7 @@ def seed_wave(g: Golden, run: Run, wave) -> None:
         row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=C.TP_SIZE * s.group + s.lease % C.TP_SIZE)
         mh = np.stack([s.tail[p] for p in want])
         drafts = _draft(g, run, s.group, [row], mh, num_sampled=0)
+        s.draft_anchor = a
         run.state = seed(run.state, s.ref, s.current, drafts[0], prompt_len=L, position_limit=g.max_model_len)
 
 
@@ -273,6 +276,7 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
         s.generated.extend(int(t) for t in acc.token_ids[i, :c])
         s.anchor, s.current = int(acc.old_anchor[i]) + c, int(acc.next_token[i])
         if acc.redraft[i]:
+            s.draft_anchor = int(acc.drafter_anchor[i])
             by_group.setdefault(s.group, []).append((i, s, mh[starts[i]:starts[i] + c], pos))
     for group, items in sorted(by_group.items()):
         rows = [DraftRow(s.lease, int(acc.drafter_anchor[i]), int(acc.next_token[i]), tuple(int(p) for p in pos),
@@ -297,10 +301,12 @@ def plain_step(g: Golden, run: Run, seqs) -> None:
 
 
 def generate(g: Golden, requests, *, k: int, chunk: int | None = None, draft_policy: DraftPolicy | None = None,
-             block_seed: int | None = None, log_hidden: bool = False, until_anchor: dict | None = None) -> Run:
+             block_seed: int | None = None, log_hidden: bool = False, until_anchor: dict | None = None,
+             on_step: Callable | None = None) -> Run:
     """Run `requests` to completion.  Outputs are truncated to max_new_tokens (scheduler truncation,
     after the speculation counters).  until_anchor {request_id: anchor} (K=0 only) keeps a request
-    running until its anchor reaches the given position instead (for cache comparisons)."""
+    running until its anchor reaches the given position instead (for cache comparisons).
+    on_step(g, run, seqs) runs after every decode step (tests poison stale rows with it)."""
     run = new_run(g, requests, k=k, block_seed=block_seed, log_hidden=log_hidden)
     prefill_and_seed(g, run, k=k, chunk=chunk)
 
@@ -317,6 +323,8 @@ def generate(g: Golden, requests, *, k: int, chunk: int | None = None, draft_pol
             fused_step(g, run, active, draft_policy=draft_policy)
         else:
             plain_step(g, run, active)
+        if on_step is not None:
+            on_step(g, run, active)
         if k:
             for s in active:
                 if not live(s):

@@ -1,0 +1,22 @@
+import numpy as np
+import pytest
+
+from golden.checkpoint import SyntheticCheckpoint
+from golden.numerics import Numerics
+from twin.abi.presets import SMALL, TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt():
+    return SyntheticCheckpoint(TINY, seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_ckpt():
+    return SyntheticCheckpoint(SMALL, seed=0)
+
+
+@pytest.fixture(params=["exact", "device"])
+def nm(request):
+    return Numerics(request.param)
+
