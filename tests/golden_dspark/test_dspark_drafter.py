@@ -1,0 +1,183 @@
+"""Drafter kernels (K22-K26) against independent formulations, and the lease-ring addressing."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from twin.abi import TINY, constants as C
+from twin.abi.caches import filler_block, lease_block
+from twin.abi.errors import AbiError
+from golden.checkpoint import SyntheticCheckpoint
+from golden.compose import Taps, target_hidden
+from golden.dspark import drafter as D
+from golden.dspark.markov import dspark_markov
+from golden.dspark.ring import block_table, new_pools, ring_slots, window_positions
+from golden.dspark.weights import DrafterCheckpoint
+from golden.kernels.rmsnorm import rms_norm
+from golden.numerics import numerics
+
+CFG = TINY
+EXACT = numerics("exact")
+CK, DK = SyntheticCheckpoint(CFG, 3), DrafterCheckpoint(CFG, 3)
+
+
+@settings(max_examples=100)
+@given(st.integers(0, 63), st.integers(0, (1 << 20) - 1), st.integers(0, 2))
+def test_ring_slots_follow_the_lease_formula(lease, pos, layer):
+    s = int(ring_slots(lease, [pos], layer)[0])
+    assert s == lease_block(lease, pos // 32, layer) * 32 + pos % 32
+    assert lease * 6 * 32 <= s < (lease + 1) * 6 * 32                  # never leaves the lease's 6 blocks
+    f = int(ring_slots(None, [pos], layer)[0])
+    assert f == filler_block(pos // 32, layer) * 32 + pos % 32 and f >= C.DRAFTER_FILLER_BLOCK_BASE * 32
+    assert block_table(lease, layer)[pos // 32] == lease_block(lease, pos // 32, layer)
+
+
+@settings(max_examples=100)
+@given(st.integers(0, (1 << 20) - 200), st.integers(0, 63))
+def test_the_read_window_never_aliases_in_the_ring(anchor, lease):
+    """192-wide window: a-127..a and the 7 block rows, distinct physical rows for every layer."""
+    win = window_positions(anchor)
+    live = win[win >= 0]
+    assert live[0] == max(0, anchor - 127) and live[-1] == anchor + 7 and len(win) == 192
+    for layer in range(3):
+        slots = ring_slots(lease, live, layer)
+        assert len(set(slots.tolist())) == live.size
+
+
+def _kv_at(positions, rng):
+    return {int(p): rng.standard_normal(CFG.head_dim) for p in positions}
+
+
+def test_block_attention_matches_a_per_row_loop_and_has_no_causal_mask():
+    rng = np.random.default_rng(0)
+    B, H, HD = 2, CFG.num_attention_heads, CFG.head_dim
+    anchors = [40, 3]
+    wins = [window_positions(a) for a in anchors]
+    K = np.zeros((B, 192, HD))
+    kv = [_kv_at(w[w >= 0], rng) for w in wins]
+    for b in range(B):
+        for j, p in enumerate(wins[b]):
+            if p >= 0:
+                K[b, j] = kv[b][int(p)]
+    valid = np.stack([w >= 0 for w in wins])
+    q = rng.standard_normal((B, 7, H, HD))
+    sink = rng.standard_normal(H)
+    got = D.dspark_attend(q, K, valid, sink, cfg=CFG, nm=EXACT)
+    for b in range(B):
+        ps = [int(p) for p in wins[b] if p >= 0]
+        for i in range(7):
+            for h in range(H):
+                s = np.array([q[b, i, h] @ kv[b][p] for p in ps]) * CFG.head_dim ** -0.5
+                m = s.max()
+                e = np.exp(s - m)
+                want = (e[:, None] * np.stack([kv[b][p] for p in ps])).sum(0) / (e.sum() + np.exp(sink[h] - m))
+                np.testing.assert_allclose(got[b, i, h], want, rtol=1e-12, atol=1e-13)
+    # no causal mask: block row 0 sees the last block row (position a+7)
+    K2 = K.copy()
+    K2[0, np.nonzero(wins[0] == anchors[0] + 7)[0][0]] += 1.0
+    assert not np.allclose(D.dspark_attend(q, K2, valid, sink, cfg=CFG, nm=EXACT)[0, 0], got[0, 0])
+
+
+def _drafter(rows, mh, nm, pool=None):
+    pool = new_pools(CFG, 1, nm)[0] if pool is None else pool
+    return D.drafter_forward(pool, mh, rows, DK, CK.model(), cfg=CFG, nm=nm)
+
+
+def _hidden(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, 3 * CFG.hidden_size))
+
+
+@pytest.mark.parametrize("mode", ["exact", "device"])
+def test_context_and_block_rows_land_in_the_lease_ring(mode):
+    nm = numerics(mode)
+    ctx = tuple(range(10, 41))
+    rows = [D.DraftRow(63, 40, 5, ctx)]
+    mh = nm.bf16(_hidden(len(ctx)))
+    head, pool = _drafter(rows, mh, nm)
+    assert head.shape == (1, 7, CFG.hidden_size)
+    main_x = D.dspark_proj(mh, DK.model()["main_proj_weight"], DK.model()["main_norm_weight"], cfg=CFG, nm=nm)
+    for l in range(3):
+        lw = DK.layer(l)
+        want = D.context_kv(main_x, lw["wkv"], lw["gamma_ckv"], np.array(ctx), cfg=CFG, nm=nm)
+        got = np.asarray(pool[l]).reshape(-1, CFG.head_dim)[ring_slots(63, ctx, l)]
+        np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+        written = np.nonzero(np.abs(np.asarray(pool[l], np.float64)).reshape(-1, CFG.head_dim).sum(1))[0]
+        expect = set(ring_slots(63, list(ctx) + list(range(41, 48)), l).tolist())
+        assert set(written.tolist()) == expect                         # context + the 7 block rows, nothing else
+
+
+def test_padding_rows_read_the_filler_and_publish_nothing():
+    nm = EXACT
+    ctx = tuple(range(0, 21))
+    mh = _hidden(len(ctx))
+    real = D.DraftRow(7, 20, 5, ctx)
+    pad = D.DraftRow(None, 20, 0, ())
+    head1, pool1 = _drafter([real], mh, nm)
+    head2, pool2 = _drafter([real, pad], mh, nm)
+    np.testing.assert_array_equal(pool1, pool2)
+    np.testing.assert_allclose(head2[0], head1[0], rtol=1e-12, atol=1e-12)   # rows independent (MoE per token)
+    assert not np.asarray(pool2[:, C.DRAFTER_FILLER_BLOCK_BASE:]).any()
+
+
+def test_drafter_rejects_bad_rows():
+    with pytest.raises(AbiError, match="context_positions"):
+        _drafter([D.DraftRow(1, 5, 1, (6,))], _hidden(1), EXACT)
+    with pytest.raises(AbiError, match="main_hidden"):
+        _drafter([D.DraftRow(1, 5, 1, (4, 5))], _hidden(1), EXACT)
+    with pytest.raises(AbiError, match="anchor"):
+        _drafter([D.DraftRow(1, CFG.max_position_embeddings - 3, 1, ())], _hidden(0), EXACT)
+
+
+@pytest.mark.parametrize("mode", ["exact", "device"])
+def test_markov_chain_is_sequential_and_matches_a_loop(mode):
+    nm = numerics(mode)
+    rng = np.random.default_rng(1)
+    B = 3
+    head = nm.bf16(rng.standard_normal((B, 7, CFG.hidden_size)))
+    dm, lm = DK.model(), CK.model()["lm_head_weight"]
+    ns, last, nxt = np.array([1, 0, 1]), np.array([11, 12, 13]), np.array([21, 22, 23])
+    drafts, conf = dspark_markov(head, dm["final_norm_weight"], lm, ns, last, nxt, dm["markov_w1"], dm["markov_w2"],
+                                 dm["confidence_head_weight"], cfg=CFG, nm=nm)
+    w1, w2 = nm.asf(dm["markov_w1"]), nm.asf(dm["markov_w2"])
+    cw = nm.asf(dm["confidence_head_weight"])[0]
+    for b in range(B):
+        prev = last[b] if ns[b] > 0 else nxt[b]
+        for i in range(7):
+            hn = rms_norm(head[b, i:i + 1], dm["final_norm_weight"], cfg=CFG, nm=nm)[0]
+            scores = np.asarray(hn @ nm.asf(lm).T) + w1[prev] @ w2.T
+            c = 1 / (1 + np.exp(-(nm.asf(head[b, i]) @ cw[:CFG.hidden_size] + w1[prev] @ cw[CFG.hidden_size:])))
+            assert drafts[b, i] == int(np.argmax(scores))
+            np.testing.assert_allclose(conf[b, i], c, rtol=1e-5)
+            prev = int(np.argmax(scores))
+    # the previous draft feeds the next: changing draft 0's source token changes later drafts
+    d2, _ = dspark_markov(head, dm["final_norm_weight"], lm, ns, last + 1, nxt, dm["markov_w1"], dm["markov_w2"],
+                          dm["confidence_head_weight"], cfg=CFG, nm=nm)
+    assert (d2[1] == drafts[1]).all() and not (d2[0] == drafts[0]).all()
+
+
+def test_confidence_raw_logit_is_the_official_alternative():
+    rng = np.random.default_rng(2)
+    head = rng.standard_normal((1, 7, CFG.hidden_size))
+    dm, lm = DK.model(), CK.model()["lm_head_weight"]
+    args = (head, dm["final_norm_weight"], lm, [1], [3], [3], dm["markov_w1"], dm["markov_w2"],
+            dm["confidence_head_weight"])
+    d1, p = dspark_markov(*args, cfg=CFG, nm=EXACT)
+    d2, z = dspark_markov(*args, cfg=CFG, nm=EXACT, raw_confidence=True)
+    assert (d1 == d2).all()
+    np.testing.assert_allclose(p, 1 / (1 + np.exp(-z)), rtol=1e-12)
+
+
+def test_target_hidden_taps_differ_and_have_the_abi_shape():
+    rng = np.random.default_rng(3)
+    taps = Taps()
+    T = 5
+    for layer in CFG.dspark_target_layer_ids:
+        taps.put(layer, "attn_in", rng.standard_normal((T, 4, CFG.hidden_size)))
+        taps.put(layer, "x_hc", rng.standard_normal((T, 4, CFG.hidden_size)))
+    model = CK.model()
+    a = target_hidden(taps, model, cfg=CFG, nm=EXACT, tap="hc_head_of_outputs")
+    b = target_hidden(taps, model, cfg=CFG, nm=EXACT, tap="mean_of_inputs")
+    assert a.shape == b.shape == (T, 3 * CFG.hidden_size)
+    np.testing.assert_allclose(b[:, :CFG.hidden_size], taps[(CFG.dspark_target_layer_ids[0], "attn_in")].mean(1))
+    assert not np.allclose(a, b)
+    with pytest.raises(AbiError, match="target_hidden_tap"):
+        target_hidden(taps, model, cfg=CFG, nm=EXACT, tap="last_layer")
