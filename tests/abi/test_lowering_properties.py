@@ -1,15 +1,24 @@
 """Property tests of the lowering primitives against the contract's invariants (§2.2, §6, §7.1)."""
+import functools
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twin.abi import FLASH, cache_families, constants as C
-from twin.abi.caches import filler_block, lease_block, ring_pages
-from twin.abi.lowering import filler_ring_table, lease_ring_table, lease_slot
-from twin.abi.lowering.primitives import (absolute_table, compressed_slot, paged_slot, ring_slot, ring_table,
-                                          swa_window, trailing_ring_table)
+sys.path.insert(0, str(Path(__file__).parent))
+
+from lowering_batches import Pools, prefill_batch  # noqa: E402
+
+from twin.abi import FLASH, cache_families, constants as C, deployment  # noqa: E402
+from twin.abi.batches import DecodeBatch, DecodeItem  # noqa: E402
+from twin.abi.caches import filler_block, lease_block, ring_pages  # noqa: E402
+from twin.abi.lowering import (LoweringContext, filler_ring_table, lease_ring_table, lease_slot, lower_fused,  # noqa: E402
+                               lower_prefill)
+from twin.abi.lowering.primitives import (absolute_table, compressed_slot, paged_slot, ring_slot,  # noqa: E402
+                                          ring_table, swa_window, trailing_ring_table)
 
 ROLLING = [f for f in cache_families(FLASH) if f.rolling]
 CEIL = C.MAX_MODEL_LEN_CEILING
@@ -110,3 +119,42 @@ def test_swa_window_is_the_last_128_positions_oldest_first(p, n, seed):
     assert lens[0] == p - start + 1
     assert np.array_equal(idx[0, :lens[0]], ring_slot(np.arange(start, p + 1), ids, 32))
     assert (idx[0, lens[0]:] == -1).all()
+
+
+# ---- the same property on real dispatches at the FLASH binding ---------------------------------
+@functools.lru_cache(maxsize=1)
+def _flash_ctx():
+    dep = deployment("flash", ep=16, max_model_len=CEIL, max_num_seqs=64, long_prefill_token_threshold=512,
+                     max_num_batched_tokens=8192)
+    return LoweringContext(dep, slots=1)
+
+
+@settings(max_examples=5)
+@given(start=st.sampled_from([0, 640, 128 * 4099, CEIL - 512]), n=st.integers(8, 512), g=st.integers(0, 3),
+       lease=st.integers(0, 63), seed=st.integers(0, 99))
+def test_fused_dispatch_descriptors_match_the_prefill_dispatch_slots(start, n, g, lease, seed):
+    """Prefill a chunk, then stage a fused step for the same request and block rows: the slots the
+    device derives from the fused descriptors (index (p // page) mod depth) equal the prefill's, for
+    an unwrapped ring, after the wrap, after a 128-aligned prefix hit and up to position 1,048,575."""
+    ctx = _flash_ctx()
+    n = min(n, CEIL - start)
+    pb = prefill_batch(ctx, [(g, start, n)], pools=Pools(ctx, seed))
+    pre = lower_prefill(pb, ctx)
+    it = pb.items[0]
+    anchor = it.end - 8
+    fb = DecodeBatch((DecodeItem("x", 1, anchor, it.block_ids, g, tuple(range(7)), lease, 1),))
+    fused = lower_fused(fb, ctx)
+    r0 = 4 * g
+    s = fused.meta["placement"]["x"]["stream_slot"]
+    pos = np.arange(start, it.end)
+    for fam_table, pre_slots, page in (("group_ori_block_tables", "ori_slot_mapping_full", 32),
+                                       ("group_hca_state_block_tables", "hca_state_slot_mapping_full", 8),
+                                       ("group_csa_state_block_tables", "csa_state_slot_mapping_full", 2),
+                                       ("group_csa_inner_state_block_tables", "csa_inner_state_slot_mapping_full", 2)):
+        t = fused.args[fam_table][r0, s].astype(np.int64)
+        device = t[(pos // page) % t.size] * page + pos % page
+        assert np.array_equal(device, pre.args[pre_slots][r0, :n]), fam_table
+    for fam_table, pre_table in (("group_csa_cmp_block_tables", "csa_cmp_block_table"),
+                                 ("group_idx_block_tables", "idx_block_table")):
+        assert np.array_equal(fused.args[fam_table][r0, s], pre.args[pre_table][r0, 0])
+

@@ -177,8 +177,11 @@ class LoweringContext:
 
 def alloc(bound, fill=0) -> np.ndarray:
     """A host slot of the bound shape and dtype.  Zero fills use calloc'd pages, so a large
-    buffer whose rows are never written costs no memory."""
+    buffer whose rows are never written costs no memory; `fill=None` leaves it uninitialised for
+    a caller that writes every entry (a FLASH decode state table is 512 MiB)."""
     dt = NP_DTYPES[bound.dtype]
+    if fill is None:
+        return np.empty(bound.shape, dt)
     if fill == 0:
         return np.zeros(bound.shape, dt)
     return np.full(bound.shape, fill, dt)

@@ -122,7 +122,7 @@ def lower_decode(batch: DecodeBatch, ctx: LoweringContext, *, grammar=None) -> D
     tables = {"csa_cmp_block_table": "cmp_c4", "csa_idx_block_table": "idx", "hca_cmp_block_table": "cmp_c128"}
     for name in tables:
         out[name] = alloc(b[name], -1)
-    out["hca_compress_state_block_table"] = alloc(b["hca_compress_state_block_table"], -1)
+    out["hca_compress_state_block_table"] = alloc(b["hca_compress_state_block_table"], None)   # every row written
     out["csa_compress_state_block_table"] = alloc(b["csa_compress_state_block_table"], -1)
     out["csa_inner_compress_state_block_table"] = alloc(b["csa_inner_compress_state_block_table"], -1)
     cmp_depth, hca_depth = ctx.depth("CMP_DEPTH"), ctx.depth("HCA_STATE_DEPTH")

@@ -48,7 +48,8 @@ def lower_fused(batch: DecodeBatch, ctx: LoweringContext, *, grammar=None) -> Di
     b = ctx.bind(PROGRAM, B=B)
     nb = ctx.num_blocks
     out = {n: alloc(b[n], -1) for n in ("state_slot_ids", "state_generations", "group_state_slot_ids",
-                                        "group_state_generations", "grammar_mask", *GROUP_TABLES, *LOCAL_TABLES)}
+                                        "group_state_generations", "grammar_mask", *LOCAL_TABLES)}
+    out.update({n: alloc(b[n], None) for n in GROUP_TABLES})      # every row is written below
     out["num_tokens_per_owner"] = alloc(b["num_tokens_per_owner"])
     out["valid_draft_counts"] = alloc(b["valid_draft_counts"], C.DSPARK_QUERY_WIDTH)
     depth = ctx.depth("ORI_DEPTH")
