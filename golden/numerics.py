@@ -37,6 +37,7 @@ FP4 = ml_dtypes.float4_e2m1fn
 FP8_MAX, FP4_MAX = 448.0, 6.0
 NEG_INF_ATTN = -1e20             # attention masking value (kernel-math.md §1.2)
 FP32_NEG_INF = -3.4028e38        # indexer score padding
+EXACT_F32_K = 1024               # 1024 * 127 * 127 < 2^24: an int8 dot product this long is exact in f32
 
 
 def bf16_round(x) -> np.ndarray:
@@ -133,8 +134,15 @@ class Numerics:
 
         (f32 is not exact past 2^24 = 127*127*1040; float64 is exact for every ABI K.)  The
         result is the exact integer; the caller's scaling happens in the compute dtype."""
-        if self.mode != "device" or self.is_numpy:
+        if self.mode != "device":
             return self.asf(a) @ self.asf(b)
+        if self.is_numpy:     # f32 BLAS is exact on K <= 1024 slices (|sum| < 2^24); slices add in f64
+            a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            K = a32.shape[-1]
+            out = 0.0
+            for k0 in range(0, K, EXACT_F32_K):
+                out = out + (a32[..., k0:k0 + EXACT_F32_K] @ b32[k0:k0 + EXACT_F32_K]).astype(np.float64)
+            return out
         import jax
         import jax.numpy as jnp
         out = jax.lax.dot_general(a.astype(jnp.int8), b.astype(jnp.int8),

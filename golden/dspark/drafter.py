@@ -129,7 +129,7 @@ def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SIN
 
     (o,) = par.map_rows(lambda b: (attend_rows(b),), req_owner, nm=nm)
     o = o.reshape(B * QW, H, HD)
-    return par.o_proj(pack_groups(o, cfg=cfg), lw, cfg=cfg, nm=nm), pool
+    return par.o_proj(pack_groups(o, cfg=cfg), lw, cfg=cfg, nm=nm, owners=owners), pool
 
 
 def write_context(pool, main_x, dw_layers, rows: list[DraftRow], *, cfg, nm):

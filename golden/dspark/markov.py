@@ -26,17 +26,19 @@ def first_argmax(scores, nm):
 
 
 def dspark_markov(head_hidden, final_norm_weight, lm_head_weight, num_sampled, last_sampled, next_prefill_tokens,
-                  markov_w1, markov_w2, confidence_head_weight, *, cfg, nm, par=SINGLE, raw_confidence=False):
+                  markov_w1, markov_w2, confidence_head_weight, *, cfg, nm, par=SINGLE, raw_confidence=False, owners=None):
     """head_hidden [B, 7, D] -> (draft_token_ids [B, 7] int64, confidence [B, 7] f32).
 
-    raw_confidence: return the logit (official V4.1) instead of the sigmoid probability (pypto)."""
+    raw_confidence: return the logit (official V4.1) instead of the sigmoid probability (pypto).
+    owners [B]: the rank holding each request's rows (rank emulation only)."""
     xp = nm.xp
     B, QW, D = head_hidden.shape
     if confidence_head_weight.shape[-1] != D + markov_w1.shape[1]:
         raise AbiError("confidence_head_weight", tuple(confidence_head_weight.shape),
                        f"[1, D + markov_rank] = [1, {D + markov_w1.shape[1]}]", where="dspark_markov")
     hn = rms_norm(head_hidden.reshape(B * QW, D), final_norm_weight, cfg=cfg, nm=nm)
-    base = par.vocab_logits(hn, lm_head_weight, nm=nm).reshape(B, QW, -1)
+    own = None if owners is None else np.repeat(np.asarray(owners), QW)
+    base = par.vocab_logits(hn, lm_head_weight, nm=nm, owners=own).reshape(B, QW, -1)
     ns = np.asarray(num_sampled)
     prev = xp.where(xp.asarray(ns > 0), xp.asarray(last_sampled), xp.asarray(next_prefill_tokens)).astype(xp.int64)
     w = nm.asf(confidence_head_weight).reshape(-1)

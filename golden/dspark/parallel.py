@@ -20,7 +20,7 @@ class SingleRank:
         import numpy as np
         return fn(np.arange(len(owners)))
 
-    def o_proj(self, o_packed, lw, *, cfg, nm):
+    def o_proj(self, o_packed, lw, *, cfg, nm, owners=None):
         return o_proj(o_packed, lw["wo_a"], lw["wo_b"], lw["wo_b_scale"], cfg=cfg, nm=nm)
 
     def moe(self, x_mixed, lw, expert, input_ids, *, layer, cfg, nm, owners=None):
@@ -29,7 +29,7 @@ class SingleRank:
                                        input_ids, layer=layer, cfg=cfg, nm=nm)
         return moe_experts(x_i8, x_scale, idx, wts, expert, lw, cfg=cfg, nm=nm)
 
-    def vocab_logits(self, h, lm_head_weight, *, nm):
+    def vocab_logits(self, h, lm_head_weight, *, nm, owners=None):
         """f32 logits over the whole vocabulary: h [T, D] (bf16 values) . W^T."""
         return nm.asf(h) @ nm.asf(lm_head_weight).T
 

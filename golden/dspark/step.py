@@ -244,7 +244,8 @@ def _draft(g: Golden, run: Run, group: int, rows, main_hidden, *, num_sampled: i
     tau = np.array([r.anchor_token for r in rows], np.int64)
     drafts, _ = dspark_markov(head, dm["final_norm_weight"], g.ckpt.model()["lm_head_weight"],
                               np.full(len(rows), num_sampled), tau, tau, dm["markov_w1"], dm["markov_w2"],
-                              dm["confidence_head_weight"], cfg=g.cfg, nm=g.nm, par=g.par)
+                              dm["confidence_head_weight"], cfg=g.cfg, nm=g.nm, par=g.par,
+                              owners=[r.owner_rank for r in rows])
     return np.asarray(drafts)
 
 

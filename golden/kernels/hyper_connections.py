@@ -57,7 +57,7 @@ def hc_post(x, residual, post, comb, *, cfg, nm):
     xp = nm.xp
     hc = cfg.hc_mult
     c = comb.reshape(-1, hc, hc)
-    y = post[:, :, None] * nm.asf(x)[:, None, :] + xp.einsum("tij,tid->tjd", c, nm.asf(residual))
+    y = post[:, :, None] * nm.asf(x)[:, None, :] + c.transpose(0, 2, 1) @ nm.asf(residual)
     return nm.bf16(y) if nm.mode == "official" else nm.r32(y)
 
 

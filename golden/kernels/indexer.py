@@ -51,8 +51,8 @@ def lightning_indexer(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_wei
         slot = xp.where(ok, ent * rpp + c[None, :] % rpp, -1)
         k = nm.asf(nm.get_rows(idx_kv_cache, slot))                      # [t, C, IHD]
         ks = nm.asf(nm.get_rows(idx_kv_scale, slot))[..., 0]             # [t, C]
-        dots = xp.einsum("thd,tcd->thc", q_i8[lo:hi], k)                 # exact: |sum| < 2^24
-        s = xp.einsum("thc,th->tc", xp.maximum(dots * q_scale[lo:hi] * ks[:, None, :], 0.0), w[lo:hi])
+        dots = q_i8[lo:hi] @ k.transpose(0, 2, 1)                        # exact: |sum| < 2^24
+        s = xp.sum(xp.maximum(dots * q_scale[lo:hi] * ks[:, None, :], 0.0) * w[lo:hi, :, None], axis=1)
         keep = ok & (c[None, :] < visible[lo:hi, None])
         return xp.where(keep, nm.r32(s), FP32_NEG_INF)
 
