@@ -19,7 +19,6 @@ from collections import deque
 import simpy
 
 from .costmodel import DeviceLimits
-from .request import Finish
 from .scheduler import Scheduler
 from .worker import plan as make_plan
 
@@ -105,26 +104,14 @@ class Engine:
                 if self._arrivals_left == 0:
                     self.done.succeed()
                     return
-            elif not sched.running or self._stuck():
+            else:                 # work, nothing in flight, nothing schedulable: a stall
                 self._break_stall()
                 continue
             self._wake = env.event()
             yield self._wake
 
-    def _stuck(self) -> bool:
-        # nothing in flight and nothing schedulable: no arrival can free pages, so this is a stall
-        return not self.inflight
-
     def _break_stall(self):
-        """Nothing in flight and nothing schedulable: upstream would wait forever.  The twin
-        ends the stall with an explicit reason instead of hanging."""
-        sched = self.sched
-        if sched.running:
-            req = sched.running[0]
-            sched._finish(req, Finish.ERROR, "stalled: KV tables cannot grow and no request can be preempted")
-        else:
-            req = sched.waiting[0]
-            sched._finish(req, Finish.REJECTED, "does not fit in any partition's KV pools")
+        req = self.sched.break_stall()
         if self.rec:
             self.rec.stall(req)
 

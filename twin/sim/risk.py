@@ -29,6 +29,8 @@ KINDS = {k.id: k for k in (
              "serving-contract §10.2 item 1: decode tile / lease overflow aborts every in-flight request"),
     RiskKind("preempt_with_outputs", "preemption of a request that already has outputs",
              "serving-contract §10.2 item 2: the re-prefill drops generated tokens from the KV context"),
+    RiskKind("preemption_thrash", "a request preempted 10 or more times (partitions preempting each other)",
+             "serving-contract §4.7 + §10.2 item 5: victims come from any partition; pinned rings need spare pages"),
     RiskKind("stop_in_chunk", "a stop string completed inside a multi-token acceptance",
              "serving-contract §10.2 item 3: endswith() after all accepted tokens misses it"),
     RiskKind("worker_error", "a worker error aborted the failed and in-flight batches",
@@ -60,10 +62,14 @@ def scan(rec, ep: int) -> pd.DataFrame:
         over = [p for p, n in enumerate(live) if n > 64]
         if over:
             rows.append(("partition_over_64", t, step, None, {"partitions": over, "live": list(live)}))
+    counts: dict[str, int] = {}
     for t, kind, rid, detail in rec.events:
         if kind == "preempt":
             if detail["outputs"] > 0:
                 rows.append(("preempt_with_outputs", t, None, rid, detail))
+            counts[rid] = counts.get(rid, 0) + 1
+            if counts[rid] == 10:
+                rows.append(("preemption_thrash", t, None, rid, {"preemptions": 10}))
         elif kind in KINDS:
             rows.append((kind, t, detail.get("step"), rid, detail))
     return pd.DataFrame(rows, columns=["risk", "t", "step", "request", "detail"])

@@ -44,6 +44,7 @@ class SimConfig:
     oom_above_slots: int | None = None            # simulated OOM: allocations above this many slots fail
     async_depth: int = 2
     stop_check: str = "end"
+    max_preemptions: int | None = 100             # None: upstream (a preemption livelock never ends)
     slo_ms: dict | None = None                    # goodput SLOs: {"ttft": ms, "tpot": ms, "e2el": ms}
     seed: int = 0
     fixed_tile: bool = True
@@ -107,7 +108,8 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
     slots = startup_slots(cfg, device)
     env = env or simpy.Environment()
     kv = KvCacheManager.from_deployment(dep, slots)
-    scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check)
+    scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check,
+                                           max_preemptions=cfg.max_preemptions)
     sched = Scheduler(scfg, kv, leases=LeaseManager(dep.partitions) if dep.k else None,
                       noise_token=dep.model.dspark_noise_token_id)
     rec = Recorder(env, sched, partitions=dep.partitions, k=dep.k)

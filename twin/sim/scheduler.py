@@ -38,6 +38,7 @@ class SchedulerConfig:
     replay_tokens: int = 0           # speculative_prefix_cache_replay_tokens (128 at K=7)
     async_depth: int = 2
     stop_check: str = "end"          # "end": upstream (text.endswith after all tokens); "token": per token
+    max_preemptions: int | None = None   # None: upstream (unbounded); n: a request preempted n times errors out
 
     @classmethod
     def from_deployment(cls, dep, **kw) -> "SchedulerConfig":
@@ -258,13 +259,18 @@ class Scheduler:
         self.kv.release(victim.request_id)
         self._finished_ids.append(victim.request_id)   # the worker drops lease and drafter state
         self.running.remove(victim)
+        victim.num_preemptions += 1
+        if self.cfg.max_preemptions is not None and victim.num_preemptions >= self.cfg.max_preemptions:
+            # upstream would keep thrashing (two partitions preempting each other); end it visibly
+            victim.status = Status.PREEMPTED
+            self._finish(victim, Finish.ERROR, f"preempted {victim.num_preemptions} times: preemption livelock")
+            return back
         victim.num_computed = 0
         victim.num_placeholders = 0
         victim.terminal_prefill_in_flight = False
         victim.partition = None
         victim.lease = victim.generation = None
         victim.incarnation += 1
-        victim.num_preemptions += 1
         victim.status = Status.PREEMPTED
         victim.preempted_in_pass = self._pass
         self.waiting.appendleft(victim)
@@ -396,6 +402,17 @@ class Scheduler:
             for s in cmd.scheduled:
                 if not s.req.finished and s.req.incarnation == s.incarnation:
                     self._finish(s.req, Finish.ERROR, detail)
+
+    def break_stall(self) -> Request:
+        """Nothing in flight and nothing schedulable: upstream would wait forever.  The twin ends
+        the stall with an explicit reason instead (the engine records it as a risk)."""
+        if self.running:
+            req = self.running[0]
+            self._finish(req, Finish.ERROR, "stalled: KV tables cannot grow and no request can be preempted")
+        else:
+            req = self.waiting[0]
+            self._finish(req, Finish.REJECTED, "does not fit in any partition's KV pools")
+        return req
 
     # ---- accounting checks -----------------------------------------------------------------------
     def check(self) -> None:
