@@ -148,6 +148,11 @@ def corpus(ctx):
         lambda d: ring_of(d, "csa_compress_state_block_table", list(range(period + 1))), "ring_period")
     add("prefill-slot-range", "prefill",
         lambda d: edit(d, "ori_slot_mapping_full", lambda a: a.__setitem__((g0, 3), nbo * 32)), "slot_range")
+    add("prefill-slot-mapping", "prefill",
+        lambda d: edit(d, "ori_slot_mapping_full", lambda a: a.__setitem__((g0, 5), a[0, 5] + 1 if a[0, 5] + 1 < nbo * 32
+                                                                         else a[0, 5] - 1)), "slot_mapping")
+    add("prefill-compressed-off-boundary", "prefill",
+        lambda d: edit(d, "csa_cmp_slot_mapping_full", lambda a: a.__setitem__((g0, 4), 0)), "slot_mapping")
     add("prefill-padding-publish", "prefill",
         lambda d: edit(d, "csa_state_slot_mapping_full", lambda a: a.__setitem__((group(ctx, 2), P(d) - 1), 5)),
         "padding_publish")
@@ -196,6 +201,28 @@ def corpus(ctx):
         lambda d: edit(d, "hca_state_slot_mapping", lambda a: a.__setitem__((g0, 63 * 8), 5)), "inactive_publish")
     add("decode-slot-range", "decode",
         lambda d: edit(d, "csa_idx_slot_mapping", lambda a: a.__setitem__((g0, 0), 10 ** 9)), "slot_range")
+
+    def dslot(d, rid="d0"):
+        return d.meta["placement"][rid]
+
+    add("decode-state-slot-mapping", "decode",
+        lambda d: edit(d, "hca_state_slot_mapping", lambda a: a.__setitem__((g0, dslot(d)["stream_slot"] * 8 + 2),
+                                                                           a[0, dslot(d)["stream_slot"] * 8 + 2] ^ 1)),
+        "slot_mapping")
+    add("decode-ori-copies-disagree", "decode",
+        lambda d: edit(d, "csa_ori_slot_mapping", lambda a: a.__setitem__((g0, dslot(d)["stream_slot"] * 8), 0)),
+        "slot_mapping")
+    add("decode-noncommitted-publish", "decode",
+        lambda d: edit(d, "csa_state_slot_mapping", lambda a: a.__setitem__((g0, dslot(d, "d2")["stream_slot"] * 8 + 3), 4)),
+        "slot_mapping")
+    add("decode-seq-lens", "decode",
+        lambda d: edit(d, "csa_kv_seq_lens", lambda a: a.__setitem__((dslot(d)["rank"], dslot(d)["local_row"]),
+                                                                     a[dslot(d)["rank"], dslot(d)["local_row"]] + 2)),
+        "seq_lens")
+    add("decode-seq-lens-empty-row", "decode",
+        lambda d: edit(d, "hca_kv_seq_lens", lambda a: a.__setitem__((3, 15), 9)), "seq_lens")
+    add("decode-window-empty-row", "decode",
+        lambda d: edit(d, "csa_window_swa_lens", lambda a: a.__setitem__((3, 127), 1)), "window_lens")
 
     def pos_ceiling(d):
         d2 = edit(d, "position_ids", lambda a: a.__setitem__((g0, 7), ctx.max_position))
@@ -283,6 +310,14 @@ def corpus(ctx):
     add("drafter-lease-unique", "drafter", dup_drafter, "lease_unique")
     add("drafter-padding-publish", "drafter",
         lambda d: edit(d, "context_group_slot_mapping", lambda a: a.__setitem__((g0, 0, -1), 3)), "padding_publish")
+    def foreign(d, lease):
+        a = np.array(d.args["context_group_slot_mapping"])
+        pos = d.args["context_group_position_ids"][0]
+        j = int(np.flatnonzero(pos >= 0)[0])
+        a[g0, 0, j] = (lease * 6 + (pos[j] // 32) % 6) * 32 + pos[j] % 32
+        return put(d, context_group_slot_mapping=a)
+    add("drafter-other-live-lease", "drafter", lambda d: foreign(d, 13), "slot_mapping")
+    add("drafter-dead-lease", "drafter", lambda d: foreign(d, 40), "slot_mapping")
     add("drafter-query-ceiling", "drafter",
         lambda d: edit(d, "query_group_position_ids", lambda a: a.__setitem__((g0, 120), ctx.max_position)),
         "position_ceiling")

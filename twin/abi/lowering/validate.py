@@ -14,8 +14,9 @@ from .. import constants as C
 from ..batches import Dispatch
 from ..programs import INPUT, PROGRAMS
 from .context import NP_DTYPES, DispatchError, LoweringContext
-from .drafter import filler_ring_table, lease_ring_table
+from .drafter import filler_ring_table, lease_ring_table, lease_slot
 from .grammar import HEADER_WORD, MASKED, PLAIN, padding_ok
+from .primitives import compressed_slot, paged_slot
 
 RULES = {
     "program": "the program is one of the six",
@@ -35,6 +36,8 @@ RULES = {
     "block_repeat": "no block id repeated within one request's row",
     "ring_period": "a rolling ring no longer than the family's ring period",
     "slot_range": "slots -1 or inside the pool",
+    "slot_mapping": "slots equal what the positions and tables give: no write lands in another request's page",
+    "seq_lens": "kv_seq_lens = anchor + 1 or anchor + 8 on live decode rows, 0 elsewhere",
     "padding_publish": "padding rows and idle groups write nothing (-1 slots)",
     "inactive_publish": "inactive decode slots write nothing",
     "position_ceiling": "live positions in [0, max_position)",
@@ -83,6 +86,7 @@ FUSED_GROUP_TABLES = {
     "group_hca_state_block_tables": ("hca_state", "ring"), "group_csa_state_block_tables": ("csa_state", "ring"),
     "group_csa_inner_state_block_tables": ("csa_inner_state", "ring"),
 }
+_PREFILL_SLOT_TABLE = {fam: n for n, (fam, _) in PREFILL_TABLES.items()}
 DRAFTER_BLOCKS = C.DRAFTER_FILLER_BLOCK_BASE + C.DRAFTER_BLOCKS_PER_LEASE      # lease rings + filler ring
 DRAFTER_SLOTS = C.DRAFTER_FILLER_BLOCK_BASE * C.BLOCK_SIZE                       # filler is never written
 
@@ -273,6 +277,19 @@ class _Validator:
             if not np.array_equal(logit[r0], want) or (logit[r0 + 1:r0 + tp] != -1).any():
                 self.fail("logit_row_indices", "logit_rows", f"group {g}: {logit[r0, :8].tolist()}",
                           "the last packed row of each request on the group leader, -1 elsewhere")
+            for k in range(count):
+                seg = slice(int(q[k]), int(q[k + 1]))
+                pos = posf[r0, seg].astype(np.int64)
+                for n, fam in PREFILL_SLOTS.items():
+                    table = self.a(_PREFILL_SLOT_TABLE[fam])[r0, k]
+                    f = ctx.families[fam]
+                    want = compressed_slot(pos, table, f.compress_ratio) if f.kind == "compressed" else \
+                        paged_slot(pos, table, f.page_tokens)
+                    got = self.a(n)[r0, seg]
+                    if not np.array_equal(got, want):
+                        j = int(np.argmax(got != want))
+                        self.fail(n, "slot_mapping", f"group {g} request {k} position {pos[j]}: {got[j]}",
+                                  f"{want[j]} (the slot its table row gives)")
         self.tokens("input_ids")
         self.grammar()
 
@@ -331,6 +348,10 @@ class _Validator:
             self.slots(pre + "_indices", "ori")
             if ((lens < 0) | (lens > W)).any() or ((np.arange(W)[None, None, :] >= lens[..., None]) & (idx != -1)).any():
                 self.fail(pre + "_lens", "window_lens", int(lens.max()), f"lens in [0, {W}], indices -1 past the len")
+            for r in range(ctx.ranks):
+                if (lens[r, ntpo[r]:] != 0).any():
+                    self.fail(pre + "_lens", "window_lens", f"rank {r}", f"0 past the {ntpo[r]} active owner rows")
+        self._decode_slots(active, pos)
         logit = self.a("logit_row_indices")
         for r in range(ctx.ranks):
             row = logit[r]
@@ -341,6 +362,55 @@ class _Validator:
         for r in range(ctx.ranks):
             self.tokens("input_ids", self.a("input_ids")[r, :ntpo[r]])
         self.grammar()
+
+    def _decode_slots(self, active, pos):
+        """Recompute every split-decode write from positions, commit and tables."""
+        ctx, per, W = self.ctx, self.ctx.local_requests, self.ctx.model.sliding_window
+        seq = {n: self.a(n).astype(np.int64) for n in ("csa_kv_seq_lens", "hca_kv_seq_lens")}
+        for g in range(ctx.partitions):
+            r0 = ctx.group_ranks(g).start
+            for s in range(C.DECODE_BATCH):
+                rank, local = r0 + s // per, s % per
+                rows = slice(s * C.DECODE_SEQ, (s + 1) * C.DECODE_SEQ)
+                lens = seq["csa_kv_seq_lens"][rank, local], seq["hca_kv_seq_lens"][rank, local]
+                if not active[g, s]:
+                    if lens != (0, 0):
+                        self.fail("csa_kv_seq_lens", "seq_lens", f"rank {rank} row {local}: {lens}", "0 on an empty row")
+                    continue
+                p = pos[r0, rows].astype(np.int64)
+                commit = int(lens[0] - p[0])
+                if lens[0] != lens[1] or commit not in (1, C.DECODE_SEQ) or \
+                        (commit == C.DECODE_SEQ and p[0] + C.DECODE_SEQ > ctx.max_position):
+                    self.fail("csa_kv_seq_lens", "seq_lens", f"rank {rank} row {local}: {lens}, anchor {p[0]}",
+                              "anchor + 8 (speculative, inside max_position) or anchor + 1, equal for CSA and HCA")
+                pub = np.arange(C.DECODE_SEQ) < commit
+                want = {
+                    "hca_state_slot_mapping": paged_slot(p, self.a("hca_compress_state_block_table")[r0, s], 8),
+                    "csa_state_slot_mapping": paged_slot(p % 16, self.a("csa_compress_state_block_table")[r0, s], 2),
+                    "csa_inner_state_slot_mapping": paged_slot(p % 16, self.a("csa_inner_compress_state_block_table")[r0, s], 2),
+                }
+                for n, fam in LOCAL_TABLES.items():
+                    arg = {"cmp_c4": "csa_cmp_slot_mapping", "idx": "csa_idx_slot_mapping",
+                           "cmp_c128": "hca_cmp_slot_mapping"}[fam]
+                    want[arg] = compressed_slot(p, self.a(n)[rank, local], ctx.families[fam].compress_ratio, pub)
+                lrows = slice(local * C.DECODE_SEQ, (local + 1) * C.DECODE_SEQ)
+                wl = np.minimum(self.a("position_ids_local")[rank, lrows].astype(np.int64) + 1, W)
+                idx = self.a("swa_indices")[rank, lrows]
+                for pre in ("swa", "csa_window_swa", "hca_window_swa"):
+                    if not (np.array_equal(self.a(pre + "_lens")[rank, lrows], wl)
+                            and np.array_equal(self.a(pre + "_indices")[rank, lrows], idx)):
+                        self.fail(pre + "_lens", "window_lens", f"rank {rank} row {local}",
+                                  f"lens min(p+1, {W}) and the same window for swa, csa and hca")
+                newest = idx[np.arange(C.DECODE_SEQ), np.maximum(wl - 1, 0)].astype(np.int64)
+                for n in ("swa_slot_mapping", "hca_ori_slot_mapping", "csa_ori_slot_mapping"):
+                    want[n] = np.where(pub, newest, -1)
+                for n, w in want.items():
+                    w = np.where(pub, w, -1)
+                    got = self.a(n)[r0, rows]
+                    if not np.array_equal(got, w):
+                        j = int(np.argmax(got != w))
+                        self.fail(n, "slot_mapping", f"group {g} slot {s} row {j}: {got[j]}",
+                                  f"{w[j]} (positions, commit {commit} and the request's tables)")
 
     def fused(self):
         ctx, per, tp = self.ctx, self.ctx.local_requests, self.ctx.tp
@@ -435,6 +505,18 @@ class _Validator:
             self.slots(slot_n, None, DRAFTER_SLOTS)
             if ((pos[:, None, :] < 0) & (sl != -1)).any():
                 self.fail(slot_n, "padding_publish", "a row with position -1", "-1 slots on padding rows")
+            owner = self._drafter_row_owner(pos_n, leases, ns)
+            for g in range(ctx.partitions):
+                r0 = ctx.group_ranks(g).start
+                p, own = pos[r0], owner[g]
+                for layer in range(3):
+                    got = sl[r0, layer].astype(np.int64)
+                    ok = (p >= 0) & (own >= 0)
+                    want = np.where(ok, lease_slot(np.where(ok, p, 0), np.maximum(own, 0), layer), -1)
+                    if not np.array_equal(got, want):
+                        j = int(np.argmax(got != want))
+                        self.fail(slot_n, "slot_mapping", f"group {g} layer {layer} row {j}: {got[j]}",
+                                  f"{want[j]}: position {p[j]} in the ring of the row's own lease {own[j]}")
         live = ns == 1
         for n in ("last_sampled",):
             self.tokens(n, self.a(n)[live])
@@ -444,6 +526,26 @@ class _Validator:
             s = self.a("state_slot_ids")
             if ((s < -1) | (s >= C.DRAFTER_LEASES_PER_GROUP)).any():
                 self.fail("state_slot_ids", "lease_range", int(s.max()), "-1 or a lease in [0, 64)")
+
+    def _drafter_row_owner(self, pos_n, leases, ns):
+        """Per group, the lease that owns each group context / query row (-1: padding).  Redraft
+        rows belong to the member's row `j // 8` (context) or `j // 7` (query); a seed's whole
+        context belongs to the leader's row 0."""
+        ctx, tp = self.ctx, self.ctx.tp
+        width = self.a(pos_n).shape[1] // tp
+        per_row = C.DECODE_SEQ if pos_n.startswith("context") else C.DSPARK_QUERY_WIDTH
+        real = leases >= 0
+        seed = bool(real.any()) and bool((ns[real] == 0).all())
+        m, rem = np.divmod(np.arange(tp * width), width)
+        b = rem // per_row
+        if seed and per_row == C.DECODE_SEQ:
+            m, b = np.zeros_like(m), np.zeros_like(b)
+        ok = b < leases.shape[1]
+        out = np.full((ctx.partitions, tp * width), -1, np.int64)
+        for g in range(ctx.partitions):
+            start = ctx.group_ranks(g).start
+            out[g, ok] = leases[start + m[ok], b[ok]]
+        return out
 
     def _markov_rows(self, live_rows):
         rows = self.a("logit_row_indices")
