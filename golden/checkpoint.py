@@ -184,29 +184,35 @@ class SyntheticCheckpoint:
                 scale = scale[0] / np.sqrt(shape[0])
             return w, scale
         if name.endswith(("norm_w", "gamma_cq", "gamma_ckv")):
-            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32).astype(BF16)
+            return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32).astype(BF16)
         if name in ("hc_attn_fn", "hc_ffn_fn", "hc_head_fn"):
-            return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+            return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
         if name in ("hc_attn_scale", "hc_ffn_scale", "hc_head_scale"):
             return rng.uniform(0.5, 1.5, size=shape).astype(np.float32)
         if name in ("hc_attn_base", "hc_ffn_base", "hc_head_base"):
-            return (0.5 * rng.standard_normal(shape)).astype(np.float32)
+            return (0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
         if name == "attn_sink":
-            return rng.standard_normal(shape).astype(np.float32)
+            return rng.standard_normal(shape, dtype=np.float32).astype(np.float32)
         if name.endswith("_ape"):
-            return (0.3 * rng.standard_normal(shape)).astype(np.float32)
+            return (0.3 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
         if name == "gate_bias":
-            return (0.05 * rng.standard_normal(shape)).astype(np.float32)
+            return (0.05 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
         if name == "gate_w":
-            return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-        if name == "tid2eid":
-            return np.stack([rng.choice(c.n_routed_experts, c.num_experts_per_tok, replace=False)
-                             for _ in range(shape[0])]).astype(np.int32)
+            return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
+        if name == "tid2eid":        # K distinct experts per token: resample duplicates until none
+            ids = rng.integers(0, c.n_routed_experts, shape).astype(np.int32)
+            while True:
+                s = np.sort(ids, axis=1)
+                dup = np.zeros(shape, bool)
+                dup[:, 1:] = s[:, 1:] == s[:, :-1]
+                if not dup.any():
+                    return ids
+                ids = np.where(dup, rng.integers(0, c.n_routed_experts, shape), s).astype(np.int32)
         if name in ("embed_weight",):
-            return rng.standard_normal(shape).astype(np.float32).astype(BF16)
+            return rng.standard_normal(shape, dtype=np.float32).astype(np.float32).astype(BF16)
         fan_in = fan_in or (shape[-1] if name in ("lm_head_weight",) or "cmp" in name or "inner" in name
                             else shape[-2] if len(shape) == 2 else shape[-1])
-        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32).astype(BF16)
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32).astype(BF16)
 
     def _fill(self, key, specs):
         out = {}

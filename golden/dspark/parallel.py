@@ -7,6 +7,7 @@ vocab/4 LM-head shards).
 """
 from __future__ import annotations
 
+from ..compose import forward
 from ..kernels.moe import gate, moe_experts
 from ..kernels.o_proj import o_proj
 
@@ -19,6 +20,9 @@ class SingleRank:
         owns every row here; the emulation runs fn once per rank and all-gathers rank-major."""
         import numpy as np
         return fn(np.arange(len(owners)))
+
+    def target_forward(self, ckpt, meta, caches, owners, *, cfg, nm, taps=None):
+        return forward(ckpt, meta, caches, cfg=cfg, nm=nm, taps=taps)
 
     def o_proj(self, o_packed, lw, *, cfg, nm, owners=None):
         return o_proj(o_packed, lw["wo_a"], lw["wo_b"], lw["wo_b_scale"], cfg=cfg, nm=nm)

@@ -20,9 +20,10 @@ import numpy as np
 from twin.abi import constants as C
 from twin.abi.errors import AbiError
 
-from ..compose import Taps, forward, target_hidden
+from ..compose import Taps, target_hidden
 from ..numerics import Numerics, numerics
 from ..paged import DECODE, PREFILL, Span, alloc_caches, assign_blocks, lower
+from ..ranks.target import cp_owners
 from .drafter import DraftRow, drafter_forward
 from .markov import dspark_markov
 from .parallel import SINGLE
@@ -59,6 +60,15 @@ class Golden:
         if not 1 <= self.max_model_len <= self.cfg.max_position_embeddings:
             raise AbiError("max_model_len", self.max_model_len, f"1..{self.cfg.max_position_embeddings}",
                            where="golden run")
+        layout = getattr(self.par, "layout", None)
+        if layout is not None and layout.groups != self.groups:
+            raise AbiError("groups", self.groups, f"the emulated topology's {layout.groups} TP group(s)",
+                           where="golden run")
+
+    @property
+    def tp(self) -> int:
+        layout = getattr(self.par, "layout", None)
+        return C.TP_SIZE if layout is None else layout.tp
 
 
 @dataclass
@@ -139,9 +149,21 @@ def new_run(g: Golden, requests, *, k: int, block_seed: int | None = None, log_h
     return run
 
 
+def owner_rank(s: Seq, tp: int = C.TP_SIZE) -> int:
+    """Decode row placement: lease % tp in the request's group at K=7, round-robin at K=0."""
+    return tp * s.group + ((s.lease if s.lease is not None else s.index) % tp)
+
+
 def _forward(g: Golden, run: Run, spans, form):
     taps = Taps(stages={"x_hc", "attn_in"})
-    out = forward(g.ckpt, lower(g.cfg, spans, form=form), run.caches, cfg=g.cfg, nm=g.nm, taps=taps)
+    meta = lower(g.cfg, spans, form=form)
+    tp = g.tp
+    if form == PREFILL:
+        owners = cp_owners(meta, {s.index: s.group for s in run.seqs}, tp)
+    else:
+        by_index = {s.index: owner_rank(s, tp) for s in run.seqs}
+        owners = np.array([by_index[int(r)] for r in meta.req], np.int64)
+    out = g.par.target_forward(g.ckpt, meta, run.caches, owners, cfg=g.cfg, nm=g.nm, taps=taps)
     run.caches = out.caches
     mh = target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.tap)
     return np.asarray(out.sampled), np.asarray(mh)
@@ -230,7 +252,7 @@ def seed_wave(g: Golden, run: Run, wave) -> None:
         if L + QW >= g.max_model_len:              # the first verify window would not fit: no drafts
             run.state = seed(run.state, s.ref, s.current, [], prompt_len=L, position_limit=g.max_model_len)
             continue
-        row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=C.TP_SIZE * s.group + s.lease % C.TP_SIZE)
+        row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=owner_rank(s, g.tp))
         mh = np.stack([s.tail[p] for p in want])
         drafts = _draft(g, run, s.group, [row], mh, num_sampled=0)
         s.draft_anchor = a
@@ -281,7 +303,7 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
             by_group.setdefault(s.group, []).append((i, s, mh[starts[i]:starts[i] + c], pos))
     for group, items in sorted(by_group.items()):
         rows = [DraftRow(s.lease, int(acc.drafter_anchor[i]), int(acc.next_token[i]), tuple(int(p) for p in pos),
-                         owner_rank=C.TP_SIZE * group + s.lease % C.TP_SIZE) for i, s, _, pos in items]
+                         owner_rank=owner_rank(s, g.tp)) for i, s, _, pos in items]
         drafts = _draft(g, run, group, rows, np.concatenate([h for _, _, h, _ in items]), num_sampled=1)
         if draft_policy is not None:
             drafts = np.stack([np.asarray(draft_policy(s, drafts[j]), np.int64) for j, (_, s, _, _) in enumerate(items)])

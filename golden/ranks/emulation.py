@@ -52,6 +52,10 @@ class RankEmulation:
         groups = np.asarray(owners) // self.layout.tp
         return [(g, np.nonzero(groups == g)[0]) for g in range(self.layout.groups) if np.any(groups == g)]
 
+    def target_forward(self, ckpt, meta, caches, owners, *, cfg, nm, taps=None):
+        from .target import forward_ranks
+        return forward_ranks(ckpt, meta, caches, owners, self, cfg=cfg, nm=nm, taps=taps)
+
     def o_proj(self, o_packed, lw, *, cfg, nm, owners=None):
         owners = self._owners(owners, o_packed.shape[1])
         out = [None] * o_packed.shape[1]
