@@ -241,6 +241,8 @@ def corpus(ctx):
     add("decode-grammar-dtype", "decode", lambda d: put(d, grammar_mask=d.args["grammar_mask"].astype(np.int32)), "dtype")
     add("decode-window-shape", "decode", lambda d: put(d, swa_indices=d.args["swa_indices"][..., :64]), "shape")
     add("decode-missing-owner", "decode", lambda d: put(d, num_tokens_per_owner=None), "missing_arg")
+    add("decode-scalar-owner", "decode", lambda d: put(d, num_tokens_per_owner=5), "shape")
+    add("decode-list-lens", "decode", lambda d: put(d, swa_lens=d.args["swa_lens"].tolist()), "dtype")
 
     # ---- l3_decode_fwd_dspark --------------------------------------------------------------
     def fused_slot(d, rid):
@@ -349,6 +351,7 @@ def corpus(ctx):
         lambda d: edit(d, "logit_row_indices", lambda a: a.__setitem__((1, 7), 8)), "logit_rows")
     add("markov-B-conflict", "markov", lambda d: resize(d, {"last_sampled": 1}, 8), "shape")
     add("markov-missing-hidden", "markov", lambda d: put(d, head_hidden=None), "missing_arg")
+    add("markov-string-rows", "markov", lambda d: put(d, logit_row_indices="0..6"), "shape")
     add("markov-hidden-dtype", "markov", lambda d: put(d, head_hidden=d.args["head_hidden"].astype(np.float32)),
         "dtype")
     add("markov-token", "markov",

@@ -129,7 +129,11 @@ class _Validator:
                 rule = "table_depth" if _is_table(n) and len(a.shape) == len(b.shape) and a.shape[:-1] == b.shape[:-1] \
                     else "shape"
                 self.fail(n, rule, tuple(a.shape), f"{b.shape} ({b.arg.shape})")
-            if not _dtype_ok(a.dtype, b.dtype):
+            try:
+                ok = _dtype_ok(a.dtype, b.dtype)
+            except TypeError:                # e.g. a torch tensor: validate takes numpy arrays
+                ok = False
+            if not ok:
                 self.fail(n, "dtype", str(a.dtype), f"{b.dtype} ({np.dtype(NP_DTYPES[b.dtype]).name})")
 
     def _extents(self):
