@@ -20,11 +20,6 @@ def rank_bands(P: int, tp: int) -> list[np.ndarray]:
     return [np.arange(r * L, (r + 1) * L) for r in range(tp)]
 
 
-def band_owners(P: int, tp: int, group: int = 0) -> np.ndarray:
-    """owner rank of every row of group g's stream under the CP split."""
-    return group * tp + np.repeat(np.arange(tp), P // tp) if P % tp == 0 else rank_bands(P, tp)
-
-
 def all_gather(parts):
     """K28: every rank receives the rank-major concatenation of the ranks' local rows."""
     return np.concatenate([np.asarray(p) for p in parts], axis=0)

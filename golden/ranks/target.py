@@ -39,7 +39,7 @@ def cp_owners(meta, partition_of_request, tp: int) -> np.ndarray:
     owners = np.zeros(req.shape[0], np.int64)
     for g in np.unique(part):
         rows = np.nonzero(part == g)[0]
-        band = -(-rows.size // tp)
+        band = max(-(-rows.size // tp), 1)
         owners[rows] = g * tp + np.arange(rows.size) // band
     return owners
 
