@@ -104,6 +104,9 @@ def corpus(ctx):
         "table_depth")
     add("prefill-pos-dtype", "prefill", lambda d: put(d, position_ids_full=d.args["position_ids_full"].astype(np.int64)),
         "dtype")
+    add("prefill-pool-shape", "prefill", lambda d: put(d, kv_cache=np.zeros((16, 7, 32, 1, 32), np.uint16)), "shape")
+    add("prefill-weight-dtype", "prefill",
+        lambda d: put(d, attn_sink=np.zeros(ctx.bind("l3_prefill_fwd")["attn_sink"].shape, np.float64)), "dtype")
     add("prefill-rope-dtype", "prefill", lambda d: put(d, swa_freqs_cos=d.args["swa_freqs_cos"].astype(np.float32)),
         "dtype")
     q_args = {n: 1 for n in ("query_start_loc", "hca_compress_state_block_table", "csa_compress_state_block_table",
@@ -287,9 +290,7 @@ def corpus(ctx):
         lambda d: edit(d, "draft_block_tables", lambda a: a.__setitem__((1, 0, 0, 5), a[1, 0, 0, 4])), "drafter_ring")
     add("fused-drafter-range", "fused",
         lambda d: edit(d, "draft_block_tables", lambda a: a.__setitem__((1, 0, 0, 5), 400)), "block_range")
-    add("fused-B5", "fused", lambda d: resize(d, {"draft_block_tables": 2, "draft_head_hidden": 1,
-                                                   "draft_draft_token_ids": 1, "draft_confidence_probs": 1}, 5)
-        if "draft_head_hidden" in d.args else resize(d, {"draft_block_tables": 2}, 5), "drafter_batch")
+    add("fused-B5", "fused", lambda d: resize(d, {"draft_block_tables": 2}, 5), "drafter_batch")
 
     # ---- l3_dspark_drafter -----------------------------------------------------------------
     add("drafter-B6", "drafter", lambda d: resize(d, B_ARGS_DRAFTER, 6), "drafter_batch")

@@ -50,3 +50,15 @@ def test_request_cap_follows_max_num_seqs(base):
     with pytest.raises(DispatchError) as err:
         validate(base["prefill"], small)
     assert err.value.rule == "group_requests"
+
+
+def test_executor_owned_arguments_are_checked_when_present(base):
+    """Weights, pools, scratch and outputs are optional; present with their bound shape they pass."""
+    import numpy as np
+    from twin.abi.batches import Dispatch
+    from twin.abi.lowering.context import NP_DTYPES
+    d = base["decode"]
+    bound = CTX.bind(d.program)
+    extra = {n: np.zeros(bound[n].shape, NP_DTYPES[bound[n].dtype]) for n in
+             ("embed_weight", "raw_kv_pool", "csa_compress_state", "x_ping", "sampled_ids")}
+    validate(Dispatch(d.program, {**d.args, **extra}), CTX)
