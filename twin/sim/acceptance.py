@@ -102,12 +102,13 @@ def parse_acceptance(spec: str | None) -> AcceptanceModel:
         return ConditionalAcceptance()
     kind, _, arg = spec.partition(":")
     try:
-        if kind == "forced":
-            return ForcedAcceptance(int(arg))
-        if kind == "rates":
-            return ConditionalAcceptance(tuple(float(x) for x in arg.split(",")))
+        value = int(arg) if kind == "forced" else tuple(float(x) for x in arg.split(",")) if kind == "rates" else None
     except ValueError:
         raise ConfigError("acceptance", spec, "forced:<1..8> or rates:<7 comma-separated floats>") from None
+    if kind == "forced":
+        return ForcedAcceptance(value)
+    if kind == "rates":
+        return ConditionalAcceptance(value)
     if kind == "executor":
         return ExecutorTokens()
     raise ConfigError("acceptance", spec, "'default', 'forced:<n>', 'rates:<a1,...,a7>' or 'executor'")

@@ -35,7 +35,8 @@ def requests_frame(requests, rec) -> pd.DataFrame:
                      "first_token": first, "end": end, "prompt_len": r.prompt_len, "output_len": n,
                      "max_new_tokens": r.max_new_tokens, "finish": r.finish.value if r.finish else None,
                      "finish_detail": r.finish_detail, "cached_tokens": d.get("cached", 0),
-                     "preemptions": r.num_preemptions, "dropped_tokens": r.dropped_tokens, "chunks": d.get("chunks", 0),
+                     "preemptions": r.num_preemptions, "dropped_tokens": r.dropped_tokens,
+                     "discarded_tokens": r.discarded_tokens, "chunks": d.get("chunks", 0),
                      "ttft": ttft, "tpot": tpot, "e2el": e2el,
                      "completed": r.finish in COMPLETED})
     return pd.DataFrame(rows)

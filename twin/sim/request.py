@@ -66,6 +66,7 @@ class Request:
     cached_tokens: int = 0              # prefix hit of the current incarnation
     num_preemptions: int = 0
     dropped_tokens: int = 0             # accepted by the device but truncated by a finish
+    discarded_tokens: int = 0           # in a result that arrived after the finish or a preemption
     preempted_in_pass: int = -1
 
     def __post_init__(self):

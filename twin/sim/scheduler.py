@@ -320,6 +320,7 @@ class Scheduler:
             req = s.req
             rid = req.request_id
             if req.finished or req.incarnation != s.incarnation:
+                req.discarded_tokens += len(tokens.get(rid, ()))
                 continue                          # stale: its pin went with the finish/preemption
             self.kv.publish(rid, s.pin, s.start + s.num_new, req.hashes)
             self.kv.unpin(rid, s.pin)

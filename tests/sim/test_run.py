@@ -1,0 +1,192 @@
+"""Whole runs through the SimPy engine: the documented upstream run, async pipelining, worker
+errors, metrics definitions, the risk report, report files and the CLI."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from simtest import make_dep
+from twin.abi import deployment
+from twin.sim.acceptance import ForcedAcceptance
+from twin.sim.executor import StepResult
+from twin.sim.run import SimConfig, build, simulate, startup_slots
+from twin.sim.costmodel import DeviceLimits
+from twin.sim.workload import LengthDist, WorkloadSpec, documented_run, generate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Counting:
+    """Wraps an executor: counts the tokens it hands back per request."""
+
+    def __init__(self, inner, fail_at=None):
+        self.inner, self.fail_at, self.tokens = inner, fail_at, {}
+
+    def execute(self, plan):
+        res = self.inner.execute(plan)
+        if plan.step_id == self.fail_at:
+            return StepResult(plan.step_id, error="TENSOR_WAIT_TIMEOUT (injected)", dispatches=res.dispatches)
+        for rid, t in res.tokens.items():
+            self.tokens[rid] = self.tokens.get(rid, 0) + len(t)
+        return res
+
+
+def run_with(cfg, fail_at=None):
+    env, eng, sched, rec, slots = build(cfg)
+    eng.executor = Counting(eng.executor, fail_at)
+    eng.submit(cfg.requests)
+    env.run(until=eng.done)
+    return env, eng, sched, rec
+
+
+@pytest.fixture(scope="module")
+def documented():
+    spec, lim = documented_run()
+    dep = deployment("flash", ep=16, **lim)
+    cfg = SimConfig(dep, generate(spec))
+    return cfg, run_with(cfg), simulate(SimConfig(dep, generate(spec)))
+
+
+def test_documented_run_completes_with_exact_token_accounting(documented):
+    cfg, (env, eng, sched, rec), res = documented
+    reqs = cfg.requests
+    assert len(reqs) == 32 and min(r.prompt_len for r in reqs) >= 33 and max(r.prompt_len for r in reqs) <= 512
+    assert all(r.finish.value == "length" and len(r.outputs) == r.max_new_tokens == 64 for r in reqs)
+    for r in reqs:                      # every token the device returned was kept or counted as dropped
+        assert eng.executor.tokens[r.request_id] == len(r.outputs) + r.dropped_tokens + r.discarded_tokens
+    assert max(max(s[7]) for s in rec.steps) <= 8              # 8 requests per group
+    chunks = [d[4]["tokens_per_group"] for d in rec.dispatches if d[1] == "prefill"]
+    assert chunks and all(n <= 8 * 128 for c in chunks for n in c)
+    assert not [e for e in rec.events if e[1] in ("preempt", "worker_error", "stall")]
+    sched.kv.check()
+    sched.leases.check()
+    assert sum(len(fl) for fl in sched.kv.free[0]) == 4 * sched.kv.families[0].blocks_per_partition
+    s = res.summary
+    assert s["completed"] == 32 and s["total_output_tokens"] == 32 * 64
+    assert s["risks"]["packed_prefill_q_gt1"] >= 1        # the run upstream documents packed 8 per group
+
+
+def test_metrics_follow_the_vllm_definitions(documented):
+    *_, res = documented
+    df = res.requests
+    d = df.iloc[0]
+    assert d["ttft"] == pytest.approx(d["first_token"] - d["arrival"])
+    assert d["tpot"] == pytest.approx((d["e2el"] - d["ttft"]) / (d["output_len"] - 1))
+    s = res.summary
+    assert s["output_token_throughput"] == pytest.approx(32 * 64 / s["duration_s"])
+    assert s["ttft"]["p99_ms"] >= s["ttft"]["median_ms"] > 0
+    assert len(res.recorder.itl) == int(df["chunks"].sum()) - len(df)      # gaps between streamed chunks
+    acc = s["acceptance"]
+    assert 1 <= acc["mean_accepted_length"] <= 8
+    assert all(a >= b for a, b in zip(acc["acceptance_per_position"], acc["acceptance_per_position"][1:]))
+
+
+def test_goodput_counts_requests_within_every_slo(documented):
+    cfg, _, res = documented
+    med = float(np.median(res.requests["ttft"]))
+    from twin.sim import metrics
+    s = metrics.summary(res.requests, res.recorder, {"ttft": med * 1e3})
+    assert s["request_goodput"] == pytest.approx((res.requests["ttft"] <= med).sum() / s["duration_s"])
+
+
+def test_risk_flags_match_the_dispatches(documented):
+    *_, res = documented
+    dec = res.dispatches[res.dispatches.kind == "decode"]
+    idle = sum(1 for per in dec.requests_per_group if 0 < sum(1 for n in per if n) < 4)
+    assert (res.risks.risk == "idle_tp_groups").sum() == idle
+    assert set(res.risk_summary.risk) >= {"idle_tp_groups", "active_group_drop", "packed_prefill_q_gt1",
+                                          "partition_over_64", "preempt_with_outputs", "stop_in_chunk"}
+
+
+def test_report_files(documented, tmp_path):
+    *_, res = documented
+    files = res.write(tmp_path)
+    for f in ("requests.csv", "steps.csv", "dispatches.csv", "occupancy.csv", "risks.csv", "summary.json",
+              "trace.json", "latency_cdf.png", "occupancy.png", "acceptance.png"):
+        assert f in files and (tmp_path / f).stat().st_size > 0
+    tr = json.loads((tmp_path / "trace.json").read_text())
+    slices = [e for e in tr["traceEvents"] if e.get("ph") == "X"]
+    assert len(slices) == len(res.dispatches) and all(e["dur"] > 0 for e in slices)
+
+
+def small_cfg(n=48, **kw):
+    dep = make_dep(max_num_seqs=64)
+    reqs = generate(WorkloadSpec(num_requests=n, arrival="poisson", rate=400, prompt=LengthDist("uniform", 200, 150, 16, 400),
+                                 output=LengthDist("uniform", 40, 30, 4, 80), seed=3))
+    return SimConfig(dep, reqs, acceptance=ForcedAcceptance(4), **kw)
+
+
+def test_async_and_sync_end_states_are_equal():
+    a, s = small_cfg(), small_cfg(async_depth=1)
+    ra, rs = simulate(a), simulate(s)
+    assert [(r.finish, len(r.outputs)) for r in a.requests] == [(r.finish, len(r.outputs)) for r in s.requests]
+    assert ra.summary["completed"] == len(a.requests)
+
+
+def test_pipeline_depth_and_ordering():
+    cfg = small_cfg()
+    env, eng, sched, rec = run_with(cfg)
+    # dispatches never overlap on the one device, and steps run in schedule order
+    d = sorted(rec.dispatches, key=lambda x: x[2])
+    assert all(a[2] + a[3] <= b[2] + 1e-12 for a, b in zip(d, d[1:]))
+    assert [x[0] for x in d] == sorted(x[0] for x in d)
+
+
+def test_worker_error_aborts_the_failed_and_in_flight_batches():
+    cfg = small_cfg()
+    env, eng, sched, rec = run_with(cfg, fail_at=6)
+    errs = [r for r in cfg.requests if r.finish.value == "error"]
+    assert errs and all("TENSOR_WAIT_TIMEOUT" in r.finish_detail for r in errs)
+    assert all(r.finished for r in cfg.requests)
+    assert [e for e in rec.events if e[1] == "worker_error"]
+    sched.kv.check()
+
+
+def test_startup_admission_and_halving_on_oom():
+    dep = make_dep(max_num_seqs=256)
+    dev = DeviceLimits.load()
+    assert startup_slots(SimConfig(dep), dev) == 64
+    assert startup_slots(SimConfig(dep, oom_above_slots=20), dev) == 16       # 64 -> 32 -> 16
+    assert startup_slots(SimConfig(dep, slots=3), dev) == 3
+    with pytest.raises(ValueError, match="slots"):
+        startup_slots(SimConfig(dep, slots=65), dev)
+
+
+def test_pressure_run_flags_preemptions_and_stop_strings():
+    dep = make_dep(max_num_seqs=64)
+    reqs = generate(WorkloadSpec(num_requests=60, arrival="burst", prompt=LengthDist("fixed", 64),
+                                 output=LengthDist("fixed", 600), stop_fraction=0.5, seed=5))
+    res = simulate(SimConfig(dep, reqs, slots=2))
+    flagged = set(res.risks.risk)
+    assert "preempt_with_outputs" in flagged and "stop_in_chunk" in flagged
+    assert res.summary["preemptions"] > 0
+    assert all(r.finished and r.finish is not None for r in reqs)
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "twin.cli", "simulate", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_cli_json_run(tmp_path):
+    r = cli("--requests", "24", "--rate", "inf", "--out", str(tmp_path / "o"), "--json", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["completed"] == 24 and s["deployment"]["ep"] == 16 and s["deployment"]["k"] == 7
+    assert (tmp_path / "o" / "requests.csv").exists()
+
+
+def test_cli_bad_input_names_the_argument(tmp_path):
+    r = cli("--acceptance", "forced:12", "--out", str(tmp_path))
+    assert r.returncode == 2 and "forced acceptance length" in r.stderr
+
+
+def test_cli_default_run_with_no_arguments(tmp_path):
+    r = cli(cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "TTFT" in r.stdout and "risk report" in r.stdout
+    s = json.loads((tmp_path / "sim-out" / "summary.json").read_text())
+    assert s["deployment"]["preset"] == "flash" and s["completed"] + s["failed"] == 512
