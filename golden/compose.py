@@ -155,8 +155,8 @@ def layer_step(x_hc, layer, ckpt, pools, m, rope, *, cfg, nm, form, taps=None, m
     """Attention + MoE of target layer `layer`: (x_hc, pools) -> (x_hc, pools)."""
     w = ckpt.layer(layer)
     x_hc, pools = attention_sublayer(x_hc, layer, w, pools, m, rope, cfg=cfg, nm=nm, form=form, taps=taps)
-    x_hc = moe_sublayer(x_hc, layer, w, lambda e: ckpt.expert(layer, e), m["input_ids"], cfg=cfg, nm=nm,
-                        taps=taps, moe=moe)
+    expert = ckpt.experts_of(layer) if hasattr(ckpt, "experts_of") else (lambda e: ckpt.expert(layer, e))
+    x_hc = moe_sublayer(x_hc, layer, w, expert, m["input_ids"], cfg=cfg, nm=nm, taps=taps, moe=moe)
     return x_hc, pools
 
 

@@ -136,19 +136,14 @@ class Numerics:
         result is the exact integer; the caller's scaling happens in the compute dtype."""
         if self.mode != "device":
             return self.asf(a) @ self.asf(b)
-        if self.is_numpy:     # f32 BLAS is exact on K <= 1024 slices (|sum| < 2^24); slices add in f64
-            a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            K = a32.shape[-1]
-            out = 0.0
-            for k0 in range(0, K, EXACT_F32_K):
-                out = out + (a32[..., k0:k0 + EXACT_F32_K] @ b32[k0:k0 + EXACT_F32_K]).astype(np.float64)
-            return out
-        import jax
-        import jax.numpy as jnp
-        out = jax.lax.dot_general(a.astype(jnp.int8), b.astype(jnp.int8),
-                                  (((a.ndim - 1,), (b.ndim - 2 if b.ndim > 1 else 0,)), ((), ())),
-                                  preferred_element_type=jnp.int32)
-        return out.astype(self.f)
+        # f32 GEMMs are exact on K <= 1024 slices (|sum| < 2^24); the slices add in f64
+        xp = self.xp
+        a32, b32 = xp.asarray(a).astype(xp.float32), xp.asarray(b).astype(xp.float32)
+        K = a32.shape[-1]
+        out = 0.0
+        for k0 in range(0, K, EXACT_F32_K):
+            out = out + (a32[..., k0:k0 + EXACT_F32_K] @ b32[k0:k0 + EXACT_F32_K]).astype(self.f)
+        return out
 
     def w8a8(self, x, w_i8, w_scale):
         """y = Q8(x) @ W: x [..., K]; w_i8 [K, N] int8; w_scale [N] (per output channel)."""

@@ -325,12 +325,15 @@ def plain_step(g: Golden, run: Run, seqs) -> None:
 
 def generate(g: Golden, requests, *, k: int, chunk: int | None = None, draft_policy: DraftPolicy | None = None,
              block_seed: int | None = None, log_hidden: bool = False, until_anchor: dict | None = None,
-             on_step: Callable | None = None) -> Run:
+             on_step: Callable | None = None, on_start: Callable | None = None) -> Run:
     """Run `requests` to completion.  Outputs are truncated to max_new_tokens (scheduler truncation,
     after the speculation counters).  until_anchor {request_id: anchor} (K=0 only) keeps a request
     running until its anchor reaches the given position instead (for cache comparisons).
-    on_step(g, run, seqs) runs after every decode step (tests poison stale rows with it)."""
+    on_step(g, run, seqs) runs after every decode step, on_start(g, run) before the prefill (tests
+    poison unwritten and stale rows with them)."""
     run = new_run(g, requests, k=k, block_seed=block_seed, log_hidden=log_hidden)
+    if on_start is not None:
+        on_start(g, run)
     prefill_and_seed(g, run, k=k, chunk=chunk)
 
     def live(s):

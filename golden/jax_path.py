@@ -1,0 +1,160 @@
+"""The JAX path: the same kernels (written once against `nm.xp`) run on jax.numpy, each layer
+kind jit-compiled once, equal to NumPy within FP32 tolerance.
+
+Compute is float64 as in NumPy (kernel-math rounding points are explicit), so every call runs
+under `jax.enable_x64(True)` — a scoped setting, restored on exit; nothing global is changed.
+What NumPy decides from data (which tokens are boundaries, how many candidates a call has), JAX
+takes as static shapes: every token is pooled and masked, candidate counts are the call's maxima
+(part of the jit cache key).  The routed experts run as grouped GEMMs (`jax.lax.ragged_dot`) over
+routes sorted by expert.
+
+    jg = JaxGolden(ckpt, cfg, "device")
+    out = jg.forward(meta, caches)            # same signature and result as compose.forward
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .compose import ForwardOut, _check_contiguous, final_head, layer_step, rope_inputs
+from .kernels.embedding import lookup_embedding
+from .kernels.indexer import PREFILL_SCORE_CAP
+from .kernels.moe import shared_expert
+from .numerics import Numerics
+from .paged import PREFILL, StepMeta
+
+EXPERT_KEYS = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
+
+
+def _route_mm(x, w, ex, nm):
+    """y[m] = W[ex[m]] . x[m] for integer-valued x and int8 W [E, N, K]: the route's weights are
+    gathered (int8) and the products summed in f32 slices of <= 1024 (exact), slices in f64.
+    (jax.lax.ragged_dot lowers to a dense GEMM per group on CPU: E times the work.)"""
+    from .numerics import EXACT_F32_K
+    xp = nm.xp
+    if nm.mode != "device":
+        return xp.einsum("mk,mnk->mn", x, nm.asf(w)[ex])
+    x32, wg = x.astype(xp.float32), w[ex]
+    out = 0.0
+    for k0 in range(0, x.shape[-1], EXACT_F32_K):
+        out = out + xp.einsum("mk,mnk->mn", x32[:, k0:k0 + EXACT_F32_K],
+                              wg[:, :, k0:k0 + EXACT_F32_K].astype(xp.float32)).astype(nm.f)
+    return out
+
+
+def moe_grouped_jax(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
+    """Grouped dispatch on JAX: routes sorted by expert (stable), one ragged GEMM per matrix."""
+    xp = nm.xp
+    T, K = indices.shape
+    E, lim = cfg.n_routed_experts, cfg.swiglu_limit
+    sh = shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm)
+    flat = indices.reshape(-1)
+    order = xp.argsort(flat, stable=True)
+    rows, ex = order // K, flat[order]
+    x = nm.asf(x_i8)[rows]
+    g = _route_mm(x, expert["routed_w1"], ex, nm) * x_scale[rows] * nm.asf(expert["routed_w1_scale"])[ex]
+    u = _route_mm(x, expert["routed_w3"], ex, nm) * x_scale[rows] * nm.asf(expert["routed_w3_scale"])[ex]
+    g = xp.minimum(nm.r32(g), lim)
+    u = xp.clip(nm.r32(u), -lim, lim)
+    h_i8, h_dq = nm.q8(g / (1.0 + xp.exp(-g)) * u)
+    y = _route_mm(h_i8, expert["routed_w2"], ex, nm) * (h_dq * weights.reshape(-1)[order][:, None])
+    y = nm.bf16(y * nm.asf(expert["routed_w2_scale"])[ex])
+    routed = xp.zeros((T * K, y.shape[1]), y.dtype).at[order].set(y).reshape(T, K, -1)
+    out = nm.asf(sh)
+    for k in range(K):
+        out = out + routed[:, k]
+    return nm.bf16(out)
+
+
+class _Weights:
+    """The checkpoint protocol over device-resident (jnp) weights."""
+
+    def __init__(self, layers, experts, model):
+        self._layers, self._experts, self._model = layers, experts, model
+
+    def layer(self, layer):
+        return self._layers[layer]
+
+    def experts_of(self, layer):
+        return self._experts[layer]
+
+    def model(self):
+        return self._model
+
+
+class JaxGolden:
+    def __init__(self, ckpt, cfg, mode: str = "device"):
+        self.cfg = cfg
+        self.nm = Numerics(mode, jnp)
+        self.host_nm = Numerics(mode)
+        L = cfg.num_hidden_layers
+        with jax.enable_x64(True):
+            put = lambda d: {k: jnp.asarray(v) for k, v in d.items() if v is not None}
+            self.layers = [put(ckpt.layer(l)) for l in range(L)]
+            # a layer's routed experts stacked on a leading expert axis (what ragged_dot consumes)
+            self.experts = [{k: jnp.asarray(np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)]))
+                             for k in EXPERT_KEYS} for l in range(L)]
+            self.model = put(ckpt.model())
+        self._fns = {}
+
+    def _layer_fn(self, layer, form, n_idx, n_hca):
+        cfg = self.cfg
+        key = (cfg.compress_ratios[layer], layer < cfg.num_hash_layers, form, n_idx, n_hca)
+        if key not in self._fns:
+            def step(x_hc, w, ex, pools, m, rope, layer_id):
+                m = dict(m, n_idx_candidates=n_idx, n_hca_rows=n_hca)
+                weights = _Weights({layer_id: w}, {layer_id: ex}, None)
+                return layer_step(x_hc, layer_id, weights, pools, m, rope, cfg=cfg, nm=self.nm, form=form,
+                                  moe=moe_grouped_jax)
+            # the layer id only selects routing (hash or scored) and the ratio: both are in the key
+            self._fns[key] = jax.jit(step, static_argnums=(6,))
+        return self._fns[key], key
+
+    def _head_fn(self):
+        if "head" not in self._fns:
+            self._fns["head"] = jax.jit(lambda x_hc, model, rows: final_head(x_hc, model, rows, cfg=self.cfg,
+                                                                           nm=self.nm))
+        return self._fns["head"]
+
+    def static_extents(self, meta: StepMeta):
+        """The candidate counts of a call: max indexer visibility and max HCA rows."""
+        cfg, pos, lens = self.cfg, meta.position_ids, meta.kv_seq_lens[meta.req]
+        cap = PREFILL_SCORE_CAP if meta.form == PREFILL else cfg.max_position_embeddings // 4
+        n_idx = int(max(1, np.minimum(np.minimum(lens // 4, (pos + 1) // 4), cap).max(initial=1)))
+        n_hca = int(np.minimum((pos + 1) // 128, lens // 128).max(initial=0))
+        return n_idx, n_hca
+
+    def forward(self, meta: StepMeta, caches) -> ForwardOut:
+        cfg, nm = self.cfg, self.nm
+        _check_contiguous(meta)
+        n_idx, n_hca = self.static_extents(meta)
+        with jax.enable_x64(True):
+            m = {k: jnp.asarray(v) for k, v in meta.arrays().items()}
+            rope = {k: tuple(jnp.asarray(np.asarray(a)) for a in v)
+                    for k, v in rope_inputs(cfg, meta.position_ids, self.host_nm).items()}
+            _, x_hc = lookup_embedding(m["input_ids"], self.model["embed_weight"], cfg=cfg, nm=nm)
+            out = []
+            for layer in range(cfg.num_hidden_layers):
+                fn, key = self._layer_fn(layer, meta.form, n_idx, n_hca)
+                pools = {k: jnp.asarray(v) for k, v in caches[layer].items()}
+                x_hc, pools = fn(x_hc, self.layers[layer], self.experts[layer], pools, m, rope,
+                                 self._canonical_layer(key))
+                out.append(pools)
+            logits, sampled = self._head_fn()(x_hc, self.model, m["logit_row_indices"])
+            logits.block_until_ready()
+        return ForwardOut(logits, sampled, out, x_hc, None, meta)
+
+    def _canonical_layer(self, key):
+        """A representative layer id of a jit key (the first layer with that ratio and routing)."""
+        cfg = self.cfg
+        for l in range(cfg.num_hidden_layers):
+            if (cfg.compress_ratios[l], l < cfg.num_hash_layers) == key[:2]:
+                return l
+        raise AssertionError(key)
+
+
+def to_numpy(tree):
+    return jax.tree_util.tree_map(np.asarray, tree)
