@@ -1,0 +1,47 @@
+"""The one place that decides which golden the lockstep compares against.
+
+`GoldenExecutor.run(dispatch, state, device=...)` returns the golden's outputs, touched state,
+taps in dependency order, the rows each pool maps (for the mapped/unmapped rule) and the decisions
+it re-synced from the device.  Today it runs the NumPy reference step (`hw.model.golden_np`); when
+golden's compositions (`golden.compose.prefill_fwd/decode_fwd`, `golden.dspark` fused step and
+seeding) and the lowering's `Dispatch` land with the same contract, this adapter is what switches.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from twin.abi.batches import Dispatch
+
+from .backend import StepResult, touched_pools
+from .model.golden_np import GoldenStep
+from .model.spec import Geometry
+from .model.weights import Weights
+
+
+class GoldenExecutor:
+    name = "golden:numpy"
+
+    def __init__(self, geo: Geometry, weights: Weights):
+        self.geo = geo
+        self.step = GoldenStep(geo, weights)
+
+    def run(self, dispatch: Dispatch, state: Mapping[str, np.ndarray], device: StepResult | None = None,
+            tie_tols: dict | None = None) -> StepResult:
+        pools = {k: state[k] for k in touched_pools(dispatch.program)}
+        out = self.step.run(dispatch.program, dict(dispatch.args), pools,
+                            dev=None if device is None else device.taps, tol=tie_tols)
+        return StepResult(out.outputs, out.state, out.taps, out.mapped, out.resyncs)
+
+
+class GoldenBackend:
+    """The golden as a plain backend (no device to re-sync from): for device-free runs and replay."""
+
+    name = "golden:numpy"
+
+    def __init__(self, geo: Geometry, weights: Weights):
+        self.exec = GoldenExecutor(geo, weights)
+
+    def run(self, dispatch: Dispatch, state: Mapping[str, np.ndarray]) -> StepResult:
+        return self.exec.run(dispatch, state)

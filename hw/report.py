@@ -1,0 +1,125 @@
+"""Lockstep reports: one JSON line per dispatch (`report.jsonl`), and a summary in markdown and HTML
+that leads with the first divergence.
+
+Report lines hold no wall-clock times or paths, so a run that was killed and resumed writes the
+same bytes as one that was not; timings go to `run.json`.
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+
+class ReportWriter:
+    def __init__(self, run_dir):
+        self.path = Path(run_dir) / "report.jsonl"
+
+    def append(self, entry: dict) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(entry, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def entries(self) -> list[dict]:
+        """Complete lines in order; a torn last line (killed writer) is dropped from the file."""
+        if not self.path.exists():
+            return []
+        out, good = [], 0
+        raw = self.path.read_bytes()
+        for line in raw.split(b"\n"):
+            if not line:
+                break
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+            good += len(line) + 1
+        if good != len(raw):
+            with open(self.path, "r+b") as fh:
+                fh.truncate(good)
+        return out
+
+
+def summarize(entries: list[dict], config: dict) -> dict:
+    first = next((e for e in entries if e["verdict"] == "fail"), None)
+    by_prog: dict = {}
+    for e in entries:
+        c = by_prog.setdefault(e["program"], {"dispatches": 0, "failed": 0})
+        c["dispatches"] += 1
+        c["failed"] += e["verdict"] == "fail"
+    resyncs = Counter(r["kind"] for e in entries for r in e["resyncs"])
+    worst: dict = {}
+    for e in entries:
+        for f in e["findings"]:
+            m = f["metrics"]
+            w = worst.setdefault(f["kind"], {"max_rel_l2": 0.0, "min_cosine": 1.0, "max_abs": 0.0, "max_kl": 0.0})
+            for k, key, fn in (("rel_l2", "max_rel_l2", max), ("cosine", "min_cosine", min),
+                               ("max_abs", "max_abs", max), ("kl", "max_kl", max)):
+                if isinstance(m.get(k), (int, float)):
+                    w[key] = fn(w[key], m[k])
+    failed = sum(e["verdict"] == "fail" for e in entries)
+    return {
+        "verdict": "PASS" if not failed and entries else ("FAIL" if failed else "EMPTY"),
+        "dispatches": len(entries), "failed_dispatches": failed,
+        "first_divergence": None if first is None else {"dispatch": first["index"], "program": first["program"],
+                                                        **first["first_divergence"]},
+        "programs": by_prog, "resyncs": dict(sorted(resyncs.items())), "worst_metrics": dict(sorted(worst.items())),
+        "config": config,
+    }
+
+
+def _fd_lines(s: dict) -> list[str]:
+    fd = s["first_divergence"]
+    if fd is None:
+        return [f"No divergence in {s['dispatches']} dispatches."]
+    return [f"Dispatch **{fd['dispatch']}** (`{fd['program']}`), layer **{fd['layer']}**, stage **{fd['stage']}**, "
+            f"tensor `{fd['tensor']}`: {'; '.join(fd['reasons'])}"]
+
+
+def write_summary(run_dir, entries: list[dict], config: dict) -> dict:
+    s = summarize(entries, config)
+    run_dir = Path(run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(s, indent=2, sort_keys=True) + "\n")
+    md = [f"# Lockstep: {s['verdict']}", "", "## First divergence", "", *_fd_lines(s), ""]
+    if s["first_divergence"]:
+        md += ["| metric | value |", "|---|---|"]
+        md += [f"| {k} | {v} |" for k, v in s["first_divergence"]["metrics"].items()]
+        md.append("")
+    md += ["## Dispatches", "", "| program | dispatches | failed |", "|---|---:|---:|"]
+    md += [f"| {p} | {c['dispatches']} | {c['failed']} |" for p, c in sorted(s["programs"].items())]
+    md += ["", "## Re-syncs (golden adopted the device's decision)", ""]
+    md += [f"- {k}: {v}" for k, v in s["resyncs"].items()] or ["- none"]
+    md += ["", "## Worst metrics by tensor kind", "", "| kind | max rel-L2 | min cosine | max abs | max KL |",
+           "|---|---:|---:|---:|---:|"]
+    md += [f"| {k} | {w['max_rel_l2']:.3g} | {w['min_cosine']:.6f} | {w['max_abs']:.3g} | {w['max_kl']:.3g} |"
+           for k, w in s["worst_metrics"].items()]
+    md += ["", "## Run", "", "```json", json.dumps(s["config"], indent=2, sort_keys=True), "```", ""]
+    (run_dir / "summary.md").write_text("\n".join(md))
+    (run_dir / "summary.html").write_text(_html(s))
+    return s
+
+
+def _html(s: dict) -> str:
+    e = html.escape
+    fd = s["first_divergence"]
+    color = "#1a7f37" if s["verdict"] == "PASS" else "#cf222e"
+    rows = "".join(f"<tr><td>{e(p)}</td><td>{c['dispatches']}</td><td>{c['failed']}</td></tr>"
+                   for p, c in sorted(s["programs"].items()))
+    if fd:
+        met = "".join(f"<tr><td>{e(str(k))}</td><td>{e(str(v))}</td></tr>" for k, v in fd["metrics"].items())
+        lead = (f"<p>Dispatch <b>{fd['dispatch']}</b> (<code>{e(fd['program'])}</code>), layer <b>{e(fd['layer'])}</b>, "
+                f"stage <b>{e(fd['stage'])}</b>, tensor <code>{e(fd['tensor'])}</code>: {e('; '.join(fd['reasons']))}</p>"
+                f"<table><tr><th>metric</th><th>value</th></tr>{met}</table>")
+    else:
+        lead = f"<p>No divergence in {s['dispatches']} dispatches.</p>"
+    rs = "".join(f"<li>{e(k)}: {v}</li>" for k, v in s["resyncs"].items()) or "<li>none</li>"
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>Lockstep {s['verdict']}</title>"
+            "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}td,th{border:1px solid #ccc;"
+            "padding:2px 8px}table{border-collapse:collapse}</style></head><body>"
+            f"<h1 style='color:{color}'>Lockstep: {s['verdict']}</h1><h2>First divergence</h2>{lead}"
+            f"<h2>Dispatches</h2><table><tr><th>program</th><th>dispatches</th><th>failed</th></tr>{rows}</table>"
+            f"<h2>Re-syncs</h2><ul>{rs}</ul>"
+            f"<h2>Run</h2><pre>{e(json.dumps(s['config'], indent=2, sort_keys=True))}</pre></body></html>\n")

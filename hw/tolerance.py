@@ -1,0 +1,121 @@
+"""The tolerance policy, kept as data: a table keyed by (op class, dtype, quantization).
+
+A point is bad when it is outside the element tolerance (|a-e| > atol + rtol*|e|) AND more than
+`max_ulp` units in the last place of the storage dtype away (the CANN "mixed tolerance" idea: ULP
+rescues tiny values, atol/rtol rescue large ones).  A tensor passes when bad points are within the
+budget, no point breaks the single-point cap (`hard_atol + hard_rtol*|e|`, pypto-lib's
+max_diff_hd: a stale or misplaced row is never "within budget"), no NaN/Inf differs, and the
+aggregate gates hold (cosine, rel-L2, KL for logits).  Integer tensors are exact; `unordered`
+compares sets along the last axis (routing); `tie_tol` is the near-tie margin under which the
+golden re-syncs a device decision (relative to the decision's score scale).
+
+Numbers start from the published tables (anchors.md B.2: bf16 rtol 1.6e-2, msprobe cosine 0.99,
+double-thousandth budgets; kernel-math.md §2: hidden rtol 1e-2 / atol 5e-2 with 2 % outliers,
+logits cosine 0.99 and rel-L2 0.10) and are tightened to what a clean CPU run measures, so that
+a real fault cannot hide inside them.  Override any entry with `Policy.from_json`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from twin.abi.errors import AbiError
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float = 0.0
+    rtol: float = 0.0
+    max_ulp: int = 0
+    bad_budget: float = 0.0           # fraction of points allowed bad
+    hard_atol: float = float("inf")   # single-point cap
+    hard_rtol: float = 0.0
+    row_budget: float = 1.0           # fraction of one row's points allowed bad (a wrong row is not noise)
+    min_cosine: float | None = None
+    max_rel_l2: float | None = None
+    max_kl: float | None = None
+    exact: bool = False
+    unordered: bool = False
+    tie_tol: float | None = None
+
+    def __post_init__(self):
+        for f in ("atol", "rtol", "bad_budget", "hard_atol", "hard_rtol"):
+            v = getattr(self, f)
+            if not v >= 0:
+                raise AbiError(f, v, ">= 0", where="tolerance")
+        for f in ("bad_budget", "row_budget"):
+            if not 0 <= getattr(self, f) <= 1:
+                raise AbiError(f, getattr(self, f), "a fraction in [0, 1]", where="tolerance")
+        if self.max_ulp < 0:
+            raise AbiError("max_ulp", self.max_ulp, ">= 0", where="tolerance")
+
+
+_BF16_ACT = dict(atol=6e-2, rtol=5e-2, max_ulp=8, bad_budget=0.05, hard_atol=0.75, hard_rtol=0.5, row_budget=0.5,
+                 min_cosine=0.998, max_rel_l2=0.05)
+DEFAULT_TABLE: dict[tuple[str, str, str], Tolerance] = {
+    ("norm", "bf16", "none"): Tolerance(**_BF16_ACT),
+    ("matmul", "bf16", "none"): Tolerance(**_BF16_ACT),
+    ("attention", "bf16", "none"): Tolerance(**_BF16_ACT),
+    ("moe", "bf16", "w8a8"): Tolerance(**{**_BF16_ACT, "atol": 0.1, "max_rel_l2": 0.08, "min_cosine": 0.996}),
+    ("activation", "bf16", "w8a8"): Tolerance(**{**_BF16_ACT, "atol": 0.1}),
+    ("kv_pool", "bf16", "none"): Tolerance(**_BF16_ACT),
+    ("state", "f32", "none"): Tolerance(**{**_BF16_ACT, "max_ulp": 0}),
+    ("logits", "f32", "none"): Tolerance(atol=0.15, rtol=5e-2, bad_budget=0.05, hard_atol=1.5, hard_rtol=0.5,
+                                         min_cosine=0.998, max_rel_l2=0.05, max_kl=1e-2),
+    ("route", "i32", "none"): Tolerance(exact=True, unordered=True, tie_tol=2e-2),
+    ("sample", "i32", "none"): Tolerance(exact=True, tie_tol=2e-2),
+    ("index", "i32", "none"): Tolerance(exact=True),
+}
+
+
+def _key_str(k: tuple[str, str, str]) -> str:
+    return "/".join(k)
+
+
+class Policy:
+    """Lookup: the exact key, then (op, dtype, "*"), then ("*", dtype, "*")."""
+
+    def __init__(self, table: dict[tuple[str, str, str], Tolerance] | None = None):
+        self.table = dict(DEFAULT_TABLE if table is None else table)
+
+    def lookup(self, op: str, dtype: str, quant: str = "none") -> Tolerance:
+        for k in ((op, dtype, quant), (op, dtype, "*"), ("*", dtype, "*")):
+            if k in self.table:
+                return self.table[k]
+        raise AbiError("tolerance key", _key_str((op, dtype, quant)),
+                       f"one of {sorted(_key_str(k) for k in self.table)} (or a wildcard entry)", where="policy")
+
+    def tie_tols(self) -> dict:
+        return {"route": self.lookup("route", "i32").tie_tol, "sample": self.lookup("sample", "i32").tie_tol}
+
+    def with_entry(self, op: str, dtype: str, quant: str, **changes) -> "Policy":
+        t = dict(self.table)
+        t[(op, dtype, quant)] = replace(t.get((op, dtype, quant), Tolerance()), **changes)
+        return Policy(t)
+
+    # ---- data in and out ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {_key_str(k): {f: v for f, v in asdict(t).items() if v != getattr(Tolerance(), f)}
+                for k, t in sorted(self.table.items())}
+
+    def to_json(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict, *, base: "Policy | None" = None) -> "Policy":
+        table = dict((base or cls()).table)
+        known = {f.name for f in fields(Tolerance)}
+        for key, entry in d.items():
+            parts = tuple(key.split("/"))
+            if len(parts) != 3:
+                raise AbiError("tolerance key", key, "'op/dtype/quant', e.g. 'matmul/bf16/none'", where="policy")
+            bad = set(entry) - known
+            if bad:
+                raise AbiError("tolerance field", sorted(bad)[0], f"one of {sorted(known)}", where=f"policy[{key}]")
+            table[parts] = Tolerance(**entry)
+        return cls(table)
+
+    @classmethod
+    def from_json(cls, path, *, base: "Policy | None" = None) -> "Policy":
+        return cls.from_dict(json.loads(Path(path).read_text()), base=base)
