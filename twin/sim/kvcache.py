@@ -218,14 +218,19 @@ class KvCacheManager:
         return need
 
     def _fits(self, o: _Owned, p: int, tokens: int, work: list[int]) -> tuple[bool, dict, dict]:
-        need, free = {}, {}
-        ok = True
+        pt = self._page_tokens
+        free = self.free
         for f in work:
-            n = self._need(o, f, tokens)
-            fr = len(self.free[f][p])
-            need[self.names[f]], free[self.names[f]] = n, fr
-            ok &= n <= fr
-        return ok, need, free
+            # cheap upper bound first: each new logical page needs at most one free page
+            bound = -(-tokens // pt[f]) - o.logical[f] + (len(o.tables[f]) if o.holes else 0)
+            if len(free[f][p]) < bound and self._need(o, f, tokens) > len(free[f][p]):
+                break
+            if not self.families[f].rolling:
+                self._need(o, f, tokens)            # raises past the full-history table capacity
+        else:
+            return True, {}, {}
+        need = {self.names[f]: self._need(o, f, tokens) for f in work}
+        return False, need, {self.names[f]: len(free[f][p]) for f in work}
 
     def ensure(self, rid: str, tokens: int, partition: int | None = None) -> int:
         """Grow `rid`'s tables to cover `tokens` source tokens, atomically; a new request goes to
@@ -285,19 +290,50 @@ class KvCacheManager:
         while len(t) < size:
             t.append(self._take(f, p))
         if target > maxb and target > o.logical[f]:
-            r = self.ref[f][p]
-            fresh = set()
-            for lb in range(max(o.logical[f], maxb), target):
-                s = lb % maxb
+            self._wrap(o, f, p, t, max(o.logical[f], maxb), target, maxb)
+        o.logical[f] = max(o.logical[f], target)
+
+    def _wrap(self, o: _Owned, f: int, p: int, t: list, start: int, target: int, maxb: int) -> None:
+        """Rewrite ring slots for logical pages start..target-1: detach a shared or pinned page
+        (no copy: the slot is overwritten), rotate a solely owned one through the free queue."""
+        ref, free, bh, idx = self.ref[f][p], self.free[f][p], self.bhash[f][p], self.index[f][p]
+        pins = o.pins
+        fresh = set() if target - start > maxb else None
+        detaches = rotations = evictions = 0
+        for lb in range(start, target):
+            s = lb % maxb
+            if fresh is not None:
                 if s in fresh:
                     continue
-                b = t[s]
-                shared = r[b] > 1 or self._pinned(o, f, s, b)
-                self._drop_owned(o, f, s, b)   # detach-on-write when shared, else rotate via the free queue
-                t[s] = self._take(f, p)
-                self.stats["detaches" if shared else "rotations"] += 1
                 fresh.add(s)
-        o.logical[f] = max(o.logical[f], target)
+            b = t[s]
+            shared = ref[b] > 1
+            for pin in pins:                  # pins holding the page turn into stored refs
+                pt_ = pin.tables[f]
+                if s < len(pt_) and pt_[s] == b:
+                    ref[b] += 1
+                    pin.stored.append((f, b))
+                    shared = True
+            ref[b] -= 1
+            if ref[b] == 0:
+                free[b] = None
+            nb, _ = free.popitem(last=False)
+            h = bh[nb]
+            if h is not None:
+                if idx.get(h) == nb:
+                    del idx[h]
+                bh[nb] = None
+                evictions += 1
+            ref[nb] = 1
+            t[s] = nb
+            if shared:
+                detaches += 1
+            else:
+                rotations += 1
+        st = self.stats
+        st["detaches"] += detaches
+        st["rotations"] += rotations
+        st["evictions"] += evictions
 
     # ---- prefix lookup and attach (`acquire_group_prefix_blocks`) -------------------------
     def lookup(self, hashes: dict[int, list[int]], max_hit_tokens: int) -> tuple[int, int | None]:
