@@ -70,9 +70,9 @@ class CostModelExecutor:
         self.vocab = self.dep.model.vocab_size
         self.eos = eos_token_id if eos_token_id is not None else self.dep.model.eos_token_id
 
-    def _tokens(self, st: _ReqState, n: int) -> list[int]:
+    def _tokens(self, st: _ReqState, n: int, pool: list[int] | None = None) -> list[int]:
         base = st.emitted
-        toks = self.rng.integers(2, self.vocab, n).tolist()
+        toks = self.rng.integers(2, self.vocab, n).tolist() if pool is None else pool
         if st.script:
             for j in range(n):
                 t = st.script.get(base + j)
@@ -139,9 +139,12 @@ class CostModelExecutor:
         else:
             fits = np.zeros(n, dtype=bool)
             counts = np.ones(n, dtype=np.int64)
+        pool = self.rng.integers(2, self.vocab, int(counts.sum())).tolist()
+        at = 0
         for (it, st), cnt, f in zip(order, counts.tolist(), fits.tolist()):
             rid = it.request_id
-            res.tokens[rid] = self._tokens(st, cnt)
+            res.tokens[rid] = self._tokens(st, cnt, pool[at:at + cnt])
+            at += cnt
             res.accepted[rid] = cnt
             res.drafts[rid] = k if f else 0
             st.committed += cnt
