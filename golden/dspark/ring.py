@@ -47,7 +47,7 @@ def window_positions(anchor: int) -> np.ndarray:
     clipped at 0, padded to the 192-wide DSPARK_SWA_INDEX_WIDTH with -1."""
     width = -(-(C.SLIDING_WINDOW + C.DSPARK_QUERY_WIDTH) // 64) * 64
     s = anchor + 1
-    pos = np.arange(max(0, s - C.SLIDING_WINDOW), s + C.DSPARK_QUERY_WIDTH + 1)
+    pos = np.arange(max(0, s - C.SLIDING_WINDOW), s + C.DSPARK_QUERY_WIDTH)
     out = np.full(width, -1, np.int64)
     out[: pos.size] = pos
     return out

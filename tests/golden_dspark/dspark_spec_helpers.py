@@ -8,13 +8,16 @@ from golden.paged import families
 SENTINEL = 3.0e4       # finite (bf16-representable): masked reads contribute 0 * x = 0, real reads explode
 
 
-def oracle_policy(reference: dict, patterns: dict, vocab: int):
+def oracle_policy(reference: dict, patterns: dict, vocab: int, log: dict | None = None):
     """Drafts = the K=0 continuation after the current anchor, wrong from index patterns[rid][step]
-    on (7 = all right).  reference: request id -> prompt + K=0 tokens."""
+    on (7 = all right).  reference: request id -> prompt + K=0 tokens.  `log` collects the Markov
+    drafts the drafter produced: request id -> (drafter anchor, drafts)."""
     steps: dict = {}
 
     def policy(seq, drafts):
         rid = seq.req.request_id
+        if log is not None:
+            log[rid] = (seq.draft_anchor, np.asarray(drafts).copy())
         if rid not in patterns:
             return drafts
         i = steps.get(rid, 0)
@@ -46,6 +49,18 @@ def abs_row_slot(ids, row, rows_per_page):
     ids = np.asarray(ids)
     row = np.asarray(row)
     return ids[row // rows_per_page] * rows_per_page + row % rows_per_page
+
+
+def poison_unwritten_rows(g, run):
+    """Before the run: every raw-KV row and every drafter ring row holds the sentinel (the filler
+    ring stays zero: padding rows read it), so a read of a never-written row shows too."""
+    from twin.abi import constants as C
+    for layer in range(g.cfg.num_hidden_layers):
+        run.caches[layer]["kv_cache"] = np.full_like(np.asarray(run.caches[layer]["kv_cache"]), SENTINEL)
+    for i, pool in enumerate(run.pools or []):
+        p = np.array(pool)
+        p[:, :C.DRAFTER_FILLER_BLOCK_BASE] = SENTINEL
+        run.pools[i] = p
 
 
 def poison_stale_rows(g, run, seqs):
@@ -120,3 +135,38 @@ def compare_drafter_context(g, run, seq, hidden_log):
         else:
             np.testing.assert_array_equal(got, want, err_msg=f"draft layer {l}")
     return pos.size
+
+
+def recompute_drafts(g, seq, hidden_log):
+    """The drafts a clean drafter produces at seq's drafter anchor: a fresh ring holding only the
+    context a-127..a (recomputed from the K=0 run's target hidden) and the query block."""
+    from golden.dspark.drafter import DraftRow, drafter_forward
+    from golden.dspark.markov import dspark_markov
+    from golden.dspark.ring import new_pools
+    a = seq.draft_anchor
+    pos = tuple(range(max(0, a - 127), a + 1))
+    mh = np.stack([hidden_log[p] for p in pos])
+    head, _ = drafter_forward(new_pools(g.cfg, 1, g.nm)[0], mh, [DraftRow(seq.lease, a, seq.current, pos)],
+                              g.dckpt, g.ckpt.model(), cfg=g.cfg, nm=g.nm)
+    dm = g.dckpt.model()
+    d, _ = dspark_markov(head, dm["final_norm_weight"], g.ckpt.model()["lm_head_weight"], [1], [seq.current],
+                         [seq.current], dm["markov_w1"], dm["markov_w2"], dm["confidence_head_weight"], cfg=g.cfg,
+                         nm=g.nm)
+    return np.asarray(d[0])
+
+
+def drafter_read_checker(hidden_logs: dict, log: dict):
+    """on_step hook: every redraft of this step must equal a clean recompute (a drafter that read a
+    stale or poisoned ring row would not), then poison the new stale rows."""
+    checked = {"n": 0}
+
+    def on_step(g, run, seqs):
+        for s in seqs:
+            rid = s.req.request_id
+            if rid in log and log[rid][0] == s.draft_anchor and s.draft_anchor is not None:
+                np.testing.assert_array_equal(log.pop(rid)[1], recompute_drafts(g, s, hidden_logs[rid]))
+                checked["n"] += 1
+        poison_stale_rows(g, run, seqs)
+
+    on_step.checked = checked
+    return on_step

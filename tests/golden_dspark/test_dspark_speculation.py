@@ -11,7 +11,8 @@ from golden.checkpoint import SyntheticCheckpoint
 from golden.dspark import step as S
 from golden.dspark.weights import DrafterCheckpoint
 
-from dspark_spec_helpers import compare_drafter_context, compare_readable, oracle_policy, poison_stale_rows
+from dspark_spec_helpers import (compare_drafter_context, compare_readable, drafter_read_checker, oracle_policy,
+                                 poison_stale_rows, poison_unwritten_rows)
 
 CFG = TINY
 CK, DK = SyntheticCheckpoint(CFG, 0), DrafterCheckpoint(CFG, 0)
@@ -40,7 +41,7 @@ def test_k7_is_token_identical_to_k0_on_a_mixed_workload(mode):
     # r1 and r4 keep the Markov drafter's own drafts
     pats = {"r0": [7, 3, 0, 5, 1, 6, 2, 4], "r2": [2, 7, 7, 0, 4], "r3": [5, 1]}
     run = S.generate(g, reqs, k=7, draft_policy=oracle_policy(seqs, pats, CFG.vocab_size),
-                     on_step=poison_stale_rows)
+                     on_step=poison_stale_rows, on_start=poison_unwritten_rows)
     out7 = S.outputs(run)
     for r in reqs:
         assert out7[r.request_id] == out0[r.request_id], r.request_id
@@ -75,8 +76,10 @@ def test_no_read_sees_a_stale_row(spec, patterns, chunk, tap, mode):
     ref = S.generate(g, reqs, k=0, chunk=chunk, until_anchor=far, log_hidden=True)
     seqs = {q.req.request_id: list(q.req.prompt) + q.generated for q in ref.seqs}
     pats = {r.request_id: patterns[i] for i, r in enumerate(reqs)}
-    run = S.generate(g, reqs, k=7, chunk=chunk, draft_policy=oracle_policy(seqs, pats, CFG.vocab_size),
-                     on_step=poison_stale_rows)
+    log: dict = {}
+    hook = drafter_read_checker(ref.hidden_log, log)
+    run = S.generate(g, reqs, k=7, chunk=chunk, draft_policy=oracle_policy(seqs, pats, CFG.vocab_size, log),
+                     on_step=hook, on_start=poison_unwritten_rows)
     out0 = {k: v[: len(v)] for k, v in S.outputs(ref).items()}
     for q7, q0 in zip(run.seqs, ref.seqs):
         assert q7.generated[: q7.budget] == q0.generated[: q7.budget]
@@ -84,6 +87,8 @@ def test_no_read_sees_a_stale_row(spec, patterns, chunk, tap, mode):
         if q7.draft_anchor is not None:
             assert compare_drafter_context(g, run, q7, ref.hidden_log[q7.req.request_id]) > 0
     assert out0
+    assert hook.checked["n"] >= sum(q.draft_anchor is not None and q.draft_anchor > len(q.req.prompt) - 1
+                                    for q in run.seqs)
 
 
 def test_seeding_waves_take_the_wth_request_of_every_group():
