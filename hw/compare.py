@@ -52,6 +52,11 @@ def _point_masks(a, e, tol: Tolerance, dtype: str):
 
 
 def compare_tensor(name: str, actual, expected, tol: Tolerance, kind: tuple[str, str, str]) -> Finding:
+    with np.errstate(all="ignore"):          # NaN/Inf are judged explicitly, not warned about
+        return _compare_tensor(name, actual, expected, tol, kind)
+
+
+def _compare_tensor(name, actual, expected, tol, kind) -> Finding:
     a, e = np.asarray(actual), np.asarray(expected)
     f = Finding(name, True, kind, points=int(e.size))
     if a.shape != e.shape:
@@ -74,17 +79,35 @@ def compare_tensor(name: str, actual, expected, tol: Tolerance, kind: tuple[str,
         return f
     bad, hard = _point_masks(a, e, tol, dtype)
     f.bad_points = int(bad.sum())
-    rows2 = (bad | hard).reshape(e.shape[0], -1) if e.ndim else np.atleast_2d(bad | hard)
-    f.bad_rows = np.flatnonzero(rows2.any(-1)).tolist()
-    _gate(f, tol, int(hard.sum()), _wrong_rows(bad.reshape(rows2.shape), tol))
+    shape2 = (e.shape[0], -1) if e.ndim else (1, -1)
+    bad2, hard2 = bad.reshape(shape2), hard.reshape(shape2)
+    wrong = _wrong_rows(a.reshape(bad2.shape), e.reshape(bad2.shape), tol, f.metrics)
+    f.bad_rows = _blame(np.arange(bad2.shape[0]), bad2, hard2, wrong)
+    _gate(f, tol, int(hard.sum()), len(wrong))
     return f
 
 
-def _wrong_rows(bad2d, tol: Tolerance) -> int:
-    """Rows whose own bad fraction exceeds the row budget: structural errors, never noise."""
-    if tol.row_budget >= 1 or not bad2d.size:
-        return 0
-    return int((bad2d.mean(-1) > tol.row_budget).sum())
+def _blame(row_ids, bad2, hard2, wrong) -> list[int]:
+    """Rows to blame: structurally wrong rows (single-point cap, row gate) if any, else rows with bad points."""
+    strong = set(row_ids[hard2.any(-1)].tolist()) | set(row_ids[wrong].tolist()) if len(row_ids) else set()
+    return sorted(strong) if strong else row_ids[bad2.any(-1)].tolist()
+
+
+def _wrong_rows(a2d, e2d, tol: Tolerance, m: dict) -> list[int]:
+    """Rows whose own rel-L2 exceeds the row gate: a stale, misplaced or mis-rotated row is a
+    structural error however small a fraction of the tensor it is."""
+    a2d, e2d = np.asarray(a2d, np.float64), np.asarray(e2d, np.float64)
+    if not e2d.size:
+        return []
+    with np.errstate(invalid="ignore", over="ignore"):
+        num = np.sqrt(np.sum((a2d - e2d) ** 2, -1))
+        den = np.sqrt(np.sum(e2d ** 2, -1))
+        rr = np.where(den > 0, num / np.maximum(den, 1e-30), np.where(num > 0, np.inf, 0.0))
+    rr = np.where(np.isnan(rr), np.inf, rr)
+    m["max_row_rel_l2"] = float(rr.max())
+    if tol.max_row_rel_l2 is None:
+        return []
+    return np.flatnonzero(rr > tol.max_row_rel_l2).tolist()
 
 
 def _gate(f: Finding, tol: Tolerance, hard_points: int, wrong_rows: int = 0) -> None:
@@ -94,7 +117,7 @@ def _gate(f: Finding, tol: Tolerance, hard_points: int, wrong_rows: int = 0) -> 
     if hard_points:
         f.reasons.append(f"{hard_points} points beyond the single-point cap")
     if wrong_rows:
-        f.reasons.append(f"{wrong_rows} rows with more than {tol.row_budget:g} of their points bad")
+        f.reasons.append(f"{wrong_rows} rows with rel-L2 above {tol.max_row_rel_l2:g}")
     if f.points and f.bad_points > tol.bad_budget * f.points:
         f.reasons.append(f"{f.bad_points}/{f.points} bad points > budget {tol.bad_budget:g}")
     if tol.min_cosine is not None and m.get("cosine", 1.0) < tol.min_cosine:
@@ -109,6 +132,11 @@ def _gate(f: Finding, tol: Tolerance, hard_points: int, wrong_rows: int = 0) -> 
 def compare_pool(name: str, actual, expected, before, mapped_rows, tol: Tolerance,
                  kind: tuple[str, str, str]) -> Finding:
     """Pools as [rows, ...] after flattening pages: mapped rows numeric, unmapped rows bit-identical."""
+    with np.errstate(all="ignore"):
+        return _compare_pool(name, actual, expected, before, mapped_rows, tol, kind)
+
+
+def _compare_pool(name, actual, expected, before, mapped_rows, tol, kind) -> Finding:
     a, e, b = (np.asarray(x) for x in (actual, expected, before))
     f = Finding(name, True, kind)
     if not (a.shape == e.shape == b.shape):
@@ -131,9 +159,10 @@ def compare_pool(name: str, actual, expected, before, mapped_rows, tol: Toleranc
         bad, hard = _point_masks(am, em, tol, kind[1])
         f.bad_points = int(bad.sum())
         hard_points = int(hard.sum())
-        wrong = _wrong_rows(bad, tol)
-        bad_rows = np.flatnonzero(mapped)[(bad | hard).any(-1)].tolist()
-    f.bad_rows = sorted(bad_rows + np.flatnonzero(moved).tolist())
+        wrong = _wrong_rows(am, em, tol, f.metrics)
+        bad_rows = _blame(np.flatnonzero(mapped), bad, hard, wrong)
+        wrong = len(wrong)
+    f.bad_rows = sorted(set(bad_rows) | set(np.flatnonzero(moved).tolist()))
     _gate(f, tol, hard_points, wrong)
     if moved.any():
         f.reasons.append(f"{int(moved.sum())} unmapped rows modified (first {np.flatnonzero(moved)[:4].tolist()})")

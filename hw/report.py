@@ -55,9 +55,11 @@ def summarize(entries: list[dict], config: dict) -> dict:
     for e in entries:
         for f in e["findings"]:
             m = f["metrics"]
-            w = worst.setdefault(f["kind"], {"max_rel_l2": 0.0, "min_cosine": 1.0, "max_abs": 0.0, "max_kl": 0.0})
+            w = worst.setdefault(f["kind"], {"max_rel_l2": 0.0, "min_cosine": 1.0, "max_abs": 0.0, "max_kl": 0.0,
+                                             "max_row_rel_l2": 0.0})
             for k, key, fn in (("rel_l2", "max_rel_l2", max), ("cosine", "min_cosine", min),
-                               ("max_abs", "max_abs", max), ("kl", "max_kl", max)):
+                               ("max_abs", "max_abs", max), ("kl", "max_kl", max),
+                               ("max_row_rel_l2", "max_row_rel_l2", max)):
                 if isinstance(m.get(k), (int, float)):
                     w[key] = fn(w[key], m[k])
     failed = sum(e["verdict"] == "fail" for e in entries)
@@ -92,9 +94,10 @@ def write_summary(run_dir, entries: list[dict], config: dict) -> dict:
     md += [f"| {p} | {c['dispatches']} | {c['failed']} |" for p, c in sorted(s["programs"].items())]
     md += ["", "## Re-syncs (golden adopted the device's decision)", ""]
     md += [f"- {k}: {v}" for k, v in s["resyncs"].items()] or ["- none"]
-    md += ["", "## Worst metrics by tensor kind", "", "| kind | max rel-L2 | min cosine | max abs | max KL |",
-           "|---|---:|---:|---:|---:|"]
-    md += [f"| {k} | {w['max_rel_l2']:.3g} | {w['min_cosine']:.6f} | {w['max_abs']:.3g} | {w['max_kl']:.3g} |"
+    md += ["", "## Worst metrics by tensor kind", "",
+           "| kind | max rel-L2 | max row rel-L2 | min cosine | max abs | max KL |", "|---|---:|---:|---:|---:|---:|"]
+    md += [f"| {k} | {w['max_rel_l2']:.3g} | {w['max_row_rel_l2']:.3g} | {w['min_cosine']:.6f} | {w['max_abs']:.3g} "
+           f"| {w['max_kl']:.3g} |"
            for k, w in s["worst_metrics"].items()]
     md += ["", "## Run", "", "```json", json.dumps(s["config"], indent=2, sort_keys=True), "```", ""]
     (run_dir / "summary.md").write_text("\n".join(md))

@@ -2,8 +2,8 @@
 the NumPy golden: same contract (BF16 rounding points, W8A8 experts, FP32 accumulation), torch's
 own kernels and reduction orders.
 
-`hooks` maps a site (layer, stage) to a function applied to that stage's value before it is used
-downstream: the fault injector's way into the middle of a step.  Every stage's value is returned
+`hooks` maps a site (layer, stage) to a function (value, taps so far) -> value applied to that
+stage's value before it is used downstream: the fault injector's way into the middle of a step.  Every stage's value is returned
 as a tap, as a device dump of tagged intermediates would be.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class TorchStep:
 
         def tap(site, v):
             if site in hooks:
-                v = hooks[site](v)
+                v = hooks[site](v, taps)
             taps[site] = v
             return v
 
