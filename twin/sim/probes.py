@@ -6,6 +6,7 @@ pandas frames and `risk` scans for the situations upstream reported failing or u
 from __future__ import annotations
 
 from array import array
+from time import perf_counter
 
 import numpy as np
 
@@ -19,6 +20,7 @@ class Recorder(SchedulerProbe):
         self.partitions, self.k = partitions, k
         self.req: dict[str, dict] = {}
         self.itl = array("d")
+        self.wall: list[float] = []           # host wall clock per step (speed measurement only)
         self.steps: list[tuple] = []          # (step, t, n_prefill, n_decode, tokens, waiting, running, live per partition)
         self.dispatches: list[tuple] = []     # (step, kind, start, seconds, meta, parts)
         self.pages: list[tuple] = []          # (t, partition, family, used)
@@ -63,6 +65,7 @@ class Recorder(SchedulerProbe):
         live = tuple(sched.kv.load)
         self.steps.append((cmd.step_id, self.env.now, n_pre, len(cmd.decode.items), cmd.num_tokens,
                            len(sched.waiting), len(sched.running), live))
+        self.wall.append(perf_counter())
         if cmd.step_id % self._page_every == 0:
             kv = sched.kv
             t = self.env.now
