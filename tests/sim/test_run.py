@@ -190,3 +190,34 @@ def test_cli_default_run_with_no_arguments(tmp_path):
     assert "TTFT" in r.stdout and "risk report" in r.stdout
     s = json.loads((tmp_path / "sim-out" / "summary.json").read_text())
     assert s["deployment"]["preset"] == "flash" and s["completed"] + s["failed"] == 512
+
+
+def test_wall_clock_loop_drives_the_same_scheduler():
+    from twin.sim import run_sync
+    from twin.sim.costmodel import CostModel
+    from twin.sim.executor import CostModelExecutor
+    from twin.sim.kvcache import KvCacheManager
+    from twin.sim.leases import LeaseManager
+    from twin.sim.scheduler import Scheduler, SchedulerConfig
+
+    spec, lim = documented_run()
+    dep = deployment("flash", ep=16, **lim)
+    for depth in (1, 2):
+        kv = KvCacheManager.from_deployment(dep, 64)
+        s = Scheduler(SchedulerConfig.from_deployment(dep, async_depth=depth), kv, leases=LeaseManager(4))
+        ex = Counting(CostModelExecutor(CostModel(dep, 64), ForcedAcceptance(5)))
+        reqs = generate(spec)
+        assert run_sync(s, ex, dep, reqs, depth=depth) > 0
+        assert all(r.finish.value == "length" and len(r.outputs) == 64 for r in reqs)
+        assert all(ex.tokens[r.request_id] == 64 + r.dropped_tokens + r.discarded_tokens for r in reqs)
+        kv.check()
+
+
+def test_prefill_hang_fault_model_aborts_in_flight_work():
+    cfg = small_cfg(prefill_hang_probability=0.5, step_timeout=30.0)
+    res = simulate(cfg)
+    assert "worker_error" in set(res.risks.risk)
+    assert (res.requests.finish == "error").any() and res.requests.finish.notna().all()
+    assert res.sim_s >= 30.0
+    with pytest.raises(ValueError, match="prefill_hang_probability"):
+        SimConfig(cfg.dep, prefill_hang_probability=2.0)

@@ -36,6 +36,10 @@ def add_arguments(p) -> None:
     m.add_argument("--sync", action="store_true", help="synchronous scheduling (batch queue depth 1)")
     m.add_argument("--stop-check", default="end", choices=("end", "token"),
                    help="stop strings: 'end' as upstream (may miss one inside a multi-token step) or 'token'")
+    m.add_argument("--prefill-hang-prob", type=float, default=0.0,
+                   help="pypto-lib#1213 fault model: probability that an EP16 prefill dispatch hangs (default 0)")
+    m.add_argument("--step-timeout", type=float, default=1200.0,
+                   help="worker step timeout in seconds, what a hang costs (default 1200)")
     o = p.add_argument_group("outputs")
     o.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT (ms)")
     o.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT (ms)")
@@ -79,7 +83,8 @@ def run(args) -> int:
     slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2el", args.slo_e2el)) if v}
     cfg = SimConfig(dep, reqs, device=device, routing=routing, acceptance=parse_acceptance(args.acceptance),
                     slots=args.slots, async_depth=1 if args.sync else 2, stop_check=args.stop_check,
-                    slo_ms=slo or None, seed=args.seed)
+                    slo_ms=slo or None, seed=args.seed, prefill_hang_probability=args.prefill_hang_prob,
+                    step_timeout=args.step_timeout)
     if args.profile:
         cfg.calibration = Calibration.from_profile(args.profile, CostModel(dep, startup_slots(cfg, device), device, routing))
     con = Console(stderr=True)

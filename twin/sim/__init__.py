@@ -10,6 +10,7 @@ from .engine import Engine
 from .executor import CostModelExecutor, DispatchTiming, Executor, StepResult
 from .kvcache import KVCacheCapacityError, KvCacheManager
 from .leases import LeaseManager, LeasesExhausted
+from .loop import run_sync
 from .probes import Recorder
 from .request import Finish, Request, Sampling, Status
 from .run import SimConfig, SimResult, build, simulate, startup_slots
@@ -20,7 +21,7 @@ from .workload import LengthDist, WorkloadSpec, default_spec, documented_run, ge
 __all__ = [
     "AcceptanceModel", "ConditionalAcceptance", "ExecutorTokens", "ForcedAcceptance", "parse_acceptance",
     "Calibration", "CostModel", "DeviceLimits", "Routing", "Engine", "CostModelExecutor", "DispatchTiming",
-    "Executor", "StepResult", "KVCacheCapacityError", "KvCacheManager", "LeaseManager", "LeasesExhausted",
+    "Executor", "StepResult", "KVCacheCapacityError", "KvCacheManager", "LeaseManager", "LeasesExhausted", "run_sync",
     "Recorder", "Finish", "Request", "Sampling", "Status", "SimConfig", "SimResult", "build", "simulate",
     "startup_slots", "Scheduler", "SchedulerConfig", "SchedulerProbe", "StepCommand", "StepPlan", "plan",
     "LengthDist", "WorkloadSpec", "default_spec", "documented_run", "generate", "load_jsonl", "save_jsonl",

@@ -60,7 +60,8 @@ class CostModelExecutor:
     tokens from the request's script); acceptance from the acceptance model."""
 
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel | None = None, *, seed: int = 0,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, prefill_hang_probability: float = 0.0,
+                 step_timeout: float = 1200.0):
         self.cost = cost
         self.dep = cost.dep
         self.acceptance = acceptance or ConditionalAcceptance()
@@ -69,6 +70,11 @@ class CostModelExecutor:
         self.max_pos = self.dep.limits.max_model_len
         self.vocab = self.dep.model.vocab_size
         self.eos = eos_token_id if eos_token_id is not None else self.dep.model.eos_token_id
+        # pypto-lib#1213 fault model: an EP16 prefill dispatch hangs with this probability; the
+        # worker step then times out (SERVING_WORKER_STEP_TIMEOUT, 1200 s) and the batch aborts
+        self.hang_p = prefill_hang_probability if self.dep.topology.ep == 16 else 0.0
+        self.step_timeout = step_timeout
+        self._fault_rng = np.random.default_rng(seed + 1213)
 
     def _tokens(self, st: _ReqState, n: int, pool: list[int] | None = None) -> list[int]:
         base = st.emitted
@@ -99,10 +105,15 @@ class CostModelExecutor:
             for it in batch.items:
                 groups[it.partition].append((it.num_tokens, it.num_computed))
             secs, parts = cm.prefill(groups)
-            res.dispatches.append(DispatchTiming("prefill", secs, parts, {
-                "requests_per_group": [len(g) for g in groups],
-                "tokens_per_group": [sum(n for n, _ in g) for g in groups],
-                "requests": [it.request_id for it in batch.items]}))
+            meta = {"requests_per_group": [len(g) for g in groups],
+                    "tokens_per_group": [sum(n for n, _ in g) for g in groups],
+                    "requests": [it.request_id for it in batch.items]}
+            if self.hang_p and self._fault_rng.random() < self.hang_p:
+                res.error = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 fault model)"
+                res.dispatches.append(DispatchTiming("prefill", self.step_timeout, {"timeout": self.step_timeout},
+                                                     {**meta, "hang": True}))
+                return res
+            res.dispatches.append(DispatchTiming("prefill", secs, parts, meta))
             for it in batch.items:
                 if it.terminal:
                     st = self.state.setdefault(it.request_id, _ReqState(it.prompt_len))

@@ -50,6 +50,14 @@ class SimConfig:
     seed: int = 0
     fixed_tile: bool = True
     until: float | None = None                    # stop at this simulated time (s)
+    prefill_hang_probability: float = 0.0         # pypto-lib#1213 fault model, per EP16 prefill dispatch
+    step_timeout: float = 1200.0                  # SERVING_WORKER_STEP_TIMEOUT (s): what a hang costs
+
+    def __post_init__(self):
+        if not 0.0 <= self.prefill_hang_probability <= 1.0:
+            raise ConfigError("prefill_hang_probability", self.prefill_hang_probability, "in [0, 1]")
+        if not self.step_timeout > 0:
+            raise ConfigError("step_timeout", self.step_timeout, "> 0 seconds")
 
 
 @dataclass
@@ -116,7 +124,8 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
     rec = Recorder(env, sched, partitions=dep.partitions, k=dep.k)
     sched.probe = rec
     cost = CostModel(dep, slots, device, cfg.routing, cfg.calibration, seed=cfg.seed, fixed_tile=cfg.fixed_tile)
-    ex = CostModelExecutor(cost, cfg.acceptance, seed=cfg.seed)
+    ex = CostModelExecutor(cost, cfg.acceptance, seed=cfg.seed, prefill_hang_probability=cfg.prefill_hang_probability,
+                           step_timeout=cfg.step_timeout)
     eng = Engine(env, sched, ex, dep, device, rec, depth=cfg.async_depth)
     return env, eng, sched, rec, slots
 
