@@ -1,0 +1,70 @@
+"""Run dispatches on a device backend in lockstep with the golden model and print the verdict.
+
+Every dispatch (packed prefill, K=0 decode, fused K=7 verify+redraft, drafter seeding) runs on the
+device backend, then on the golden re-synced from the device's decisions; outputs, routing and
+touched pools are compared under the tolerance policy and the first divergence is localized to
+(dispatch, layer, stage).  Records, report.jsonl and summary.{md,html} go to --run-dir; running
+again on the same directory resumes where a killed run stopped.
+"""
+from __future__ import annotations
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", default="tiny", help="a small preset (tiny or small); FLASH does not run whole on a CPU")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda[:n] or npu[:n] (default cpu)")
+    p.add_argument("--steps", type=int, default=100, help="dispatches to run (default 100)")
+    p.add_argument("--mode", default="strict", choices=("strict", "continuous"),
+                   help="strict stops at the first failing dispatch (default); continuous re-syncs and goes on")
+    p.add_argument("--run-dir", default="lockstep-run", help="records and reports (default ./lockstep-run)")
+    p.add_argument("--fresh", action="store_true", help="discard an existing run in --run-dir instead of resuming")
+    p.add_argument("--inject", default=None, metavar="KIND[@AT[:LAYER]]",
+                   help="inject one fault (see docs/lockstep.md for the kinds)")
+    p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
+    p.add_argument("--seed", type=int, default=0, help="weights and workload seed (default 0)")
+    p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
+
+
+def run(args) -> int:
+    import shutil
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hw.runs import build_run, parse_fault
+    from hw.tolerance import Policy
+
+    con = Console()
+    run_dir = Path(args.run_dir)
+    if args.fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    resumed = (run_dir / "report.jsonl").exists()
+    policy = Policy.from_json(args.policy) if args.policy else None
+    fault = parse_fault(args.inject) if args.inject else None
+    lr = build_run(run_dir, preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
+                   policy=policy, record=not args.no_records)
+    done = len(lr.report.entries())
+    if resumed:
+        con.print(f"resuming {run_dir}: {done} dispatches already checked")
+    with Progress(TextColumn("[bold]lockstep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=con, transient=True) as prog:
+        task = prog.add_task("", total=args.steps, completed=min(done, args.steps))
+
+        def tick(e):
+            mark = "[green]ok[/green]" if e["verdict"] == "pass" else "[red]FAIL[/red]"
+            prog.update(task, advance=1, description=f"#{e['index']} {e['program']} {mark}")
+        s = lr.run(args.steps, tick)
+    fd = s["first_divergence"]
+    progs = ", ".join(f"{k} {v['dispatches']}" for k, v in sorted(s["programs"].items()))
+    color = "green" if s["verdict"] == "PASS" else "red"
+    con.print(f"[bold {color}]{s['verdict']}[/bold {color}]: {s['dispatches']} dispatches ({progs}), "
+              f"{s['failed_dispatches']} failed")
+    if fd:
+        con.print(f"first divergence: dispatch {fd['dispatch']} ({fd['program']}), layer {fd['layer']}, "
+                  f"stage {fd['stage']}, tensor {fd['tensor']}: {'; '.join(fd['reasons'])}")
+    if fault is not None and fault.fired:
+        con.print(f"injected: {fault.fired}")
+    rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
+    con.print(f"re-syncs: {rs}")
+    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl, records/)")
+    return 0 if s["verdict"] == "PASS" else 1
