@@ -68,20 +68,22 @@ def _check_ref(st: DeviceState, ref: SlotRef, where: str, *, live: bool = True):
 def seed(st: DeviceState, ref: SlotRef, first_token: int, drafts, *, prompt_len: int, position_limit: int
          ) -> DeviceState:
     """`_initialize_dspark_device_state`: token row [first token, 7 drafts] and meta
-    [1, generation, prompt_len, prompt_len, 7|0, limit].  Drafts are dropped (draft_count 0, noise
-    tokens) when the first verify window would not fit: anchor + 7 >= limit."""
+    [1, generation, prompt_len, prompt_len, 7|0, limit].  Seeding drafts only when the seed's query
+    block fits: anchor + 7 < limit with anchor = prompt_len - 1; otherwise `drafts` is empty and
+    the slot starts with draft_count 0 (noise tokens), so its first verify falls back."""
     where = "dspark seed"
     _check_ref(st, ref, where, live=False)
     if not 0 < prompt_len < position_limit:
         raise AbiError("prompt_len", prompt_len, f"1..{position_limit - 1} (the first token needs a position)",
                        where=where)
     drafts = np.asarray(drafts, np.int64).reshape(-1)
-    fits = prompt_len + K < position_limit
-    if fits and drafts.shape != (K,):
-        raise AbiError("drafts", drafts.tolist(), f"{K} draft ids", where=where)
+    fits = prompt_len - 1 + K < position_limit
+    if drafts.size and (not fits or drafts.shape != (K,)):
+        raise AbiError("drafts", drafts.tolist(), f"{K} draft ids when prompt_len - 1 + 7 < {position_limit}, "
+                       "else none", where=where)
     toks, meta = st.tokens.copy(), st.meta.copy()
-    toks[ref.group, ref.lease] = np.concatenate([[first_token], drafts if fits else np.full(K, st.noise_token)])
-    meta[ref.group, ref.lease] = (1, ref.generation, prompt_len, prompt_len, K if fits else 0, position_limit)
+    toks[ref.group, ref.lease] = np.concatenate([[first_token], drafts if drafts.size else np.full(K, st.noise_token)])
+    meta[ref.group, ref.lease] = (1, ref.generation, prompt_len, prompt_len, K if drafts.size else 0, position_limit)
     return replace(st, tokens=toks, meta=meta)
 
 

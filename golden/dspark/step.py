@@ -249,7 +249,7 @@ def seed_wave(g: Golden, run: Run, wave) -> None:
         if sorted(s.tail) != want:
             raise AbiError("tail", (min(s.tail), max(s.tail)) if s.tail else None,
                            f"positions [{want[0]}, {a}] (the last 128 prompt rows)", where=s.req.request_id)
-        if L + QW >= g.max_model_len:              # the first verify window would not fit: no drafts
+        if a + QW >= g.max_model_len:              # the seed's query block would not fit: no drafts
             run.state = seed(run.state, s.ref, s.current, [], prompt_len=L, position_limit=g.max_model_len)
             continue
         row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=owner_rank(s, g.tp))
