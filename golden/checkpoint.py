@@ -176,7 +176,8 @@ class SyntheticCheckpoint:
         rng = self._rng(*key, name)
         c = self.cfg
         if dtype == "i8":
-            w = rng.integers(-127, 128, size=shape, dtype=np.int8)
+            n = int(np.prod(shape))          # random bytes are ~10x faster than integers(); -128 -> -127
+            w = np.maximum(np.frombuffer(rng.bytes(n), np.int8), -127).reshape(shape)
             if name in IN_OUT:      # ABI [in, out]: one scale per column
                 return w, (rng.uniform(0.8, 1.2, size=shape[-1]) / (73.3 * np.sqrt(shape[0]))).astype(np.float32)
             scale = (rng.uniform(0.8, 1.2, size=shape[:-1]) / (73.3 * np.sqrt(shape[-1]))).astype(np.float32)

@@ -31,6 +31,19 @@ from twin.abi import constants as C
 from twin.abi.errors import AbiError
 
 MODES = ("device", "exact", "official")
+_RECORDERS: list = []
+
+
+class MatmulRecorder(list):
+    """Collects ("f" | "i", a.shape, b.shape) of every GEMM the kernels run inside the `with`
+    (benchmarks replay them alone to measure the overhead around the GEMMs)."""
+
+    def __enter__(self):
+        _RECORDERS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _RECORDERS.remove(self)
 BF16 = ml_dtypes.bfloat16
 FP8 = ml_dtypes.float8_e4m3fn
 FP4 = ml_dtypes.float4_e2m1fn
@@ -129,6 +142,12 @@ class Numerics:
         sq = xp.float32(C.INT8_SCALE_MAX) / amax
         return self.asf(xp.rint(x * sq)), self.asf(xp.float32(1.0) / sq)
 
+    def mm(self, a, b):
+        """A float GEMM in the compute dtype (recorded when a `MatmulRecorder` is active)."""
+        if _RECORDERS:
+            _RECORDERS[-1].append(("f", tuple(a.shape), tuple(b.shape)))
+        return a @ b
+
     def int_mm(self, a, b):
         """A GEMM of integer-valued operands with an exact int32 accumulator, widened to f32.
 
@@ -137,6 +156,8 @@ class Numerics:
         if self.mode != "device":
             return self.asf(a) @ self.asf(b)
         # f32 GEMMs are exact on K <= 1024 slices (|sum| < 2^24); the slices add in f64
+        if _RECORDERS:
+            _RECORDERS[-1].append(("i", tuple(a.shape), tuple(b.shape)))
         xp = self.xp
         a32, b32 = xp.asarray(a).astype(xp.float32), xp.asarray(b).astype(xp.float32)
         K = a32.shape[-1]

@@ -236,16 +236,16 @@ def alloc_caches(cfg, pages: dict, nm, layers=None) -> list[dict]:
     return out
 
 
-def blocks_needed(cfg, max_len: int) -> dict:
+def blocks_needed(cfg, max_len: int, chunk: int | None = None) -> dict:
     """Pages per request for a sequence of max_len tokens: rings as the serving formula sizes them
-    (window + one in-flight chunk of max_len), full-history families ceil(max_len / 128)."""
-    return {f.name: f.max_blocks_per_seq(max_len, max_len) for f in cache_families(cfg)}
+    (window + one in-flight chunk, default max_len), full-history families ceil(max_len / 128)."""
+    return {f.name: f.max_blocks_per_seq(max_len, chunk or max_len) for f in cache_families(cfg)}
 
 
-def assign_blocks(cfg, n_requests: int, max_len: int, *, rng=None, spare: int = 0):
+def assign_blocks(cfg, n_requests: int, max_len: int, *, rng=None, spare: int = 0, chunk: int | None = None):
     """Distinct block ids per request and family; `rng` permutes the physical ids.
     Returns (blocks per request, pages per family)."""
-    need = blocks_needed(cfg, max_len)
+    need = blocks_needed(cfg, max_len, chunk)
     pages = {n: k * n_requests + spare for n, k in need.items()}
     out = [dict() for _ in range(n_requests)]
     for name, k in need.items():

@@ -23,8 +23,8 @@ EXCLUDE, ZERO = "exclude", "zero"     # how a missing (unmapped) state row enter
 def compress_project(x, wkv, wgate, ape, positions, *, ratio, nm):
     """kv and score projections [T, OUT] (f32, not rounded); ape indexed by position mod ratio."""
     xf = nm.asf(x)
-    kvp = xf @ nm.asf(wkv).T
-    scp = xf @ nm.asf(wgate).T + nm.asf(ape)[positions % ratio]
+    kvp = nm.mm(xf, nm.asf(wkv).T)
+    scp = nm.mm(xf, nm.asf(wgate).T) + nm.asf(ape)[positions % ratio]
     return nm.r32(kvp), nm.r32(scp)             # f32 rows: the same bits as the state pool holds
 
 
@@ -110,7 +110,7 @@ def indexer_compressor(x, positions, req, first_pos, inner_state, state_block_ta
     sel, is_b = boundary_selection(positions, 4, nm)
     pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
     y = nm.bf16(rope_tail(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm))
-    y = nm.bf16(y @ nm.asf(hadamard))
+    y = nm.bf16(nm.mm(y, nm.asf(hadamard)))
     if nm.mode == "device":
         y_q, dq = nm.q8(y)
     else:

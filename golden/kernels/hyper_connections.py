@@ -12,7 +12,7 @@ def _mixes(x_hc, fn, nm, eps):
     """m = rsqrt(mean(x_flat^2) + eps) * (fn . x_flat): the linear runs before the rms factor."""
     x = nm.asf(x_hc)
     flat = x.reshape(x.shape[0], -1)
-    return rms_scale(flat, nm, eps) * (flat @ nm.asf(fn).T)
+    return rms_scale(flat, nm, eps) * nm.mm(flat, nm.asf(fn).T)
 
 
 def sinkhorn(logits, iters: int, hc_eps: float, nm):
@@ -57,7 +57,7 @@ def hc_post(x, residual, post, comb, *, cfg, nm):
     xp = nm.xp
     hc = cfg.hc_mult
     c = comb.reshape(-1, hc, hc)
-    y = post[:, :, None] * nm.asf(x)[:, None, :] + c.transpose(0, 2, 1) @ nm.asf(residual)
+    y = post[:, :, None] * nm.asf(x)[:, None, :] + nm.mm(c.transpose(0, 2, 1), nm.asf(residual))
     return nm.bf16(y) if nm.mode == "official" else nm.r32(y)
 
 

@@ -19,7 +19,7 @@ def index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx
     q = nm.int_mm(qr, csa_idx_wq_b) * qr_scale * nm.asf(csa_idx_wq_b_scale)
     q = q.reshape(T, cfg.index_n_heads, cfg.index_head_dim)
     q = nm.bf16(rope_tail(q, rope_cos[:, None, :], rope_sin[:, None, :], nm))
-    q = q @ nm.asf(csa_hadamard_idx)
+    q = nm.mm(q, nm.asf(csa_hadamard_idx))
     if nm.mode == "device":
         return nm.q8(q)
     return nm.fp4(q), nm.xp.ones(q.shape[:-1] + (1,), nm.f)
@@ -34,7 +34,7 @@ def lightning_indexer(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_wei
     IK = cfg.index_topk
     q_i8, q_scale = index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx,
                                 rope_cos, rope_sin, cfg=cfg, nm=nm)
-    w = nm.r32((nm.asf(x) @ nm.asf(csa_weights_proj)) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5))
+    w = nm.r32(nm.mm(nm.asf(x), nm.asf(csa_weights_proj)) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5))
     visible = xp.minimum(xp.minimum(cache_lens[req], (positions + 1) // 4), cap)
     if n_candidates is None:
         n_candidates = max(int(visible.max()) if T else 1, 1)
@@ -51,7 +51,7 @@ def lightning_indexer(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_wei
         slot = xp.where(ok, ent * rpp + c[None, :] % rpp, -1)
         k = nm.asf(nm.get_rows(idx_kv_cache, slot))                      # [t, C, IHD]
         ks = nm.asf(nm.get_rows(idx_kv_scale, slot))[..., 0]             # [t, C]
-        dots = q_i8[lo:hi] @ k.transpose(0, 2, 1)                        # exact: |sum| < 2^24
+        dots = nm.mm(q_i8[lo:hi], k.transpose(0, 2, 1))                        # exact: |sum| < 2^24
         s = xp.sum(xp.maximum(dots * q_scale[lo:hi] * ks[:, None, :], 0.0) * w[lo:hi, :, None], axis=1)
         keep = ok & (c[None, :] < visible[lo:hi, None])
         return xp.where(keep, nm.r32(s), FP32_NEG_INF)

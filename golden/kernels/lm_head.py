@@ -10,7 +10,7 @@ def lm_head(hidden_states, lm_head_weight, logit_row_indices, *, nm):
     src = xp.asarray(logit_row_indices)
     T = hidden_states.shape[0]
     h = nm.asf(hidden_states)[xp.clip(src, 0, T - 1)]
-    logits = h @ nm.asf(lm_head_weight).T
+    logits = nm.mm(h, nm.asf(lm_head_weight).T)
     return xp.where((src >= 0)[:, None], nm.r32(logits), 0.0)
 
 

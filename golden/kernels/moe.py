@@ -24,10 +24,10 @@ def gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, 
     xg = x * nm.asf(norm_w)
     if nm.mode == "official":         # official routes the bf16 ffn_norm output (§7 #8)
         xn = nm.bf16(xg * inv_rms)
-        logits = xn @ nm.asf(gate_w).T
+        logits = nm.mm(xn, nm.asf(gate_w).T)
         x_i8, x_scale = nm.q8(xn)
     else:
-        logits = inv_rms * (xg @ nm.asf(gate_w).T)
+        logits = inv_rms * nm.mm(xg, nm.asf(gate_w).T)
         x_i8, dq = nm.q8(xg)
         x_scale = dq * inv_rms
     x_scale = nm.r32(x_scale)

@@ -15,12 +15,12 @@ def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos,
     eps = cfg.rms_norm_eps
     T = x.shape[0]
     H, HD = cfg.num_attention_heads, cfg.head_dim
-    qr_f = rmsnorm_f(nm.act(x) @ nm.asf(wq_a), gamma_cq, nm, eps)          # f32, not rounded
+    qr_f = rmsnorm_f(nm.mm(nm.act(x), nm.asf(wq_a)), gamma_cq, nm, eps)          # f32, not rounded
     qr, qr_scale = nm.q8(qr_f)
     q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
     q = rmsnorm_f(q.reshape(T, H, HD), None, nm, eps)                        # per-head, unweighted
     q = nm.bf16(rope_tail(q, rope_cos[:, None, :], rope_sin[:, None, :], nm))
-    kv = rmsnorm_f(nm.act(x) @ nm.asf(wkv), gamma_ckv, nm, eps)
+    kv = rmsnorm_f(nm.mm(nm.act(x), nm.asf(wkv)), gamma_ckv, nm, eps)
     kv = rope_tail(kv, rope_cos, rope_sin, nm)
     if nm.mode == "official":                                                # FP8 nope part (§7 #7)
         R = cfg.qk_rope_head_dim

@@ -44,14 +44,14 @@ def attend(q, K, valid, attn_sink, *, cfg, nm, tile=TILE):
     xp = nm.xp
     T, N, HD = K.shape
     nt = N // tile
-    s = (nm.asf(q) @ K.transpose(0, 2, 1)) * cfg.softmax_scale
+    s = nm.mm(nm.asf(q), K.transpose(0, 2, 1)) * cfg.softmax_scale
     v = valid.reshape(T, 1, nt, tile)
     s = xp.where(v, s.reshape(T, -1, nt, tile), NEG_INF_ATTN)
     m = xp.max(s, axis=-1)
     e = xp.where(v, xp.exp(s - m[..., None]), 0.0)
     l_t = xp.sum(e, axis=-1)
     p = e if nm.mode == "official" else nm.bf16(e)           # the device rounds P to bf16
-    o_t = (p.transpose(0, 2, 1, 3) @ K.reshape(T, nt, tile, HD)).transpose(0, 2, 1, 3)
+    o_t = nm.mm(p.transpose(0, 2, 1, 3), K.reshape(T, nt, tile, HD)).transpose(0, 2, 1, 3)
     any_t = xp.any(v, axis=-1)                               # [T, 1, nt]
     has = xp.any(any_t, axis=-1)                             # [T, 1]
     M = xp.max(xp.where(any_t, m, -xp.inf), axis=-1)
