@@ -77,6 +77,9 @@ def main() -> None:
     out["scaling"] = {"small": a, "large": b, "request_ratio": big / small,
                       "wall_ratio": b["engine_wall_s"] / a["engine_wall_s"],
                       "wall_per_request_ratio": (b["engine_wall_s"] / big) / (a["engine_wall_s"] / small),
+                      "wall_per_request_step_ratio": (b["saturated"]["wall_us_per_request_step"]
+                                                      / a["saturated"]["wall_us_per_request_step"])
+                      if a.get("saturated") and b.get("saturated") else None,
                       "target": "wall_ratio ~= request_ratio (linear)"}
     print(json.dumps(out, indent=2))
 
