@@ -3,7 +3,8 @@
 Per TP group one replica of `kv_caches [3 layers, 512 blocks, 32, 1, HD]` (the four ranks of the
 group hold identical copies; golden keeps one).  Position p of lease L in draft layer l lives in
 physical block `lease_block(L, p // 32, l)`, row p % 32; padding rows use the filler ring at blocks
-384..389, which no lease reaches.  Slots are -1 where nothing may be written.
+384..389, which no lease reaches.  The ring formulas are the lowering's (twin.abi.lowering.drafter),
+so the golden writes exactly where a lowered dispatch says.  Slots are -1 where nothing is written.
 """
 from __future__ import annotations
 
@@ -11,29 +12,24 @@ import numpy as np
 
 from twin.abi import constants as C
 from twin.abi.errors import AbiError
+from twin.abi.lowering.drafter import filler_ring_table, lease_ring_table, lease_slot
 
 
 def ring_slots(lease: int | None, positions, draft_layer: int) -> np.ndarray:
-    """Flat pool rows of `positions` in `lease`'s ring (lease None: the filler ring); -1 stays -1.
-
-    Vectorised `twin.abi.caches.lease_block` / `filler_block` (the tests pin the equality)."""
+    """Flat pool rows of `positions` in `lease`'s ring (lease None: the filler ring); -1 stays -1."""
     pos = np.asarray(positions, np.int64)
-    if lease is not None and not 0 <= lease < C.DRAFTER_LEASES_PER_GROUP:
+    if lease is None:
+        blk = C.DRAFTER_FILLER_BLOCK_BASE + (np.where(pos >= 0, pos, 0) // C.BLOCK_SIZE
+                                             + C.DSPARK_QUERY_WIDTH * draft_layer) % C.DRAFTER_BLOCKS_PER_LEASE
+        return np.where(pos >= 0, blk * C.BLOCK_SIZE + pos % C.BLOCK_SIZE, -1)
+    if not 0 <= lease < C.DRAFTER_LEASES_PER_GROUP:
         raise AbiError("lease", lease, f"0..{C.DRAFTER_LEASES_PER_GROUP - 1}", where="drafter ring")
-    lb = np.where(pos >= 0, pos, 0) // C.BLOCK_SIZE
-    n = C.DRAFTER_BLOCKS_PER_LEASE
-    rot = (lb + C.DSPARK_QUERY_WIDTH * draft_layer) % n
-    base = (C.DRAFTER_FILLER_BLOCK_BASE if lease is None else lease * n)
-    phys = base + rot
-    return np.where(pos >= 0, phys * C.BLOCK_SIZE + pos % C.BLOCK_SIZE, -1)
+    return lease_slot(pos, lease, draft_layer)
 
 
 def block_table(lease: int | None, draft_layer: int, depth: int = C.ORI_MAX_BLOCKS) -> np.ndarray:
     """`block_tables[., l, b, :]`: every logical entry filled with the rotating ring ids."""
-    lb = np.arange(depth)
-    n = C.DRAFTER_BLOCKS_PER_LEASE
-    base = C.DRAFTER_FILLER_BLOCK_BASE if lease is None else lease * n
-    return (base + (lb + C.DSPARK_QUERY_WIDTH * draft_layer) % n).astype(np.int32)
+    return filler_ring_table(draft_layer, depth) if lease is None else lease_ring_table(lease, draft_layer, depth)
 
 
 def new_pools(cfg, groups: int, nm) -> list:

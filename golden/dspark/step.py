@@ -19,6 +19,7 @@ import numpy as np
 
 from twin.abi import constants as C
 from twin.abi.errors import AbiError
+from twin.abi.lowering.drafter import seeding_waves
 
 from ..compose import Taps, target_hidden
 from ..numerics import Numerics, numerics
@@ -94,6 +95,11 @@ class Seq:
     @property
     def done(self) -> bool:
         return len(self.generated) >= self.budget
+
+    @property
+    def partition(self) -> int:
+        """The cache partition (= TP group): the name the lowering's seeding waves group by."""
+        return self.group
 
     @property
     def ref(self) -> SlotRef:
@@ -194,15 +200,6 @@ def release_lease(run: Run, s: Seq) -> None:
         run.state = release(run.state, s.ref)
         run.free_leases[s.group].append(s.lease)
         s.released = True
-
-
-def seeding_waves(seqs) -> list[list]:
-    """Wave w holds the w-th completed request of every group; order within a group is kept."""
-    by_group: dict[int, list] = {}
-    for s in seqs:
-        by_group.setdefault(s.group, []).append(s)
-    n = max((len(v) for v in by_group.values()), default=0)
-    return [[v[w] for _, v in sorted(by_group.items()) if w < len(v)] for w in range(n)]
 
 
 def prefill_and_seed(g: Golden, run: Run, *, k: int, chunk: int | None = None) -> None:
