@@ -110,8 +110,8 @@ def compare_readable(cfg, run_a, run_b, seq_a, seq_b, *, exact: bool):
             assert np.abs(a).max() < SENTINEL / 2, (name, layer)
             if exact:
                 np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=f"{name} layer {layer}")
-            else:
-                np.testing.assert_array_equal(a, b, err_msg=f"{name} layer {layer}")
+            else:       # batch shape may move an f32 sum across a bf16 rounding boundary: one ulp
+                np.testing.assert_allclose(a, b, rtol=2.0 ** -7, atol=1e-6, err_msg=f"{name} layer {layer}")
             n += a.size
     return n
 
