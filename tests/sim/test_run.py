@@ -221,3 +221,25 @@ def test_prefill_hang_fault_model_aborts_in_flight_work():
     assert res.sim_s >= 30.0
     with pytest.raises(ValueError, match="prefill_hang_probability"):
         SimConfig(cfg.dep, prefill_hang_probability=2.0)
+
+
+def test_risk_scan_reads_steps_dispatches_and_events():
+    from types import SimpleNamespace
+
+    from twin.sim import risk
+
+    rec = SimpleNamespace(partitions=4, dispatches=[
+        (1, "prefill", 0.0, 0.1, {"requests_per_group": [2, 1, 0, 0]}, {}),
+        (2, "decode", 0.1, 0.1, {"requests_per_group": [3, 3, 3, 3]}, {}),
+        (3, "decode", 0.2, 0.1, {"requests_per_group": [3, 0, 3, 3]}, {}),
+    ], steps=[(1, 0.0, 0, 0, 0, 0, 0, (65, 1, 1, 1))],
+        events=[(0.3, "preempt", "a", {"outputs": 2, "by": "b", "partition": 0}),
+                (0.3, "preempt", "c", {"outputs": 0, "by": "b", "partition": 0}),
+                (0.4, "stop_in_chunk", "d", {"at_output": 3, "chunk": 8})])
+    flags = risk.scan(rec, ep=16)
+    counts = flags.risk.value_counts().to_dict()
+    assert counts == {"ep16_prefill": 1, "packed_prefill_q_gt1": 1, "idle_tp_groups": 1, "active_group_drop": 1,
+                      "partition_over_64": 1, "preempt_with_outputs": 1, "stop_in_chunk": 1}
+    assert risk.scan(rec, ep=8).risk.value_counts().get("packed_prefill_q_gt1", 0) == 0
+    summ = risk.summarize(flags)
+    assert summ.set_index("risk").loc["worker_error", "count"] == 0

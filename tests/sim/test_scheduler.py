@@ -233,3 +233,24 @@ def test_config_errors_name_the_argument():
         SchedulerConfig(8192, 16, 128, 1024, 7, async_depth=3)
     with pytest.raises(ValueError, match="stop_check"):
         SchedulerConfig(8192, 16, 128, 1024, 7, stop_check="middle")
+
+
+def test_partition_overflow_exhausts_the_groups_leases():
+    # serving-contract §10.2 item 1: with the other partitions page-full, short requests pile into
+    # the one with room; past 64 live requests the worker's lease reservation fails
+    s, _ = make_sched(slots=64, max_num_seqs=256)
+    for p in (1, 2, 3):
+        i = 0
+        while True:
+            try:
+                s.kv.ensure(f"fill{p}.{i}", 1024, partition=p)
+            except Exception:
+                break
+            i += 1
+    for i in range(70):
+        s.add_request(req(f"r{i}", plen=16, out=4))
+    cmd = s.schedule()
+    assert {it.partition for it in cmd.prefill.items} == {0}
+    assert s.kv.load[0] == 70
+    assert cmd.error == "drafter leases exhausted for TP group 0"
+    assert sum(it.lease is not None for it in cmd.prefill.items) == 64
