@@ -92,15 +92,20 @@ def test_drafter_and_markov_as_16_ranks(mode):
     np.testing.assert_array_equal(d2, d1)
 
 
-def test_a_k7_generation_as_16_ranks_equals_one_rank():
+@pytest.mark.parametrize("topo,groups,spec", [
+    ((4, 16), 4, [(9, 12), (30, 10), (5, 14), (17, 8), (12, 9)]),
+    ((4, 4), 1, [(9, 6), (30, 5), (5, 7)]),                # reduced topologies of the small presets
+    ((1, 1), 1, [(9, 6), (12, 5)]),
+])
+def test_a_k7_generation_as_ranks_equals_one_rank(topo, groups, spec):
     """Every dispatch of the run (prefill, seeding waves, fused steps) through the emulation."""
     rng = np.random.default_rng(5)
     reqs = [S.Request(f"r{i}", tuple(int(t) for t in rng.integers(0, CFG.vocab_size, L)), n)
-            for i, (L, n) in enumerate([(9, 12), (30, 10), (5, 14), (17, 8), (12, 9)])]
+            for i, (L, n) in enumerate(spec)]
     runs = []
-    for par in (None, RankEmulation(layout_for(CFG), "ordered")):
+    for par in (None, RankEmulation(layout_for(CFG, *topo), "ordered")):
         kw = {} if par is None else {"par": par}
-        g = S.Golden(CFG, CK, DK, nm="exact", max_model_len=48, groups=4, **kw)
+        g = S.Golden(CFG, CK, DK, nm="exact", max_model_len=48, groups=groups, **kw)
         runs.append(S.generate(g, reqs, k=7))
     a, b = runs
     assert S.outputs(a) == S.outputs(b)
@@ -112,3 +117,11 @@ def test_a_k7_generation_as_16_ranks_equals_one_rank():
         np.testing.assert_array_equal(pa, pb)
     np.testing.assert_array_equal(a.state.tokens, b.state.tokens)
     np.testing.assert_array_equal(a.state.meta, b.state.meta)
+    ranks_used = {r for _, r, _ in par.trace}
+    assert ranks_used <= set(range(topo[1])) and len(ranks_used) == min(topo[1], 4 * groups)
+
+
+def test_the_emulated_topology_must_match_the_run():
+    from twin.abi.errors import AbiError
+    with pytest.raises(AbiError, match="groups"):
+        S.Golden(CFG, CK, DK, nm="exact", max_model_len=48, groups=1, par=RankEmulation(layout_for(CFG)))
