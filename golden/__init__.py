@@ -1,0 +1,53 @@
+"""golden: the DeepSeek-V4-Flash DSpark target model as NumPy / JAX reference kernels.
+
+Contract: /work/shared/reference/kernel-math.md (K1-K19, §3, §5).  Imports only `twin.abi`.
+
+Numerics (`golden.numerics`)
+    Numerics("device" | "exact" | "official", xp=numpy)  - mode + array namespace, passed as `nm=`.
+    device: bf16 storage, W8A8 per-row INT8 (amax floor 1e-4, 127, half-even), f32 rounding points,
+    in-kernel sums carried in float64 and rounded once (batch- and padding-invariant bits);
+    exact: float64, no rounding; official: FP8 e4m3 / FP4 e2m1 block round trips with ue8m0 scales.
+
+Kernels (`golden.kernels.<family>`; ABI argument names; functions, state in and out)
+    embedding.lookup_embedding       rmsnorm.rms_norm
+    hyper_connections.hc_pre / hc_post / hc_head / sinkhorn
+    rope.rope_rows / rope_rotate / rope_tail / inv_freq (swa and YaRN compress profiles)
+    qkv_proj_rope.qkv_proj_rope      -> q, kv, qr (int8 values), qr_scale
+    compressor.compressor (ratio 4 overlapping / ratio 128) and .indexer_compressor (INT8 + scale)
+    indexer.lightning_indexer        -> score, topk_idxs (offset 0, -1 padded)
+    sparse_attention.sparse_attention (+ hca_rows, csa_rows visibility helpers)
+    o_proj.o_proj / o_proj_partial / pack_groups
+    moe.gate / swiglu_expert / shared_expert / routed_expert / moe_experts (grouped dispatch)
+    lm_head.lm_head / greedy_sample (first maximum) / sampled_ids_pad
+
+Paged caches (`golden.paged`)
+    Span(request, start, input_ids, blocks_by_family, commit=None)
+    lower(cfg, spans, form="prefill"|"decode") -> StepMeta (slot mappings, tables, window indices,
+        the ABI's -1 conventions, serving-contract.md §6.1)
+    alloc_caches(cfg, pages, nm) -> [per-layer {pool name: array}], ABI layout and dtypes
+    assign_blocks(cfg, n_requests, max_len, rng=...) -> distinct (optionally permuted) block ids
+
+Compositions (`golden.compose`)
+    forward(ckpt, meta, caches, cfg=, nm=, taps=) -> ForwardOut(logits, sampled, caches, x_hc, taps)
+    prefill_fwd(ckpt, caches, spans, ...)   packed, chunked, against each request's resident prefix
+    decode_fwd(ckpt, caches, spans, ...)    S rows per request, logits for every row
+    layer_step / attention_sublayer / moe_sublayer / final_head   the per-layer pieces
+    Taps(stages=None): (layer, stage) -> array; stages attn_in, x_mixed, x_norm, q, kv, cmp_kv,
+        idx_topk, attn, attn_out, attn_x_hc, ffn_x_mixed, moe_indices, moe_weights, ffn_out, x_hc;
+        ("head", hidden | x_norm | logits)
+    target_hidden(taps, model, cfg=, nm=, tap="hc_head_of_outputs" | "mean_of_inputs") -> [T, 3D]
+    Session(ckpt, cfg, nm, n_requests, max_len, seed=None).run({request: ids}, form)  (driver)
+
+Weights (`golden.checkpoint`)
+    SyntheticCheckpoint(cfg, seed)  .model() .layer(l) .expert(l, e)  (lazy, seeded per tensor)
+    SafetensorsCheckpoint(dir, cfg) same protocol over a real checkpoint directory (official names,
+        W8A8: int8 `.weight` + f32 `.weight_scale`); save_checkpoint(ckpt, dir); real_names(cfg)
+
+JAX (`golden.jax_path`)
+    JaxGolden(ckpt, cfg, mode).forward(meta, caches)  - jit per layer kind, same results
+
+Building on it (Golden II): run `forward` with `Taps(stages=["attn_in", "x_hc"])`, take
+`target_hidden(...)` for the drafter input, call `layer_step` for draft layers with your own
+caches, and `final_head` / `lm_head` + `greedy_sample` for the heads.  Caches are plain per-layer
+dicts: pass them in, take the returned ones.
+"""

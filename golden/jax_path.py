@@ -5,8 +5,9 @@ Compute is float64 as in NumPy (kernel-math rounding points are explicit), so ev
 under `jax.enable_x64(True)` — a scoped setting, restored on exit; nothing global is changed.
 What NumPy decides from data (which tokens are boundaries, how many candidates a call has), JAX
 takes as static shapes: every token is pooled and masked, candidate counts are the call's maxima
-(part of the jit cache key).  The routed experts run as grouped GEMMs (`jax.lax.ragged_dot`) over
-routes sorted by expert.
+(part of the jit cache key).  The routed experts run densely (every expert on every row, then
+each route picks its row): on CPU that beats gathers and `jax.lax.ragged_dot` (a dense GEMM per
+group) at small-preset sizes; it is E/K times the routed work, so FLASH layers stay on NumPy.
 
     jg = JaxGolden(ckpt, cfg, "device")
     out = jg.forward(meta, caches)            # same signature and result as compose.forward
@@ -29,40 +30,41 @@ from .paged import PREFILL, StepMeta
 EXPERT_KEYS = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
 
 
-def _route_mm(x, w, ex, nm):
-    """y[m] = W[ex[m]] . x[m] for integer-valued x and int8 W [E, N, K]: the route's weights are
-    gathered (int8) and the products summed in f32 slices of <= 1024 (exact), slices in f64.
-    (jax.lax.ragged_dot lowers to a dense GEMM per group on CPU: E times the work.)"""
+def _expert_mm(x, w, nm):
+    """[E, T, N] = x . W_e^T for every expert: integer-valued x [T, K] or [E, T, K], int8 W [E, N, K];
+    f32 GEMMs on K slices of <= 1024 (exact), slices added in the compute dtype."""
     from .numerics import EXACT_F32_K
     xp = nm.xp
     if nm.mode != "device":
-        return xp.einsum("mk,mnk->mn", x, nm.asf(w)[ex])
-    x32, wg = x.astype(xp.float32), w[ex]
+        spec = "tk,enk->etn" if x.ndim == 2 else "etk,enk->etn"
+        return xp.einsum(spec, nm.asf(x), nm.asf(w))
+    x32, w32 = x.astype(xp.float32), w.astype(xp.float32)
+    spec = "tk,enk->etn" if x.ndim == 2 else "etk,enk->etn"
     out = 0.0
     for k0 in range(0, x.shape[-1], EXACT_F32_K):
-        out = out + xp.einsum("mk,mnk->mn", x32[:, k0:k0 + EXACT_F32_K],
-                              wg[:, :, k0:k0 + EXACT_F32_K].astype(xp.float32)).astype(nm.f)
+        out = out + xp.einsum(spec, x32[..., k0:k0 + EXACT_F32_K], w32[..., k0:k0 + EXACT_F32_K]).astype(nm.f)
     return out
 
 
-def moe_grouped_jax(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
-    """Grouped dispatch on JAX: routes sorted by expert (stable), one ragged GEMM per matrix."""
+def moe_dense_jax(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
+    """The MoE on JAX: every expert on every row (dense batched GEMMs, E/K times the routed work,
+    which on a small preset beats any gather or ragged GEMM on CPU), then each route (t, k) picks
+    its expert's row.  The routing weight multiplies after the w2 GEMM, on the dequant scale, as
+    on the device, so the rounding points are those of the NumPy grouped dispatch."""
     xp = nm.xp
     T, K = indices.shape
-    E, lim = cfg.n_routed_experts, cfg.swiglu_limit
+    lim = cfg.swiglu_limit
     sh = shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm)
-    flat = indices.reshape(-1)
-    order = xp.argsort(flat, stable=True)
-    rows, ex = order // K, flat[order]
-    x = nm.asf(x_i8)[rows]
-    g = _route_mm(x, expert["routed_w1"], ex, nm) * x_scale[rows] * nm.asf(expert["routed_w1_scale"])[ex]
-    u = _route_mm(x, expert["routed_w3"], ex, nm) * x_scale[rows] * nm.asf(expert["routed_w3_scale"])[ex]
+    g = _expert_mm(x_i8, expert["routed_w1"], nm) * x_scale[None] * nm.asf(expert["routed_w1_scale"])[:, None, :]
+    u = _expert_mm(x_i8, expert["routed_w3"], nm) * x_scale[None] * nm.asf(expert["routed_w3_scale"])[:, None, :]
     g = xp.minimum(nm.r32(g), lim)
     u = xp.clip(nm.r32(u), -lim, lim)
-    h_i8, h_dq = nm.q8(g / (1.0 + xp.exp(-g)) * u)
-    y = _route_mm(h_i8, expert["routed_w2"], ex, nm) * (h_dq * weights.reshape(-1)[order][:, None])
-    y = nm.bf16(y * nm.asf(expert["routed_w2_scale"])[ex])
-    routed = xp.zeros((T * K, y.shape[1]), y.dtype).at[order].set(y).reshape(T, K, -1)
+    h_i8, h_dq = nm.q8(g / (1.0 + xp.exp(-g)) * u)                  # [E, T, I], [E, T, 1]
+    y = _expert_mm(h_i8, expert["routed_w2"], nm)                   # [E, T, D]
+    rows = xp.arange(T)[:, None]
+    sel = y[indices, rows]                                          # [T, K, D]
+    dq = h_dq[indices, rows] * weights[..., None]
+    routed = nm.bf16(sel * dq * nm.asf(expert["routed_w2_scale"])[indices])
     out = nm.asf(sh)
     for k in range(K):
         out = out + routed[:, k]
@@ -94,7 +96,7 @@ class JaxGolden:
         with jax.enable_x64(True):
             put = lambda d: {k: jnp.asarray(v) for k, v in d.items() if v is not None}
             self.layers = [put(ckpt.layer(l)) for l in range(L)]
-            # a layer's routed experts stacked on a leading expert axis (what ragged_dot consumes)
+            # a layer's routed experts stacked on a leading expert axis (dense expert GEMMs)
             self.experts = [{k: jnp.asarray(np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)]))
                              for k in EXPERT_KEYS} for l in range(L)]
             self.model = put(ckpt.model())
@@ -108,7 +110,7 @@ class JaxGolden:
                 m = dict(m, n_idx_candidates=n_idx, n_hca_rows=n_hca)
                 weights = _Weights({layer_id: w}, {layer_id: ex}, None)
                 return layer_step(x_hc, layer_id, weights, pools, m, rope, cfg=cfg, nm=self.nm, form=form,
-                                  moe=moe_grouped_jax)
+                                  moe=moe_dense_jax)
             # the layer id only selects routing (hash or scored) and the ratio: both are in the key
             self._fns[key] = jax.jit(step, static_argnums=(6,))
         return self._fns[key], key

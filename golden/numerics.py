@@ -75,6 +75,13 @@ def block_round_trip(x, block: int, fmt, fmt_max: float, xp=np):
     return (q * s).reshape(x.shape)
 
 
+def fit_block(x, block: int) -> int:
+    """The official block size, or gcd(block, width) where a small preset's width is not a
+    multiple of it (FLASH widths always are: 4096, 448, 128)."""
+    import math
+    return math.gcd(block, x.shape[-1])
+
+
 @dataclass(frozen=True)
 class Numerics:
     mode: str = "device"
@@ -177,17 +184,17 @@ class Numerics:
     def act(self, x, block: int = 128):
         """Input of an official FP8 linear: block-128 e4m3 round trip in official mode."""
         x = self.asf(x)
-        return block_round_trip(x, block, FP8, FP8_MAX, self.xp) if self.mode == "official" else x
+        return block_round_trip(x, fit_block(x, block), FP8, FP8_MAX, self.xp) if self.mode == "official" else x
 
     def kv_fp8(self, x, block: int = 64):
         """Official FP8 simulation of the non-RoPE KV dims (blocks of 64)."""
         x = self.asf(x)
-        return block_round_trip(x, block, FP8, FP8_MAX, self.xp) if self.mode == "official" else x
+        return block_round_trip(x, fit_block(x, block), FP8, FP8_MAX, self.xp) if self.mode == "official" else x
 
     def fp4(self, x, block: int = 32):
         """Official FP4 e2m1 simulation of the indexer query and key (blocks of 32)."""
         x = self.asf(x)
-        return block_round_trip(x, block, FP4, FP4_MAX, self.xp) if self.mode == "official" else x
+        return block_round_trip(x, fit_block(x, block), FP4, FP4_MAX, self.xp) if self.mode == "official" else x
 
     # ---- functional scatter ----------------------------------------------------------------
     def set_rows(self, pool, slots, rows):

@@ -1,0 +1,35 @@
+"""The `official` numerics mode: the official reference's own FP8 / FP4 round trips."""
+import numpy as np
+
+from golden.compose import Session, Taps, forward
+from golden.numerics import FP8, Numerics
+from golden.paged import Span, lower
+from golden_testlib import rel
+from twin.abi.presets import SMALL
+
+
+def test_official_mode_is_close_to_exact_and_rounds_where_official_does(small_ckpt):
+    cfg = SMALL
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 60)
+    out, taps = {}, {}
+    for mode in ("exact", "official", "device"):
+        s = Session(small_ckpt, cfg, mode, 1, 64)
+        taps[mode] = Taps(stages=["kv", "x_hc"])
+        out[mode] = forward(small_ckpt, lower(cfg, [Span(0, 0, tuple(ids), s.blocks[0])], logits="all"), s.caches,
+                            cfg=cfg, nm=s.nm, taps=taps[mode]).logits
+    ex, off = out["exact"], out["official"]
+    cos = np.sum(ex * off, -1) / np.linalg.norm(ex, axis=-1) / np.linalg.norm(off, axis=-1)
+    dv = out["device"]
+    cos_dv = np.sum(ex * dv, -1) / np.linalg.norm(ex, axis=-1) / np.linalg.norm(dv, axis=-1)
+    # FP8 e4m3 keeps 3 mantissa bits on every linear's input: coarser than W8A8, so further from exact
+    assert np.median(cos) > 0.9 and np.median(cos_dv) > np.median(cos) and 0 < rel(off, ex)
+    # the non-RoPE KV dims sit on the FP8 e4m3 grid with a power-of-two scale per block (gcd(64, 96) = 32)
+    R = cfg.qk_rope_head_dim
+    kv = taps["official"][(2, "kv")][:, :-R].reshape(60, -1, 32)
+    scale = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(kv).max(-1, keepdims=True), 1e-4) / 448.0))
+    q = kv / scale
+    assert np.array_equal(q.astype(FP8).astype(np.float64), q)
+    # official rounds every hc_post output (the residual streams) to bf16; pypto keeps f32
+    x = taps["official"][(3, "x_hc")]
+    assert np.array_equal(Numerics("device").bf16(x), x)
+    assert not np.array_equal(Numerics("device").bf16(taps["device"][(3, "x_hc")]), taps["device"][(3, "x_hc")])
