@@ -98,6 +98,9 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
             lim = slo[key] / 1e3
             good = good[good[key].isna() | (good[key] <= lim)] if key == "tpot" else good[good[key] <= lim]
     p = rec.prefix
+    live = np.array([st[7] for st in rec.steps], dtype=float).reshape(len(rec.steps), rec.partitions)
+    occ = {"mean_live_per_group": live.mean(axis=0).tolist() if len(live) else [],
+           "max_live_per_group": live.max(axis=0).astype(int).tolist() if len(live) else []}
     return {
         "completed": int(len(done)), "failed": int(len(req_df) - len(done)),
         "finish_reasons": req_df["finish"].value_counts().to_dict(),
@@ -110,6 +113,7 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
         "acceptance": acceptance(rec),
         "prefix_cache": {**p, "hit_rate": (p["hits"] / p["queries"]) if p["queries"] else 0.0,
                          "token_hit_rate": (p["hit_tokens"] / p["query_tokens"]) if p["query_tokens"] else 0.0},
+        "occupancy": occ,
         "preemptions": int(sum(1 for e in rec.events if e[1] == "preempt")),
         "dropped_tokens": int(req_df["dropped_tokens"].sum()) if len(req_df) else 0,
     }
