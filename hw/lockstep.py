@@ -156,6 +156,7 @@ class LockstepRun:
         if not entries:
             if self.store:
                 self.store.truncate(0)
+                self.store.put_initial(self.initial)
             return entries, dev, gold
         if self.store is None:
             raise AbiError("resume", str(self.dir), "a run directory with records (record=True)", where="lockstep")
@@ -163,19 +164,16 @@ class LockstepRun:
         if len(recs) < len(entries):
             raise AbiError("records", len(recs), f">= {len(entries)} (one per report line)", where=str(self.dir))
         self.store.truncate(len(entries))
-        for rec in recs[: len(entries)]:
+        recs = recs[: len(entries)]
+        for rec in recs:
             d = wl.next_dispatch()
             want = None if d is None else {k: content_hash(np.asarray(v)) for k, v in d.args.items()}
             if d is None or d.program != rec.program or want != rec.inputs:
                 raise AbiError("dispatch", rec.index, "the same dispatch the record holds (the workload, weights "
                                "or code changed since the run began)", where="lockstep resume")
             wl.observe(d, self.store.get_all({k: h for k, h in rec.outputs.items() if not k.startswith("tap:")}))
-        last_dev, last_gold = {}, {}
-        for rec in recs[: len(entries)]:
-            last_dev.update(rec.state_after)
-            last_gold.update(rec.golden_state_after)
-        dev.update(self.store.get_all(last_dev))
-        gold.update(self.store.get_all(last_gold))
+        for _, _, dev, gold in self.store.states(recs, with_before=False):
+            pass
         return entries, dev, gold
 
     def run(self, steps: int, progress: Callable | None = None) -> dict:
@@ -201,8 +199,8 @@ class LockstepRun:
                                                                                          ("markov", "sample")], r.taps)}
                 rec = Record(index=chk.entry["index"], program=d.program, meta=dict(d.meta),
                              inputs=self.store.put_all(dict(d.args)), outputs=self.store.put_all(outs),
-                             state_before=self.store.put_all({k: dev[k] for k in r.state}),
-                             state_after=self.store.put_all(r.state), golden_state_after=self.store.put_all(new_gold),
+                             state_delta={k: self.store.put_delta(dev[k], v) for k, v in r.state.items()},
+                             golden_state_delta={k: self.store.put_delta(gold[k], v) for k, v in new_gold.items()},
                              weights=self.weights.fingerprint)
                 self.store.append(rec)
             if self.crash_after is not None and len(entries) == self.crash_after:
@@ -225,18 +223,17 @@ class LockstepRun:
 def replay(run_dir, geo: Geometry, golden, policy: Policy | None = None) -> list[dict]:
     """Offline: re-run every recorded dispatch on the golden from the device's recorded state and
     compare with the device's recorded outputs and state (no device needed)."""
+    from .backend import StepResult
+
     store = RecordStore(Path(run_dir) / "records")
     lock = Lockstep(geo, None, golden, policy)
     out = []
-    for rec in store.records():
+    for rec, before, after, _ in store.states():
         d = Dispatch(rec.program, store.get_all(rec.inputs), rec.meta)
         outs = store.get_all(rec.outputs)
         taps = {tuple(k[4:].split("/")): v for k, v in outs.items() if k.startswith("tap:")}
         dev_out = {k: v for k, v in outs.items() if not k.startswith("tap:")}
-        before = store.get_all(rec.state_before)
-        from .backend import StepResult
-
-        lock.device = _Recorded(StepResult(dev_out, store.get_all(rec.state_after), taps))
+        lock.device = _Recorded(StepResult(dev_out, {k: after[k].copy() for k in rec.state_delta}, taps))
         out.append(lock.check(d, before, before).entry)
     return out
 

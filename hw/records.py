@@ -2,13 +2,18 @@
 
 Layout of a record store:
 
-    blobs/ab/abcdef....npy     one array per content hash (dtype, shape and bytes hashed), written once
-    manifest.jsonl            one line per dispatch: index, program, meta, and name -> hash maps for
-                              inputs, device outputs, state before, device state after, golden
-                              state after, plus the weights fingerprint
+    packs/00000012.bin        the raw bytes of the blobs first stored by dispatch 12, one array per
+                              content hash (dtype, shape and bytes hashed); a blob is stored once
+    index.jsonl               hash -> (pack, byte offset, dtype, shape)
+    initial.json              the pools before the first dispatch (hashes)
+    manifest.jsonl            one line per dispatch: index, program, meta, name -> hash maps for its
+                              inputs and device outputs, the touched state as row deltas (rows the
+                              device changed and their values; the same for the golden), and the
+                              weights fingerprint; any dispatch's state before and after is the
+                              initial pools with the deltas applied in order
 
-A line is appended only after all its blobs are on disk, so a killed writer leaves at most an
-orphan blob, never a line that points at nothing.  Identical tensors (pools that a dispatch did
+A line is appended only after its pack is on disk and indexed, so a killed writer leaves at most
+an orphan pack, never a line that points at nothing.  Identical tensors (pools that a dispatch did
 not change, repeated tables) are stored once.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from twin.abi.errors import AbiError
@@ -26,10 +32,10 @@ from twin.abi.errors import AbiError
 
 def content_hash(a: np.ndarray) -> str:
     a = np.ascontiguousarray(a)
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()            # hardware-accelerated on current CPUs: the fastest strong hash here
     h.update(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.view(np.uint8).reshape(-1) if a.size else b"")
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
 @dataclass
@@ -39,9 +45,8 @@ class Record:
     meta: dict
     inputs: dict
     outputs: dict
-    state_before: dict
-    state_after: dict
-    golden_state_after: dict
+    state_delta: dict            # pool -> {"rows", "values"}: the rows the device changed, as written
+    golden_state_delta: dict     # the same for the golden (after any re-sync)
     weights: str
 
     def to_dict(self) -> dict:
@@ -49,28 +54,114 @@ class Record:
 
 
 class RecordStore:
+    """Blobs are content-addressed; the new blobs of one record are written together as one pack
+    (`packs/<n>.bin`, like git's packfiles) and `index.jsonl` maps each hash to its pack, so a
+    dispatch costs one file however many tensors it has."""
+
     def __init__(self, root):
         self.root = Path(root)
-        (self.root / "blobs").mkdir(parents=True, exist_ok=True)
+        (self.root / "packs").mkdir(parents=True, exist_ok=True)
         self.manifest = self.root / "manifest.jsonl"
+        self.index_path = self.root / "index.jsonl"
+        self._index: dict[str, tuple] | None = None
+        self._pending: dict[str, np.ndarray] = {}
+        self._memo: dict[int, tuple[np.ndarray, str]] = {}
+
+    @property
+    def index(self) -> dict[str, tuple]:
+        if self._index is None:
+            self._index = {}
+            if self.index_path.exists():
+                for line in self.index_path.read_text().splitlines():
+                    try:
+                        e = json.loads(line)
+                    except json.JSONDecodeError:
+                        break
+                    if (self.root / "packs" / e["pack"]).exists():
+                        self._index.update({h: (e["pack"], *loc) for h, loc in e["blobs"].items()})
+        return self._index
+
+    def _hash(self, a: np.ndarray) -> str:
+        # the same array object (a pool carried from one dispatch's "after" to the next's "before")
+        # is hashed once
+        hit = self._memo.get(id(a))
+        if hit is not None and hit[0] is a:
+            return hit[1]
+        h = content_hash(a)
+        if len(self._memo) > 256:
+            self._memo.clear()
+        self._memo[id(a)] = (a, h)
+        return h
 
     def put(self, a) -> str:
         a = np.asarray(a)
-        h = content_hash(a)
-        p = self.root / "blobs" / h[:2] / f"{h}.npy"
-        if not p.exists():
-            p.parent.mkdir(exist_ok=True)
-            tmp = p.with_suffix(f".tmp{os.getpid()}")
-            with open(tmp, "wb") as fh:
-                np.save(fh, a, allow_pickle=False)
-            os.replace(tmp, p)
+        h = self._hash(a)
+        if h not in self.index and h not in self._pending:
+            self._pending[h] = a
         return h
 
+    def flush_pack(self, name: str) -> None:
+        """Write the pending blobs as one raw pack, then index them (a killed writer leaves at most
+        an unindexed pack)."""
+        if not self._pending:
+            return
+        pack = f"{name}.bin"
+        tmp = self.root / "packs" / f"{name}.tmp{os.getpid()}"
+        entries, off = {}, 0
+        with open(tmp, "wb") as fh:
+            for h, v in self._pending.items():
+                v = np.ascontiguousarray(v)
+                fh.write(v.view(np.uint8).reshape(-1).data if v.size else b"")
+                entries[h] = [off, v.dtype.name, list(v.shape)]
+                off += v.nbytes
+        os.replace(tmp, self.root / "packs" / pack)
+        with open(self.index_path, "a") as fh:
+            fh.write(json.dumps({"pack": pack, "blobs": entries}) + "\n")
+            fh.flush()
+        self.index.update({h: (pack, *e) for h, e in entries.items()})
+        self._pending = {}
+
     def get(self, h: str) -> np.ndarray:
-        p = self.root / "blobs" / h[:2] / f"{h}.npy"
-        if not p.exists():
-            raise AbiError("blob", h, f"a hash stored under {self.root / 'blobs'}", where="record store")
-        return np.load(p, allow_pickle=False)
+        if h in self._pending:
+            return self._pending[h]
+        loc = self.index.get(h)
+        if loc is None:
+            raise AbiError("blob", h, f"a hash indexed in {self.index_path}", where="record store")
+        pack, off, dtype, shape = loc
+        dt = np.dtype(getattr(ml_dtypes, dtype)) if hasattr(ml_dtypes, dtype) else np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64))
+        return np.fromfile(self.root / "packs" / pack, dtype=dt, count=n, offset=off).reshape(shape)
+
+    def put_delta(self, before: np.ndarray, after: np.ndarray) -> dict:
+        """The rows of a pool (viewed as [rows, last axis]) that differ bit-wise, and their new values."""
+        rows = changed_rows(before, after)
+        return {"rows": self.put(rows), "values": self.put(after.reshape(-1, after.shape[-1])[rows])}
+
+    def apply_delta(self, pool: np.ndarray, delta: dict) -> None:
+        """In place: pool rows <- the delta's values."""
+        pool.reshape(-1, pool.shape[-1])[self.get(delta["rows"])] = self.get(delta["values"])
+
+    def put_initial(self, state: dict) -> None:
+        path = self.root / "initial.json"
+        if not path.exists():
+            hashes = self.put_all(state)
+            self.flush_pack("initial")
+            path.write_text(json.dumps(hashes, sort_keys=True) + "\n")
+
+    def initial(self) -> dict:
+        return {k: np.array(v) for k, v in self.get_all(json.loads((self.root / "initial.json").read_text())).items()}
+
+    def states(self, records=None, *, with_before: bool = True):
+        """Yield (record, device state before, device state after, golden state after), rebuilding
+        both sides' pools from the initial state and the deltas."""
+        dev, gold = self.initial(), self.initial()
+        for rec in self.records() if records is None else records:
+            before = {k: dev[k].copy() for k in rec.state_delta} if with_before else None
+            for k, dlt in rec.state_delta.items():
+                self.apply_delta(dev[k], dlt)
+            for k, dlt in rec.golden_state_delta.items():
+                self.apply_delta(gold[k], dlt)
+            yield rec, before, dev, gold
 
     def put_all(self, arrays: dict) -> dict:
         return {k: self.put(v) for k, v in arrays.items()}
@@ -79,10 +170,10 @@ class RecordStore:
         return {k: self.get(h) for k, h in hashes.items()}
 
     def append(self, rec: Record) -> None:
+        self.flush_pack(f"{rec.index:08d}")
         with open(self.manifest, "a") as fh:
             fh.write(json.dumps(rec.to_dict(), sort_keys=True, default=_json_default) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+            fh.flush()      # a killed process loses nothing flushed (fsync would only guard a machine crash)
 
     def records(self) -> list[Record]:
         """Complete manifest lines in order (a torn last line from a killed writer is ignored)."""
@@ -102,6 +193,13 @@ class RecordStore:
         tmp = self.manifest.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r.to_dict(), sort_keys=True, default=_json_default) + "\n" for r in recs))
         os.replace(tmp, self.manifest)
+
+
+def changed_rows(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    b = np.ascontiguousarray(before).reshape(-1, before.shape[-1])
+    a = np.ascontiguousarray(after).reshape(-1, after.shape[-1])
+    return np.flatnonzero((a.view(np.uint8).reshape(a.shape[0], -1) != b.view(np.uint8).reshape(b.shape[0], -1))
+                          .any(-1)).astype(np.int64)
 
 
 def _json_default(o):
