@@ -121,7 +121,7 @@ def small_cfg(n=48, **kw):
 
 def test_async_and_sync_end_states_are_equal():
     a, s = small_cfg(), small_cfg(async_depth=1)
-    ra, rs = simulate(a), simulate(s)
+    ra, _ = simulate(a), simulate(s)
     assert [(r.finish, len(r.outputs)) for r in a.requests] == [(r.finish, len(r.outputs)) for r in s.requests]
     assert ra.summary["completed"] == len(a.requests)
 

@@ -14,7 +14,6 @@ costs O(1) instead of O(pages).  No SimPy here.
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -164,16 +163,6 @@ class KvCacheManager:
             self.free[f][p][b] = None
         elif r[b] < 0:
             raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
-
-    def _drop_owned(self, o: _Owned, f: int, slot: int, b: int) -> None:
-        """The owner lets go of `b` at `slot`: pins still holding it become stored refs."""
-        p = o.partition
-        for pin in o.pins:
-            t = pin.tables[f]
-            if slot < len(t) and t[slot] == b:
-                self.ref[f][p][b] += 1
-                pin.stored.append((f, b))
-        self._decref(f, p, b)
 
     def _pinned(self, o: _Owned, f: int, slot: int, b: int) -> bool:
         for pin in o.pins:
@@ -537,6 +526,3 @@ class KvCacheManager:
     def __repr__(self) -> str:
         return f"KvCacheManager({self.partitions} partitions, {dict(zip(self.names, (f.blocks_per_partition for f in self.families)))})"
 
-
-def pages_for(tokens: int, page: int) -> int:
-    return math.ceil(tokens / page)

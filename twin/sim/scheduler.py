@@ -15,10 +15,9 @@ Stop strings are the engine's job (`check_stop`), as upstream.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
-from twin.abi import constants as C
 from twin.abi.batches import PLACEHOLDER_TOKEN, DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
 from twin.abi.errors import ConfigError
 
