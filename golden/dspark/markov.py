@@ -26,7 +26,8 @@ def first_argmax(scores, nm):
 
 
 def dspark_markov(head_hidden, final_norm_weight, lm_head_weight, num_sampled, last_sampled, next_prefill_tokens,
-                  markov_w1, markov_w2, confidence_head_weight, *, cfg, nm, par=SINGLE, raw_confidence=False, owners=None):
+                  markov_w1, markov_w2, confidence_head_weight, *, cfg, nm, par=SINGLE, raw_confidence=False,
+                  owners=None):
     """head_hidden [B, 7, D] -> (draft_token_ids [B, 7] int64, confidence [B, 7] f32).
 
     raw_confidence: return the logit (official V4.1) instead of the sigmoid probability (pypto).

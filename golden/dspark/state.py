@@ -127,7 +127,8 @@ def prepare(st: DeviceState, refs) -> Prepared:
     for r in refs:
         _check_ref(st, r, "dspark prepare")
         if (r.group, r.lease) in seen:
-            raise AbiError("lease", r.lease, "each slot at most once per step", where=f"dspark prepare, group {r.group}")
+            raise AbiError("lease", r.lease, "each slot at most once per step",
+                           where=f"dspark prepare, group {r.group}")
         seen.add((r.group, r.lease))
     g = np.array([r.group for r in refs], np.int64)
     s = np.array([r.lease for r in refs], np.int64)
@@ -172,7 +173,8 @@ def accept(st: DeviceState, prep: Prepared, sampled) -> tuple[Accepted, DeviceSt
     hit = (drafts == sampled[:, :K]) & (np.arange(K)[None, :] < prep.draft_count[:, None])
     matched = np.where(hit.all(axis=1), K, np.argmin(hit, axis=1))
     if np.any(matched >= prep.active_width):     # a full match leaves no bonus row: impossible by construction
-        raise AbiError("matched", int(matched.max()), "< active_width (a bonus token must remain)", where="dspark accept")
+        raise AbiError("matched", int(matched.max()), "< active_width (a bonus token must remain)",
+                       where="dspark accept")
     count = matched + 1
     ids = np.where(np.arange(W)[None, :] < count[:, None], sampled, -1)
     nxt = sampled[np.arange(n), matched]

@@ -29,7 +29,7 @@ from .drafter import DraftRow, drafter_forward
 from .markov import dspark_markov
 from .parallel import SINGLE
 from .ring import new_pools
-from .state import SlotRef, accept, commit_drafts, new_state, prepare, seed
+from .state import SlotRef, accept, commit_drafts, new_state, prepare, release, seed
 from .summary import SpeculationCounters
 
 QW = C.DSPARK_QUERY_WIDTH
@@ -85,6 +85,7 @@ class Seq:
     current: int = -1
     generated: list = field(default_factory=list)
     draft_anchor: int | None = None    # anchor of the last drafter call that wrote context
+    confidence: np.ndarray | None = None   # confidence_probs of the pending drafts (never read by acceptance)
     released: bool = False
     tail: dict = field(default_factory=dict)       # position -> captured target hidden row
 
@@ -195,7 +196,7 @@ def reserve_lease(run: Run, s: Seq) -> None:
 
 
 def release_lease(run: Run, s: Seq) -> None:
-    from .state import release
+    """On completion: the slot becomes invalid and the lease goes back on the group's free list."""
     if s.lease is not None and not s.released:
         run.state = release(run.state, s.ref)
         run.free_leases[s.group].append(s.lease)
@@ -211,17 +212,17 @@ def prefill_and_seed(g: Golden, run: Run, *, k: int, chunk: int | None = None) -
         for s in seqs:
             reserve_lease(run, s)
     while any(done[s.index] < len(s.req.prompt) for s in seqs):
-        spans, owners = [], []
+        spans, parts = [], []
         for s in seqs:
             a = done[s.index]
             if a >= len(s.req.prompt):
                 continue
             b = len(s.req.prompt) if chunk is None else min(len(s.req.prompt), a + chunk)
             spans.append(Span(s.index, a, tuple(s.req.prompt[a:b]), run.blocks[s.index]))
-            owners.append((s, a, b))
+            parts.append((s, a, b))
         sampled, mh = _forward(g, run, spans, PREFILL)
         row = 0
-        for i, (s, a, b) in enumerate(owners):
+        for i, (s, a, b) in enumerate(parts):
             pos = np.arange(a, b)
             for p, h in zip(pos, mh[row:row + b - a]):
                 s.tail[int(p)] = h
@@ -251,8 +252,8 @@ def seed_wave(g: Golden, run: Run, wave) -> None:
             continue
         row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=owner_rank(s, g.tp))
         mh = np.stack([s.tail[p] for p in want])
-        drafts = _draft(g, run, s.group, [row], mh, num_sampled=0)
-        s.draft_anchor = a
+        drafts, conf = _draft(g, run, s.group, [row], mh, num_sampled=0)
+        s.draft_anchor, s.confidence = a, conf[0]
         run.state = seed(run.state, s.ref, s.current, drafts[0], prompt_len=L, position_limit=g.max_model_len)
 
 
@@ -261,11 +262,11 @@ def _draft(g: Golden, run: Run, group: int, rows, main_hidden, *, num_sampled: i
                                              cfg=g.cfg, nm=g.nm, par=g.par)
     dm = g.dckpt.model()
     tau = np.array([r.anchor_token for r in rows], np.int64)
-    drafts, _ = dspark_markov(head, dm["final_norm_weight"], g.ckpt.model()["lm_head_weight"],
-                              np.full(len(rows), num_sampled), tau, tau, dm["markov_w1"], dm["markov_w2"],
-                              dm["confidence_head_weight"], cfg=g.cfg, nm=g.nm, par=g.par,
-                              owners=[r.owner_rank for r in rows])
-    return np.asarray(drafts)
+    drafts, conf = dspark_markov(head, dm["final_norm_weight"], g.ckpt.model()["lm_head_weight"],
+                                 np.full(len(rows), num_sampled), tau, tau, dm["markov_w1"], dm["markov_w2"],
+                                 dm["confidence_head_weight"], cfg=g.cfg, nm=g.nm, par=g.par,
+                                 owners=[r.owner_rank for r in rows])
+    return np.asarray(drafts), np.asarray(conf)
 
 
 # ---- the fused step ----------------------------------------------------------------------------------
@@ -301,9 +302,12 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
     for group, items in sorted(by_group.items()):
         rows = [DraftRow(s.lease, int(acc.drafter_anchor[i]), int(acc.next_token[i]), tuple(int(p) for p in pos),
                          owner_rank=owner_rank(s, g.tp)) for i, s, _, pos in items]
-        drafts = _draft(g, run, group, rows, np.concatenate([h for _, _, h, _ in items]), num_sampled=1)
+        drafts, conf = _draft(g, run, group, rows, np.concatenate([h for _, _, h, _ in items]), num_sampled=1)
+        for j, (_, s, _, _) in enumerate(items):
+            s.confidence = conf[j]
         if draft_policy is not None:
-            drafts = np.stack([np.asarray(draft_policy(s, drafts[j]), np.int64) for j, (_, s, _, _) in enumerate(items)])
+            drafts = np.stack([np.asarray(draft_policy(s, drafts[j]), np.int64)
+                               for j, (_, s, _, _) in enumerate(items)])
         run.state = commit_drafts(run.state, [s.ref for _, s, _, _ in items], drafts)
     run.steps += 1
     return acc

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from twin.abi import TINY, constants as C
+from twin.abi import TINY
 from twin.abi.errors import AbiError
 from golden.checkpoint import SyntheticCheckpoint
 from golden.dspark import step as S
 from golden.dspark.weights import DrafterCheckpoint
 
-from dspark_spec_helpers import (SENTINEL, compare_drafter_context, compare_readable, drafter_read_checker, oracle_policy,
-                                 poison_stale_rows, poison_unwritten_rows)
+from dspark_spec_helpers import (SENTINEL, compare_drafter_context, compare_readable, drafter_read_checker,
+                                 oracle_policy, poison_stale_rows, poison_unwritten_rows)
 
 CFG = TINY
 CK, DK = SyntheticCheckpoint(CFG, 0), DrafterCheckpoint(CFG, 0)

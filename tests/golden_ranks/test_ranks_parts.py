@@ -105,6 +105,9 @@ def test_dispatch_packs_source_rank_major_in_t_k_order():
     assert recv[(3, 0)] == [(0, 0, 0), (0, 1, 1)] and recv[(0, 0)] == [(2, 0, 1)]
     lay2 = layout_for(SMALL)                               # 2 experts per rank
     assert set(dispatch([np.array([[31, 30]])], lay2)) == {(15, 1), (15, 0)}
+    flash = layout_for(FLASH)                              # EP16: 16 routed experts per rank
+    assert set(dispatch([np.array([[255, 16, 15, 0, 100, 101]])], flash)) == {
+        (15, 15), (1, 0), (0, 15), (0, 0), (6, 4), (6, 5)}
 
 
 @pytest.mark.parametrize("preset,topo", [(TINY, (4, 16)), (SMALL, (4, 16)), (TINY, (4, 4)), (TINY, (1, 1))])
