@@ -135,7 +135,7 @@ class CostModelExecutor:
         for g, items in enumerate(plan.decode_groups):
             c, o = [], []
             for ordinal, it in enumerate(items):
-                st = self.state.setdefault(it.request_id, _ReqState(0))
+                st = self.state.get(it.request_id) or self.state.setdefault(it.request_id, _ReqState(0))
                 c.append(st.committed + 1)
                 o.append(it.lease % C.TP_SIZE if (k and it.lease is not None) else ordinal % C.TP_SIZE)
                 order.append((it, st))

@@ -53,18 +53,16 @@ class SchedulerConfig:
             raise ConfigError("stop_check", self.stop_check, "'end' (upstream) or 'token'")
 
 
-@dataclass(eq=False)
 class Scheduled:
     """One request in a step command (`ScheduledRequest` plus what advance/update need)."""
 
-    req: Request
-    num_new: int
-    spec: int
-    start: int                       # num_computed at schedule time
-    prefill: bool
-    samples: bool
-    incarnation: int
-    pin: Pin | None = None
+    __slots__ = ("req", "num_new", "spec", "start", "prefill", "samples", "incarnation", "pin")
+
+    def __init__(self, req: Request, num_new: int, spec: int, start: int, prefill: bool, samples: bool,
+                 incarnation: int):
+        self.req, self.num_new, self.spec, self.start = req, num_new, spec, start   # start: num_computed
+        self.prefill, self.samples, self.incarnation = prefill, samples, incarnation
+        self.pin: Pin | None = None
 
 
 @dataclass(eq=False)
@@ -155,6 +153,7 @@ class Scheduler:
     def schedule(self) -> StepCommand:
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
+        max_seq, chunk = cfg.max_seq_len, cfg.chunk_limit
         out: dict[str, Scheduled] = {}
         self._pass += 1
         if self.leases:
@@ -169,10 +168,14 @@ class Scheduler:
             i += 1
             if req.terminal_prefill_in_flight or req.status is not Status.RUNNING:
                 continue
-            num_new = self._limit(req, budget)
+            computed = req.num_computed
+            prefill = computed < req.prompt_len
+            num_new = min(req.prompt_len + len(req.outputs) + req.num_placeholders - computed, budget,
+                          max_seq - computed)
+            if prefill and num_new > chunk:
+                num_new = chunk
             if num_new <= 0:
                 continue
-            prefill = req.is_prefill
             spec = 0 if prefill else max(0, min(cfg.k, cfg.max_seq_len - req.num_computed - num_new))
             cost = num_new + spec
             if cost > budget:
@@ -328,13 +331,16 @@ class Scheduler:
             req.terminal_prefill_in_flight = False
             toks = tokens.get(rid, ())
             retained = 0
+            out = req.outputs
+            sp = req.sampling
+            eos = None if sp.ignore_eos else sp.eos_token_id
+            limit = req.max_new_tokens
             for t in toks:
-                req.outputs.append(t)
+                out.append(t)
                 retained += 1
-                reason = self._stop_reason(req, t)
-                if reason is not None:
+                if t == eos or len(out) >= limit:       # per token: later tokens are dropped
                     req.dropped_tokens += len(toks) - retained
-                    self._finish(req, reason)
+                    self._finish(req, Finish.EOS if t == eos else Finish.LENGTH)
                     break
             if req.finished:
                 touched.append((req, retained))
@@ -343,14 +349,6 @@ class Scheduler:
             req.num_computed += (retained - 1) - s.spec
             touched.append((req, retained))
         return touched
-
-    def _stop_reason(self, req: Request, t: int) -> Finish | None:
-        sp = req.sampling
-        if sp.eos_token_id is not None and not sp.ignore_eos and t == sp.eos_token_id:
-            return Finish.EOS
-        if len(req.outputs) >= req.max_new_tokens:
-            return Finish.LENGTH
-        return None
 
     def check_stop(self, touched: Iterable[tuple[Request, int]]) -> None:
         """The engine's stop-string check after `update_from_output` (serving-contract §4.10):
