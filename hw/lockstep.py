@@ -220,15 +220,16 @@ class LockstepRun:
         return summary
 
 
-def replay(run_dir, geo: Geometry, golden, policy: Policy | None = None) -> list[dict]:
-    """Offline: re-run every recorded dispatch on the golden from the device's recorded state and
-    compare with the device's recorded outputs and state (no device needed)."""
+def replay(run_dir, geo: Geometry, golden, policy: Policy | None = None, *, limit: int | None = None) -> list[dict]:
+    """Offline: re-run recorded dispatches (the first `limit`, or all) on the golden from the
+    device's recorded state and compare with the device's recorded outputs and state (no device
+    needed: this runs on any machine, or fanned out on a cluster)."""
     from .backend import StepResult
 
     store = RecordStore(Path(run_dir) / "records")
     lock = Lockstep(geo, None, golden, policy)
     out = []
-    for rec, before, after, _ in store.states():
+    for rec, before, after, _ in store.states(store.records()[:limit]):
         d = Dispatch(rec.program, store.get_all(rec.inputs), rec.meta)
         outs = store.get_all(rec.outputs)
         taps = {tuple(k[4:].split("/")): v for k, v in outs.items() if k.startswith("tap:")}
