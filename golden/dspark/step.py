@@ -19,7 +19,7 @@ import numpy as np
 
 from twin.abi import constants as C
 from twin.abi.errors import AbiError
-from twin.abi.lowering.drafter import seeding_waves
+from twin.abi.lowering.drafter import DRAFTER, padded_batch, seeding_waves
 
 from ..compose import Taps, target_hidden
 from ..numerics import Numerics, numerics
@@ -55,6 +55,7 @@ class Golden:
     groups: int = 1                    # TP groups (cache partitions)
     tap: str = "hc_head_of_outputs"    # target_hidden_tap
     par: object = SINGLE
+    pad_drafter_batch: bool = False    # pad every rank of a drafter call to B in {4, 8, 12, 16} rows
 
     def __post_init__(self):
         self.nm = numerics(self.nm)
@@ -257,16 +258,31 @@ def seed_wave(g: Golden, run: Run, wave) -> None:
         run.state = seed(run.state, s.ref, s.current, drafts[0], prompt_len=L, position_limit=g.max_model_len)
 
 
+def pad_rows(rows, group: int, tp: int) -> list:
+    """The drafter batch geometry (serving-contract.md §7.2): every rank of the group holds B rows,
+    B the smallest of {4, 8, 12, 16} that fits the busiest rank; dense padding rows ride the filler
+    ring with token 0 and write nothing."""
+    per_rank = {r: 0 for r in range(group * tp, (group + 1) * tp)}
+    for r in rows:
+        per_rank[r.owner_rank] += 1
+    B = padded_batch(DRAFTER, max(per_rank.values()))
+    return list(rows) + [DraftRow(None, 0, 0, (), owner_rank=r) for r, n in per_rank.items() for _ in range(B - n)]
+
+
 def _draft(g: Golden, run: Run, group: int, rows, main_hidden, *, num_sampled: int):
+    real = len(rows)
+    if g.pad_drafter_batch:
+        rows = pad_rows(rows, group, g.tp)
     head, run.pools[group] = drafter_forward(run.pools[group], main_hidden, rows, g.dckpt, g.ckpt.model(),
                                              cfg=g.cfg, nm=g.nm, par=g.par)
     dm = g.dckpt.model()
     tau = np.array([r.anchor_token for r in rows], np.int64)
+    ns = np.where(np.arange(len(rows)) < real, num_sampled, 0)
     drafts, conf = dspark_markov(head, dm["final_norm_weight"], g.ckpt.model()["lm_head_weight"],
-                                 np.full(len(rows), num_sampled), tau, tau, dm["markov_w1"], dm["markov_w2"],
+                                 ns, tau, tau, dm["markov_w1"], dm["markov_w2"],
                                  dm["confidence_head_weight"], cfg=g.cfg, nm=g.nm, par=g.par,
                                  owners=[r.owner_rank for r in rows])
-    return np.asarray(drafts), np.asarray(conf)
+    return np.asarray(drafts)[:real], np.asarray(conf)[:real]
 
 
 # ---- the fused step ----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from twin.abi import TINY
+from twin.abi import TINY, constants as C
 from twin.abi.errors import AbiError
 from golden.checkpoint import SyntheticCheckpoint
 from golden.dspark import step as S
@@ -149,3 +149,18 @@ def test_all_eight_verify_rows_publish_eagerly_and_heal():
         assert np.abs(rows).max() < SENTINEL / 2                  # every verify row was published
     S.fused_step(g, run, [s], draft_policy=policy)
     assert s.generated[:12] == S.outputs(ref)["r0"][: len(s.generated[:12])]
+
+
+def test_drafter_batch_geometry_pads_with_filler_rows_that_change_nothing():
+    reqs = requests([(9, 7), (14, 6), (5, 8)], seed=3)
+    runs = []
+    for pad in (False, True):
+        g = S.Golden(CFG, CK, DK, nm="exact", max_model_len=40, groups=1, pad_drafter_batch=pad)
+        runs.append(S.generate(g, reqs, k=7))
+    a, b = runs
+    assert S.outputs(a) == S.outputs(b) and a.counters.summary() == b.counters.summary()
+    np.testing.assert_array_equal(a.state.tokens, b.state.tokens)
+    np.testing.assert_allclose(np.asarray(b.pools[0]), np.asarray(a.pools[0]), rtol=1e-12, atol=1e-12)
+    assert not np.asarray(b.pools[0])[:, C.DRAFTER_FILLER_BLOCK_BASE:].any()      # the filler stays zero
+    rows = S.pad_rows([S.DraftRow(63, 5, 1, (5,), owner_rank=3)] * 5, 0, 4)
+    assert len(rows) == 4 * 8 and sum(r.lease is None for r in rows) == 27          # B = 8 on every rank
