@@ -1,0 +1,40 @@
+"""`dspark-twin lockstep`: progress, verdict, exit codes, clear errors; the benchmark prints JSON."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from twin.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_lockstep_command_prints_the_verdict(tmp_path, capsys):
+    rc = main(["lockstep", "--preset", "tiny", "--device", "cpu", "--steps", "8", "--run-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASS: 8 dispatches" in out and "summary.md" in out
+    assert (tmp_path / "summary.html").exists()
+
+
+def test_lockstep_command_reports_an_injected_fault(tmp_path, capsys):
+    rc = main(["lockstep", "--steps", "12", "--run-dir", str(tmp_path), "--inject", "ring_alias@3"])
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert rc == 1 and "FAIL" in out and "first divergence" in out and "compress_state" in out
+
+
+def test_lockstep_command_errors_name_what_is_allowed(tmp_path, capsys):
+    assert main(["lockstep", "--preset", "flash", "--steps", "2", "--run-dir", str(tmp_path / "a")]) == 2
+    assert "preset='flash'" in capsys.readouterr().err
+    assert main(["lockstep", "--inject", "melted@2", "--run-dir", str(tmp_path / "b")]) == 2
+    assert "fault='melted'" in capsys.readouterr().err
+    assert main(["lockstep", "--device", "tpu", "--run-dir", str(tmp_path / "c")]) == 2
+    assert "device='tpu'" in capsys.readouterr().err
+
+
+def test_overhead_benchmark_prints_a_ratio_as_json():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lockstep_overhead.py"), "--dispatches", "6",
+                          "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["ratio"] == d["ratio_cpu"] > 1 and d["target_ratio"] == 2.5 and d["verdict"] == "PASS"
