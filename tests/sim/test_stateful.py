@@ -28,6 +28,7 @@ from twin.sim.request import Finish, Request, Sampling, Status
 from twin.sim.scheduler import Scheduler, SchedulerConfig
 
 OPS = [0]
+SEEN = {"prefix_hits": 0, "preemptions": 0, "stops": 0, "eos": 0, "errors": 0}
 DEP = deployment("flash", ep=16, max_model_len=512, long_prefill_token_threshold=128, max_num_seqs=48,
                  max_num_batched_tokens=1024, num_speculative_tokens=7)
 PREFIXES = [np.random.default_rng(i).integers(2, 1000, 384, dtype=np.int32) for i in range(2)]
@@ -176,6 +177,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             if r.finish is Finish.REJECTED:
                 assert r.finish_detail
         assert all(len(fl) == self.leases.per_group for fl in self.leases.free)
+        for r in self.sched.requests.values():
+            SEEN["prefix_hits"] += r.cached_tokens > 0
+            SEEN["preemptions"] += r.num_preemptions
+            SEEN["stops"] += r.finish is Finish.STOP
+            SEEN["eos"] += r.finish is Finish.EOS
+            SEEN["errors"] += r.finish is Finish.ERROR
         for f, fam in enumerate(self.kv.families):
             for p in range(self.kv.partitions):
                 assert len(self.kv.free[f][p]) == fam.blocks_per_partition, f"{fam.name} p{p}: pages leaked"
@@ -183,11 +190,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestScheduler = SchedulerMachine.TestCase
-TestScheduler.settings = settings(max_examples=110, stateful_step_count=100, deadline=None)
+TestScheduler.settings = settings(max_examples=160, stateful_step_count=100, deadline=None)
 
 
 def test_ran_enough_operations():
     if OPS[0] == 0:
         pytest.skip("run together with TestScheduler")
-    print(f"stateful scheduler test: {OPS[0]} operations")
+    print(f"stateful scheduler test: {OPS[0]} operations, {SEEN}")
     assert OPS[0] >= 10_000, f"only {OPS[0]} operations ran"
+    assert SEEN["prefix_hits"] > 0 and SEEN["preemptions"] > 0, f"a path was never exercised: {SEEN}"
