@@ -243,3 +243,25 @@ def test_risk_scan_reads_steps_dispatches_and_events():
     assert risk.scan(rec, ep=8).risk.value_counts().get("packed_prefill_q_gt1", 0) == 0
     summ = risk.summarize(flags)
     assert summ.set_index("risk").loc["worker_error", "count"] == 0
+
+
+def test_executor_and_scheduler_are_injected():
+    from twin.sim.executor import CostModelExecutor
+    from twin.sim.scheduler import Scheduler
+
+    made = {}
+
+    class Tagged(Scheduler):
+        pass
+
+    def factory(cost, slots):
+        made["ex"] = Counting(CostModelExecutor(cost, ForcedAcceptance(2)))
+        made["slots"] = slots
+        return made["ex"]
+
+    cfg = small_cfg(n=12)
+    cfg.executor, cfg.scheduler = factory, Tagged
+    res = simulate(cfg)
+    assert isinstance(res.scheduler, Tagged) and made["slots"] == res.slots
+    assert sum(made["ex"].tokens.values()) >= sum(len(r.outputs) for r in cfg.requests) > 0
+    assert res.summary["acceptance"]["mean_accepted_length"] == 2.0

@@ -52,6 +52,10 @@ class SimConfig:
     until: float | None = None                    # stop at this simulated time (s)
     prefill_hang_probability: float = 0.0         # pypto-lib#1213 fault model, per EP16 prefill dispatch
     step_timeout: float = 1200.0                  # SERVING_WORKER_STEP_TIMEOUT (s): what a hang costs
+    # injection points for other executors (the functional twin's golden executor) and scheduler
+    # variants: executor(cost_model, slots) -> Executor; scheduler: a Scheduler subclass
+    executor: Callable | None = None
+    scheduler: type = Scheduler
 
     def __post_init__(self):
         if not 0.0 <= self.prefill_hang_probability <= 1.0:
@@ -119,13 +123,14 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
     kv = KvCacheManager.from_deployment(dep, slots)
     scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check,
                                            max_preemptions=cfg.max_preemptions)
-    sched = Scheduler(scfg, kv, leases=LeaseManager(dep.partitions) if dep.k else None,
+    sched = cfg.scheduler(scfg, kv, leases=LeaseManager(dep.partitions) if dep.k else None,
                       noise_token=dep.model.dspark_noise_token_id)
     rec = Recorder(env, sched, partitions=dep.partitions, k=dep.k)
     sched.probe = rec
     cost = CostModel(dep, slots, device, cfg.routing, cfg.calibration, seed=cfg.seed, fixed_tile=cfg.fixed_tile)
-    ex = CostModelExecutor(cost, cfg.acceptance, seed=cfg.seed, prefill_hang_probability=cfg.prefill_hang_probability,
-                           step_timeout=cfg.step_timeout)
+    ex = cfg.executor(cost, slots) if cfg.executor is not None else CostModelExecutor(
+        cost, cfg.acceptance, seed=cfg.seed, prefill_hang_probability=cfg.prefill_hang_probability,
+        step_timeout=cfg.step_timeout)
     eng = Engine(env, sched, ex, dep, device, rec, depth=cfg.async_depth)
     return env, eng, sched, rec, slots
 
