@@ -28,11 +28,11 @@ CASES = [(g, c) for g in GUIDES for c in guide_commands(g)]
 
 
 @pytest.mark.parametrize("guide,command", CASES, ids=[f"{g}:{c}" for g, c in CASES])
-def test_guide_command_runs(guide, command):
+def test_guide_command_runs(guide, command, tmp_path):
     argv = shlex.split(command)
     exe = shutil.which("dspark-twin")
     argv = [exe] + argv[1:] if exe else [sys.executable, "-m", "twin.cli"] + argv[1:]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, f"{guide}: `{command}` exited {r.returncode}\n{r.stderr[-2000:]}"
     assert r.stdout.strip()
 
