@@ -265,3 +265,10 @@ def test_executor_and_scheduler_are_injected():
     assert isinstance(res.scheduler, Tagged) and made["slots"] == res.slots
     assert sum(made["ex"].tokens.values()) >= sum(len(r.outputs) for r in cfg.requests) > 0
     assert res.summary["acceptance"]["mean_accepted_length"] == 2.0
+
+
+def test_cli_max_num_seqs_follows_the_topology(tmp_path):
+    r = cli("--ep", "8", "-k", "0", "--requests", "16", "--out", str(tmp_path), "--json", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)["deployment"]
+    assert d["ep"] == 8 and d["max_num_seqs"] == 128 and d["k"] == 0

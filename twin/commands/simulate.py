@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ._common import add_deployment_args, deployment_from_args, print_json
 
-DEFAULTS = dict(max_model_len=8192, chunk=512, max_num_seqs=256, max_num_batched_tokens=8192)
+DEFAULTS = dict(max_model_len=8192, chunk=512, max_num_seqs=None, max_num_batched_tokens=8192)
 HELP = dict(max_model_len="context ceiling", chunk="per-request prefill chunk (--long-prefill-token-threshold)",
-            max_num_seqs="max running requests (at most 64 per TP group)",
+            max_num_seqs="max running requests (at most 64 per TP group; default: 64 per group, 256 at EP16)",
             max_num_batched_tokens="global token budget per step (a K=7 decode request costs 8)")
 
 
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
     for a in p._actions:                     # the simulator's defaults: a saturating FLASH serving setup
         if a.dest in DEFAULTS:
             a.default = DEFAULTS[a.dest]
-            a.help = f"{HELP[a.dest]} (default {DEFAULTS[a.dest]} for simulate)"
+            a.help = HELP[a.dest] if DEFAULTS[a.dest] is None else f"{HELP[a.dest]} (default {DEFAULTS[a.dest]} for simulate)"
     w = p.add_argument_group("workload (default: the bundled twin/sim/data/default_workload.json)")
     w.add_argument("--workload", help="a workload spec JSON file (keys: docs/simulation.md)")
     w.add_argument("--trace", help="replay a JSONL request trace instead of a generated workload")
@@ -81,6 +81,8 @@ def run(args) -> int:
     from twin.sim.costmodel import Calibration, CostModel, DeviceLimits, Routing
     from twin.sim.run import SimConfig, simulate, startup_slots
 
+    if args.max_num_seqs is None:             # saturate the topology: 64 requests per TP group
+        args.max_num_seqs = 64 * max(1, args.ep // args.tp)
     dep = deployment_from_args(args)
     device = DeviceLimits.load(args.device)
     routing = Routing.from_trace_file(args.routing_trace) if args.routing == "trace" and args.routing_trace \
