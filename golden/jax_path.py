@@ -88,8 +88,11 @@ class _Weights:
 
 
 class JaxGolden:
-    def __init__(self, ckpt, cfg, mode: str = "device"):
+    def __init__(self, ckpt, cfg, mode: str = "device", compiler_options: dict | None = None):
+        """compiler_options go to every jax.jit (e.g. {"xla_backend_optimization_level": 0} trades
+        step speed for ~40 % less compile time in tests)."""
         self.cfg = cfg
+        self.compiler_options = compiler_options
         self.nm = Numerics(mode, jnp)
         self.host_nm = Numerics(mode)
         L = cfg.num_hidden_layers
@@ -112,13 +115,14 @@ class JaxGolden:
                 return layer_step(x_hc, layer_id, weights, pools, m, rope, cfg=cfg, nm=self.nm, form=form,
                                   moe=moe_dense_jax)
             # the layer id only selects routing (hash or scored) and the ratio: both are in the key
-            self._fns[key] = jax.jit(step, static_argnums=(6,))
+            self._fns[key] = jax.jit(step, static_argnums=(6,), compiler_options=self.compiler_options)
         return self._fns[key], key
 
     def _head_fn(self):
         if "head" not in self._fns:
             self._fns["head"] = jax.jit(lambda x_hc, model, rows: final_head(x_hc, model, rows, cfg=self.cfg,
-                                                                           nm=self.nm))
+                                                                           nm=self.nm),
+                                        compiler_options=self.compiler_options)
         return self._fns["head"]
 
     def static_extents(self, meta: StepMeta):

@@ -19,7 +19,8 @@ def test_jax_decode_step_equals_numpy(tiny_ckpt, mode):
     meta = lower(cfg, [Span(0, 130, tuple(ids[130:138]), s.blocks[0]),
                        Span(1, 123, tuple(ids[123:131]), s.blocks[1])], form=DECODE)
     ref = forward(tiny_ckpt, meta, s.caches, cfg=cfg, nm=s.nm)
-    out = JaxGolden(tiny_ckpt, cfg, mode).forward(meta, s.caches)
+    out = JaxGolden(tiny_ckpt, cfg, mode, compiler_options={"xla_backend_optimization_level": 0}).forward(
+        meta, s.caches)
     logits = np.asarray(out.logits)
     assert rel(logits, ref.logits) <= (1e-12 if mode == "exact" else 1e-6)
     assert np.array_equal(np.asarray(out.sampled), ref.sampled)
