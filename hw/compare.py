@@ -40,11 +40,13 @@ def _round(v):
 def _point_masks(a, e, tol: Tolerance, dtype: str):
     a64, e64 = np.asarray(a, np.float64), np.asarray(e, np.float64)
     with np.errstate(invalid="ignore"):
+        fin = e64[np.isfinite(e64)]
+        rms = float(np.sqrt(np.mean(fin * fin))) if fin.size else 0.0
         diff = np.abs(a64 - e64)
-        outside = diff > tol.atol + tol.rtol * np.abs(e64)
+        outside = diff > tol.atol + tol.atol_rms * rms + tol.rtol * np.abs(e64)
         if tol.max_ulp:
             outside &= metrics.ulp_distance(a64, e64, dtype) > tol.max_ulp
-        hard = diff > tol.hard_atol + tol.hard_rtol * np.abs(e64)
+        hard = diff > tol.hard_atol + tol.hard_atol_rms * rms + tol.hard_rtol * np.abs(e64)
     nonfinite = ~np.isfinite(a64) | ~np.isfinite(e64)
     both_same = (np.isnan(a64) & np.isnan(e64)) | ((a64 == e64) & nonfinite)
     bad_nf = nonfinite & ~both_same

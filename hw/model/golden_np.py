@@ -210,7 +210,6 @@ class GoldenStep:
                                      ("head", "sample"), resyncs, tol["sample"],
                                      dev_scores=None if dev is None else dev.get(("head", "logits")))
         taps[("head", "sample")] = sampled
-        self._own_sampled = logits.argmax(-1).astype(np.int32)
         return x, pools, target_hidden, logits, sampled
 
     def _route(self, l, hn, ids, dev, resyncs, tol):
@@ -224,11 +223,16 @@ class GoldenStep:
             biased = scores + w["gate_bias"][l]
             route = np.argsort(-biased, axis=-1, kind="stable")[:, :K].astype(np.int32)
             theirs = None if dev is None else dev.get((target_layer(l), "route"))
+            hn_dev = None if dev is None else dev.get((target_layer(l), "ffn_norm"))
             if theirs is not None and theirs.shape == route.shape:
                 for t in np.flatnonzero((np.sort(route, -1) != np.sort(theirs, -1)).any(-1)):
                     d = theirs[t]
                     kth = np.sort(biased[t])[-K]
                     tie = tol["route"] * max(1.0, abs(kth))
+                    if hn_dev is not None and hn_dev.shape == hn.shape:
+                        # the flip is explained if the gate input's observed error can move the scores that far
+                        b_dev = np.sqrt(np.logaddexp(0, hn_dev[t] @ w["gate_w"][l].T)) + w["gate_bias"][l]
+                        tie = max(tie, 2 * float(np.abs(b_dev - biased[t]).max()))
                     if len(set(d.tolist())) == K and (d >= 0).all() and (d < m.n_routed_experts).all() \
                             and (biased[t, d] >= kth - tie).all():
                         resyncs.append(Resync("route", (target_layer(l), "route"), int(t), route[t].tolist(),
@@ -349,7 +353,7 @@ class GoldenStep:
             outputs.update(logits=logits.astype(np.float32), sampled_ids=sampled,
                            dspark_target_hidden=hidden)
             if program == PROGRAM_FUSED:
-                acc, anchors, last = self.verify(a, sampled, taps, dev, resyncs)
+                acc, anchors, last = self.verify(a, sampled, logits.argmax(-1).astype(np.int32), taps, resyncs)
                 first = np.flatnonzero(np.r_[True, a["row_req"][1:] != a["row_req"][:-1]])
                 rows = np.concatenate([first[q] + np.arange(acc[q]) for q in range(len(acc))])
                 pools = self.ctx_write(pools, hidden[rows], a["position_ids"][rows], a["row_req"][rows],
@@ -360,7 +364,7 @@ class GoldenStep:
         mapped = {k: np.concatenate(v) for k, v in mapped.items()}
         return StepOut(outputs, pools, taps, mapped, resyncs)
 
-    def verify(self, a, sampled, taps, dev, resyncs):
+    def verify(self, a, sampled, own_sampled, taps, resyncs):
         """Greedy linear-chain acceptance per request: 1 + the matching prefix of the 7 drafts."""
         ids, req = a["input_ids"], a["row_req"]
         Q = int(req.max()) + 1
@@ -370,7 +374,7 @@ class GoldenStep:
         # accepted counts follow the re-synced tokens; where that changed the golden's own count, the
         # adoption is recorded (a device count that disagrees with its own tokens is not adopted: it
         # is a verification fault and shows as a divergence)
-        own = accept(self._own_sampled.reshape(Q, ROWS_PER_VERIFY), drafts)
+        own = accept(own_sampled.reshape(Q, ROWS_PER_VERIFY), drafts)
         for q in np.flatnonzero(own != acc):
             resyncs.append(Resync("accepted", ("head", "verify"), int(q), int(own[q]), int(acc[q])))
         taps[("head", "verify")] = acc

@@ -32,7 +32,11 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from hw.runs import build_run, parse_fault
+    from hw.threads import limit_cpu_threads
     from hw.tolerance import Policy
+
+    if args.device == "cpu":
+        limit_cpu_threads(1)
 
     con = Console()
     run_dir = Path(args.run_dir)
