@@ -1,0 +1,24 @@
+"""twin.functional: the simulator's scheduler driving golden with real tokens (docs/functional.md).
+
+One system, not three: the same scheduler, lowering and ABI as the capacity twin, with a numeric
+executor in place of the cost model.  It composes `twin.sim` and `golden`, which may not import
+each other (DESIGN.md).
+
+    GoldenExecutor(dep, slots, golden, cost=None, draft_policy=None)   .execute(plan) -> StepResult
+    functional_simulate(dep, requests, golden, recompute="prompt"|"replay") -> FunctionalResult
+    golden_model(preset, seed=0, nm="device")                             synthetic target + drafter
+    sequential_greedy(golden, prompt, n) / reference_outputs(...)          the independent oracle
+    first_difference(outputs, reference) -> (request, position, got, want) | None
+    acceptance_vector(summary), load_acceptance(path)                     export for the cost model
+    ReplayExecutor(cost_executor, accepted)                              cost model at golden's lengths
+"""
+from .acceptance import acceptance_vector, conditional_rates, load_acceptance
+from .executor import GoldenExecutor
+from .oracle import first_difference, reference_outputs, sequential_greedy
+from .replay import ReplayScheduler, scheduler_for
+from .run import FunctionalResult, Recording, decisions, functional_config, functional_simulate, golden_model
+from .same_lengths import ReplayExecutor
+
+__all__ = ["acceptance_vector", "conditional_rates", "load_acceptance", "GoldenExecutor", "first_difference",
+           "reference_outputs", "sequential_greedy", "ReplayScheduler", "scheduler_for", "FunctionalResult",
+           "Recording", "decisions", "functional_config", "functional_simulate", "golden_model", "ReplayExecutor"]

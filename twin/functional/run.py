@@ -1,0 +1,106 @@
+"""One functional run: the simulator (same scheduler, same engine, same report) with the golden
+executor producing the tokens, and the cost model still timing every dispatch.
+
+    res = functional_simulate(dep, requests, golden_model("tiny"), slots=2)
+    res.tokens            # request id -> generated tokens (what the scheduler committed)
+    res.sim               # the twin.sim.SimResult: summary, requests, steps, risks ...
+    res.schedule          # per step: which requests were prefilled (start, tokens) or decoded
+    res.write("out/")     # the cost-model run's files + tokens.jsonl + acceptance.json
+
+`schedule` is recorded from the worker plans, i.e. the decisions themselves; the same recorder
+wraps any executor, so a cost-model run and a golden run can be compared step by step.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from golden.checkpoint import SyntheticCheckpoint
+from golden.dspark import step as S
+from golden.dspark.weights import DrafterCheckpoint
+from twin.abi.presets import get_preset
+from twin.sim.run import SimConfig, SimResult, simulate
+
+from .acceptance import acceptance_vector
+from .executor import GoldenExecutor
+from .replay import scheduler_for
+
+
+def golden_model(preset: str = "tiny", *, seed: int = 0, nm: str = "device") -> S.Golden:
+    """Seeded synthetic target and drafter weights of a small preset (golden.checkpoint)."""
+    cfg = get_preset(preset)
+    return S.Golden(cfg, SyntheticCheckpoint(cfg, seed), DrafterCheckpoint(cfg, seed), nm=nm)
+
+
+def decisions(plan) -> tuple:
+    """What the scheduler decided in one step command, as the worker received it."""
+    pre = tuple(tuple((it.request_id, it.num_computed, it.num_tokens, it.terminal) for it in b.items)
+                for b in plan.prefill)
+    dec = tuple(tuple(it.request_id for it in g) for g in plan.decode_groups)
+    return (plan.step_id, pre, dec, tuple(sorted(plan.requests)), tuple(plan.finished_ids))
+
+
+class Recording:
+    """Wraps an executor: records each step's decisions and each result's accepted counts."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.schedule: list[tuple] = []
+        self.accepted: dict[int, dict[str, int]] = {}
+
+    def execute(self, plan):
+        self.schedule.append(decisions(plan))
+        res = self.inner.execute(plan)
+        self.accepted[plan.step_id] = {rid: len(t) for rid, t in res.tokens.items() if plan.decode is not None
+                                       and rid in res.accepted}
+        return res
+
+
+@dataclass
+class FunctionalResult:
+    sim: SimResult
+    executor: GoldenExecutor
+    schedule: list
+    accepted: dict                      # step id -> {request id: tokens the verify accepted}
+    tokens: dict = field(default_factory=dict)
+
+    @property
+    def acceptance(self) -> dict:
+        return acceptance_vector(self.executor.speculation())
+
+    def write(self, out, *, plots: bool = True) -> list[str]:
+        out = Path(out)
+        files = self.sim.write(out, plots=plots)
+        with open(out / "tokens.jsonl", "w") as f:
+            for rid, toks in self.tokens.items():
+                req = self.sim.scheduler.requests[rid]
+                f.write(json.dumps({"id": rid, "prompt_len": req.prompt_len, "finish": req.finish.value
+                                    if req.finish else None, "tokens": toks}) + "\n")
+        (out / "acceptance.json").write_text(json.dumps(self.acceptance, indent=2))
+        return files + ["tokens.jsonl", "acceptance.json"]
+
+
+def functional_config(dep, requests, golden: S.Golden, *, recompute: str = "prompt", draft_policy=None,
+                      check: bool = True, **sim_kw):
+    """A SimConfig whose executor is golden's (wrapped in a `Recording`), and the holder the
+    factory fills in when `simulate` builds the run."""
+    holder: dict = {}
+
+    def factory(cost, slots):
+        ex = GoldenExecutor(dep, slots, golden, cost=cost, draft_policy=draft_policy, check=check)
+        holder["executor"] = ex
+        holder["recording"] = Recording(ex)
+        return holder["recording"]
+
+    return SimConfig(dep, list(requests), executor=factory, scheduler=scheduler_for(recompute), **sim_kw), holder
+
+
+def functional_simulate(dep, requests, golden: S.Golden, *, recompute: str = "prompt", draft_policy=None,
+                        check: bool = True, **sim_kw) -> FunctionalResult:
+    cfg, holder = functional_config(dep, requests, golden, recompute=recompute, draft_policy=draft_policy,
+                                    check=check, **sim_kw)
+    sim = simulate(cfg)
+    rec = holder["recording"]
+    tokens = {r.request_id: list(r.outputs) for r in cfg.requests}
+    return FunctionalResult(sim, holder["executor"], rec.schedule, rec.accepted, tokens)
