@@ -1,0 +1,19 @@
+"""hw: device backends, dispatch records, the lockstep checker, tolerance policies, fault injection.
+
+Public API (see docs/lockstep.md):
+
+    Backend, StepResult, TorchBackend          hw.backend      the protocol over ABI dispatches; torch cpu/cuda/npu
+    PyptoBackend, ProgramRunner                hw.pypto        positional binding to compiled PyPTO programs
+    GoldenExecutor                             hw.golden_adapter  the golden side, re-synced from the device
+    Lockstep, LockstepRun, replay              hw.lockstep     compare, localize, re-sync; resumable runs; offline replay
+    Policy, Tolerance, DEFAULT_TABLE           hw.tolerance    the policy as data: (op class, dtype, quant) -> gates
+    compare_tensor, compare_pool, Finding      hw.compare      comparators (mapped rows numeric, unmapped bit-identical)
+    RecordStore, Record, content_hash          hw.records      content-addressed dispatch records
+    Fault, FaultBackend, KINDS                 hw.faults       fault injection
+    build_run, parse_fault                     hw.runs         assembling a run (CLI, benchmark, tests)
+    spawn_local, worker                        hw.distributed  multi-rank CP/TP/EP with torch.distributed
+
+Imports only twin.abi and golden (DESIGN.md); torch is imported when a torch backend is built,
+torch_npu only for device "npu", a PyPTO runtime only by `PyptoBackend.from_runtime`.  Nothing here
+is imported by `import hw`: each module is imported where it is used.
+"""

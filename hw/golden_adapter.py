@@ -35,6 +35,28 @@ class GoldenExecutor:
         return StepResult(out.outputs, out.state, out.taps, out.mapped, out.resyncs)
 
 
+# golden.compose's tap stages (golden/compose.py `Taps`) -> (op class, dtype, quantization)
+COMPOSE_STAGE_KIND = {
+    "attn_in": ("activation", "f32", "w8a8"), "x_hc": ("activation", "f32", "w8a8"),
+    "attn_x_hc": ("activation", "f32", "w8a8"), "x_mixed": ("norm", "bf16", "none"),
+    "ffn_x_mixed": ("norm", "bf16", "none"), "x_norm": ("norm", "bf16", "none"), "q": ("matmul", "bf16", "none"),
+    "kv": ("matmul", "bf16", "none"), "cmp_kv": ("matmul", "bf16", "none"), "idx_topk": ("route", "i32", "none"),
+    "attn": ("attention", "bf16", "none"), "attn_out": ("matmul", "bf16", "none"),
+    "moe_indices": ("route", "i32", "none"), "moe_weights": ("state", "f32", "none"),
+    "ffn_out": ("moe", "bf16", "w8a8"), "hidden": ("activation", "bf16", "w8a8"), "logits": ("logits", "f32", "none"),
+}
+
+
+def compose_kind(site) -> tuple[str, str, str]:
+    """Kind of a golden.compose tap (layer, stage) for the tolerance policy."""
+    from twin.abi.errors import AbiError
+
+    try:
+        return COMPOSE_STAGE_KIND[site[1]]
+    except KeyError:
+        raise AbiError("stage", site[1], f"one of {sorted(COMPOSE_STAGE_KIND)}", where="golden.compose taps") from None
+
+
 class GoldenBackend:
     """The golden as a plain backend (no device to re-sync from): for device-free runs and replay."""
 

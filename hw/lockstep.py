@@ -106,23 +106,35 @@ class Lockstep:
 
     def localize(self, d: Dispatch, r, g, failed: list[Finding]) -> dict:
         """First failing site in dependency order among taps, pools and outputs."""
-        order = {s: i for i, s in enumerate(self.geo.sites(d.program))}
+        sites = self.geo.sites(d.program)
+        order = {s: i for i, s in enumerate(sites)}
         cands = [(order.get(f.site, len(order)), f) for f in failed]
-        for site in self.geo.sites(d.program):
-            if site not in g.taps or site not in r.taps:
-                continue
-            if cands and order[site] >= min(c[0] for c in cands):
-                break
-            name = f"{site[0]}/{site[1]}"
-            tol, kind = self._tol(name)
-            f = compare_tensor(name, r.taps[site], g.taps[site], tol, kind)
-            if not f.passed:
-                f.site = site
-                cands.append((order[site], f))
-                break
+        before = min(c[0] for c in cands)
+        f = first_divergent_tap(sites[:before], r.taps, g.taps, self.policy, lambda s: tensor_kind(f"{s[0]}/{s[1]}"))
+        if f is not None:
+            cands.append((order[f.site], f))
         _, f = min(cands, key=lambda c: c[0])
         return {"layer": f.site[0], "stage": f.site[1], "tensor": f.name, "reasons": f.reasons,
                 "metrics": f.to_dict()["metrics"], "bad_rows": f.bad_rows[:8]}
+
+
+def first_divergent_tap(order, device_taps: dict, golden_taps: dict, policy: Policy, kind_of) -> Finding | None:
+    """The first site in `order` (dependency order) whose device tap fails against the golden's
+    under the policy; `kind_of(site)` gives its (op class, dtype, quant).  Sites either side lacks
+    are skipped.  Works on any golden's taps keyed by site (golden.compose's (layer, stage) too)."""
+    for site in order:
+        if site not in device_taps or site not in golden_taps:
+            continue
+        kind = kind_of(site)
+        dv, gv = device_taps[site], golden_taps[site]
+        parts = list(zip(dv, gv)) if isinstance(gv, (tuple, list)) else [(dv, gv)]   # multi-part taps
+        for i, (a, e) in enumerate(parts):
+            name = f"{site[0]}/{site[1]}" + (f"[{i}]" if len(parts) > 1 else "")
+            f = compare_tensor(name, a, e, policy.lookup(*kind), kind)
+            if not f.passed:
+                f.site = site
+                return f
+    return None
 
 
 # ---- runs ----------------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ DEFAULT_TABLE: dict[tuple[str, str, str], Tolerance] = {
     ("moe", "bf16", "w8a8"): Tolerance(**{**_BF16_ACT, "atol": 0.1, "max_rel_l2": 0.1, "min_cosine": 0.995,
                                           "max_row_rel_l2": 0.15}),
     ("activation", "bf16", "w8a8"): Tolerance(**{**_BF16_ACT, "atol": 0.1, "max_row_rel_l2": 0.15}),
+    ("activation", "f32", "w8a8"): Tolerance(**{**_BF16_ACT, "atol": 0.1, "max_ulp": 0}),
     ("kv_pool", "bf16", "none"): Tolerance(**_BF16_ACT),
     ("state", "f32", "none"): Tolerance(**{**_BF16_ACT, "max_ulp": 0}),
     ("logits", "f32", "none"): Tolerance(atol=0.15, rtol=5e-2, bad_budget=0.05, hard_atol=1.5, hard_rtol=0.5,

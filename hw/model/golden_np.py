@@ -114,7 +114,7 @@ class GoldenStep:
         for r in np.flatnonzero(mine != theirs):
             d = int(theirs[r])
             margin = tol * max(1.0, abs(scores[r].max()))
-            if dev_scores is not None and dev_scores.shape == scores.shape:
+            if dev_scores is not None and dev_scores.shape == scores.shape and np.isfinite(dev_scores[r]).all():
                 margin = max(margin, 2 * float(np.abs(dev_scores[r] - scores[r]).max()))
             if 0 <= d < scores.shape[-1] and scores[r, d] >= scores[r].max() - margin:
                 out[r] = d
