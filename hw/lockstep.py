@@ -246,6 +246,8 @@ def replay(run_dir, geo: Geometry, golden, policy: Policy | None = None, *, limi
         outs = store.get_all(rec.outputs)
         taps = {tuple(k[4:].split("/")): v for k, v in outs.items() if k.startswith("tap:")}
         dev_out = {k: v for k, v in outs.items() if not k.startswith("tap:")}
+        if "logits" in dev_out:
+            taps[("head", "logits")] = dev_out["logits"]      # what sampling re-sync weighs the device by
         lock.device = _Recorded(StepResult(dev_out, {k: after[k].copy() for k in rec.state_delta}, taps))
         out.append(lock.check(d, before, before).entry)
     return out
