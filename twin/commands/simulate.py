@@ -32,6 +32,13 @@ def add_arguments(p) -> None:
     m = p.add_argument_group("models")
     m.add_argument("--acceptance", default="default",
                    help="default | forced:<1..8> | rates:<a1,...,a7> (per-position conditional)")
+    m.add_argument("--acceptance-from", help="acceptance.json of a golden run: use its per-position rates")
+    m.add_argument("--executor", default="cost", choices=("cost", "golden"),
+                   help="cost: the cost model's synthetic tokens; golden: real tokens from golden on a small "
+                        "preset, plus tokens.jsonl and acceptance.json (docs/functional.md)")
+    m.add_argument("--recompute", default="prompt", choices=("prompt", "replay"),
+                   help="preemption re-prefill: 'prompt' as upstream (generated tokens leave the context, "
+                        "serving-contract §10.2) or 'replay' (prompt + generated tokens)")
     m.add_argument("--routing", default="random", choices=("balanced", "random", "skewed", "trace"),
                    help="MoE routing policy (default random)")
     m.add_argument("--routing-skew", type=float, default=1.0, help="Zipf exponent for --routing skewed")
@@ -84,15 +91,30 @@ def run(args) -> int:
     if args.max_num_seqs is None:             # saturate the topology: 64 requests per TP group
         args.max_num_seqs = 64 * max(1, args.ep // args.tp)
     dep = deployment_from_args(args)
+    if args.executor == "golden" and not (args.workload or args.trace):
+        from twin.functional.cli import default_workload
+        args.workload = default_workload()
     device = DeviceLimits.load(args.device)
     routing = Routing.from_trace_file(args.routing_trace) if args.routing == "trace" and args.routing_trace \
         else Routing(args.routing, skew=args.routing_skew)
     reqs, workload = _requests(args, dep)
     slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2el", args.slo_e2el)) if v}
-    cfg = SimConfig(dep, reqs, device=device, routing=routing, acceptance=parse_acceptance(args.acceptance),
+    if args.acceptance_from:
+        from twin.functional.acceptance import load_acceptance
+        acceptance = load_acceptance(args.acceptance_from)
+    else:
+        acceptance = parse_acceptance(args.acceptance)
+    cfg = SimConfig(dep, reqs, device=device, routing=routing, acceptance=acceptance,
                     slots=args.slots, async_depth=1 if args.sync else 2, stop_check=args.stop_check,
                     slo_ms=slo or None, seed=args.seed, prefill_hang_probability=args.prefill_hang_prob,
                     step_timeout=args.step_timeout)
+    if args.recompute == "replay":
+        from twin.functional.replay import ReplayScheduler
+        cfg.scheduler = ReplayScheduler
+    golden = None
+    if args.executor == "golden":
+        from twin.functional import cli as functional
+        golden = functional.attach(cfg)
     if args.profile:
         cfg.calibration = Calibration.from_profile(args.profile, CostModel(dep, startup_slots(cfg, device), device, routing))
     con = Console(stderr=True)
@@ -105,12 +127,15 @@ def run(args) -> int:
             res = simulate(cfg, lambda t, done, total: prog.update(task, completed=done, t=t))
     out = Path(args.out)
     files = res.write(out, plots=not args.no_plots)
+    if golden is not None:
+        files += functional.write(out, cfg, golden, res.scheduler)
     s = res.summary
     s["workload"] = workload
     s["deployment"] = {"preset": dep.model.name, "ep": dep.topology.ep, "k": dep.k,
                        "max_model_len": dep.limits.max_model_len, "chunk": dep.limits.max_prefill_tokens_per_request,
                        "max_num_seqs": dep.limits.max_num_seqs,
-                       "max_num_batched_tokens": dep.limits.max_num_batched_tokens, "device": device.name}
+                       "max_num_batched_tokens": dep.limits.max_num_batched_tokens, "device": device.name,
+                       "executor": args.executor, "recompute": args.recompute}
     (out / "summary.json").write_text(json.dumps(s, indent=2, default=str))
     if args.json:
         print_json(s)

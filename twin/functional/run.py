@@ -52,8 +52,7 @@ class Recording:
     def execute(self, plan):
         self.schedule.append(decisions(plan))
         res = self.inner.execute(plan)
-        self.accepted[plan.step_id] = {rid: len(t) for rid, t in res.tokens.items() if plan.decode is not None
-                                       and rid in res.accepted}
+        self.accepted[plan.step_id] = dict(res.accepted)
         return res
 
 

@@ -1,0 +1,56 @@
+"""The golden path of `dspark-twin simulate --executor golden` (twin/commands/simulate.py).
+
+The run is the cost-model run's (same scheduler, engine, report files, virtual time from the cost
+model) with golden's tokens; it adds `tokens.jsonl` (one request per line: id, prompt_len, finish,
+tokens) and `acceptance.json` (golden's per-position acceptance, for `--acceptance-from`).
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from twin.abi.errors import ConfigError
+
+WORKLOAD = "functional_workload.json"
+
+
+def default_workload() -> str:
+    """A golden-sized workload: 8 requests, ~160-token prompts, 16 output tokens, shared prefixes."""
+    return str(resources.files("twin.functional") / "data" / WORKLOAD)
+
+
+def attach(cfg, *, weights_seed: int = 0) -> dict:
+    """Point `cfg` (a SimConfig) at a golden executor of its preset's synthetic weights."""
+    from .run import Recording, golden_model
+    from .executor import GoldenExecutor
+
+    dep = cfg.dep
+    if dep.model.name == "flash":
+        raise ConfigError("preset", "flash", "a small preset (tiny, small) for --executor golden: golden runs "
+                          "whole models on the CPU; FLASH-shaped layers are golden's per-layer tests")
+    golden = golden_model(dep.model.name, seed=weights_seed)
+    holder: dict = {}
+
+    def factory(cost, slots):
+        holder["executor"] = ex = GoldenExecutor(dep, slots, golden, cost=cost)
+        holder["recording"] = Recording(ex)
+        return holder["recording"]
+
+    cfg.executor = factory
+    return holder
+
+
+def write(out, cfg, holder, sched) -> list[str]:
+    from .acceptance import acceptance_vector
+
+    out = Path(out)
+    with open(out / "tokens.jsonl", "w") as f:
+        for r in cfg.requests:
+            req = sched.requests.get(r.request_id, r)
+            f.write(json.dumps({"id": r.request_id, "prompt_len": req.prompt_len,
+                                "finish": req.finish.value if req.finish else None,
+                                "tokens": [int(t) for t in req.outputs]}) + "\n")
+    acc = acceptance_vector(holder["executor"].speculation())
+    (out / "acceptance.json").write_text(json.dumps(acc, indent=2))
+    return ["tokens.jsonl", "acceptance.json"]
