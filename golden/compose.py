@@ -44,7 +44,8 @@ SHARED_NAMES = ("shared_w1", "shared_w1_scale", "shared_w3", "shared_w3_scale", 
 class Taps(dict):
     """(layer, stage) -> array.  Stages per layer: attn_in, x_mixed, x_norm, q, kv, cmp_kv, idx_topk,
     attn, attn_out, attn_x_hc, ffn_x_mixed, moe_indices, moe_weights, ffn_out, x_hc (the layer
-    output).  Model stages under layer "head": hidden, x_norm, logits."""
+    output).  cmp_kv is (token rows pooled, their compressed rows): NumPy pools only boundary
+    tokens.  Model stages under layer "head": hidden, x_norm, logits.  `stages` keeps a subset."""
 
     def __init__(self, stages=None):
         super().__init__()
@@ -77,7 +78,6 @@ def device_meta(meta: StepMeta, nm) -> dict:
 
 def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=None):
     """One attention sub-layer: x_hc [T, HC, D] -> (x_hc, pools).  `m` = device_meta(meta)."""
-    xp = nm.xp
     ratio = cfg.compress_ratios[layer]
     pools = dict(pools)
     _tap(taps, layer, "attn_in", x_hc)

@@ -14,8 +14,6 @@ group) at small-preset sizes; it is E/K times the routed work, so FLASH layers s
 """
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -54,7 +54,6 @@ def hc_post(x, residual, post, comb, *, cfg, nm):
     """y[t, j] = post[t, j] x[t] + sum_i comb[t, i, j] residual[t, i]  -> [T, HC, D] f32.
 
     pypto keeps the residual in f32; the official reference rounds it to bf16 (§7 #8)."""
-    xp = nm.xp
     hc = cfg.hc_mult
     c = comb.reshape(-1, hc, hc)
     y = post[:, :, None] * nm.asf(x)[:, None, :] + nm.mm(c.transpose(0, 2, 1), nm.asf(residual))

@@ -76,7 +76,6 @@ def moe_experts(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
 
     Returns ffn_out [T, D] (bf16 values) = bf16(sh + sum_k routed[t, k]) with routes added in k order."""
     import numpy as np
-    xp = nm.xp
     T, K = indices.shape
     sh = shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm)
     flat = np.asarray(indices).reshape(-1)

@@ -19,7 +19,6 @@ def o_proj(o_packed, wo_a, wo_b, wo_b_scale, *, cfg, nm):
 
 
 def o_proj_partial(o_packed, wo_a, wo_b, wo_b_scale, *, cfg, nm):
-    xp = nm.xp
     o_a = nm.mm(nm.asf(o_packed), nm.asf(wo_a).transpose(0, 2, 1))            # f32, not rounded
     o_i8, dq = nm.q8(o_a)
     out = 0.0

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from golden.compose import Session, Taps, forward, target_hidden
-from golden.paged import DECODE, PREFILL, Span, lower
+from golden.paged import DECODE, Span, lower
 from golden_testlib import DEVICE, EXACT, rel
 from twin.abi.errors import AbiError
 from twin.abi.presets import SMALL, TINY

@@ -11,10 +11,8 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M  # noqa: E
 
 from golden.checkpoint import SyntheticCheckpoint  # noqa: E402
 from golden.compose import Session  # noqa: E402
-from golden.kernels.indexer import lightning_indexer  # noqa: E402
 from golden.kernels.rope import COMPRESS_PROFILE, SWA_PROFILE, inv_freq  # noqa: E402
 from golden.paged import DECODE  # noqa: E402
-from golden_testlib import EXACT  # noqa: E402
 from twin.abi.presets import TINY  # noqa: E402
 
 # TINY with 16 indexer heads: with 4 heads, a candidate whose four head dot products are all

@@ -11,7 +11,7 @@ from golden.kernels.rmsnorm import rms_norm
 from golden.kernels.rope import COMPRESS_PROFILE, SWA_PROFILE, inv_freq, rope_rotate, rope_rows, yarn_range
 from golden_testlib import DEVICE, EXACT, rel
 from twin.abi.errors import AbiError
-from twin.abi.presets import FLASH, SMALL, TINY
+from twin.abi.presets import SMALL, TINY
 
 RNG = np.random.default_rng(0)
 

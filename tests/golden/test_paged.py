@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 
 from golden.paged import (Span, absolute_table, alloc_caches, assign_blocks, compressed_slot, lower, paged_slot,
                           ring_table, window_indices)
-from golden_testlib import DEVICE, EXACT
 from twin.abi.errors import AbiError
 from twin.abi.presets import TINY
 
