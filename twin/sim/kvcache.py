@@ -10,12 +10,14 @@ Async block-table pins (§3.5) are kept implicit: a pin of a page the request st
 nothing; only when the owner drops a pinned page (a wrap onto it, a detach) does the pin become
 a stored reference, released with the snapshot.  So `ref` of a block always equals its owners
 plus the in-flight snapshots that hold it (`effective_ref`), while pinning a 4,000-page table
-costs O(1) instead of O(pages).  No SimPy here.
+costs O(1) instead of O(pages).  Tables are immutable tuples, replaced on every change, so a pin
+is the tuple of the current tables (no copy) and a ring rewrite can tell at once that a pin
+taken since the last change holds every slot.  No SimPy here.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,14 +79,15 @@ def chained_hashes(tokens: np.ndarray, page: int) -> list[int]:
 
 
 class _Owned:
-    """Per request: tables (lists of block ids, None for empty rolling slots), logical block
-    counts reached, published page counts, the partition and in-flight snapshots."""
+    """Per request: tables (tuples of block ids, None for empty rolling slots; replaced, never
+    mutated, so pins share them), logical block counts reached, published page counts, the
+    partition and in-flight snapshots."""
 
     __slots__ = ("partition", "tables", "logical", "cached", "pins", "holes", "published")
 
     def __init__(self, nfam: int):
         self.partition: int | None = None
-        self.tables: list[list] = [[] for _ in range(nfam)]
+        self.tables: list[tuple] = [()] * nfam
         self.logical = [0] * nfam
         self.cached = [0] * nfam
         self.pins: list[Pin] = []
@@ -92,14 +95,18 @@ class _Owned:
         self.published = False          # every prompt page published: nothing left to hash
 
 
-@dataclass(eq=False)
 class Pin:
     """An in-flight step's exact block tables (§3.5); `stored` lists (family, block) refs that
     became explicit because the owner dropped the page while this pin held it."""
 
-    tables: tuple[tuple[int, ...], ...]
-    partition: int
-    stored: list = field(default_factory=list)
+    __slots__ = ("tables", "partition", "stored")
+
+    def __init__(self, tables: tuple[tuple[int, ...], ...], partition: int, stored: list | None = None):
+        self.tables, self.partition = tables, partition
+        self.stored = [] if stored is None else stored
+
+    def __repr__(self) -> str:
+        return f"Pin(partition={self.partition}, stored={len(self.stored)})"
 
 
 class KvCacheManager:
@@ -123,6 +130,8 @@ class KvCacheManager:
         self._full = [i for i, f in enumerate(families) if not f.rolling]
         self._roll = [i for i, f in enumerate(families) if f.rolling]
         self._page_tokens = [f.page_tokens for f in families]
+        self._maxb = [f.max_blocks_per_seq for f in families]
+        self._rolling = [f.rolling for f in families]
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
 
     @classmethod
@@ -146,15 +155,23 @@ class KvCacheManager:
 
     # ---- page primitives ----------------------------------------------------------------
     def _take(self, f: int, p: int) -> int:
-        b, _ = self.free[f][p].popitem(last=False)
-        h = self.bhash[f][p][b]
-        if h is not None:                 # taking a page evicts its cached content
-            if self.index[f][p].get(h) == b:
-                del self.index[f][p][h]
-            self.bhash[f][p][b] = None
-            self.stats["evictions"] += 1
-        self.ref[f][p][b] = 1
-        return b
+        return self._take_n(f, p, 1)[0]
+
+    def _take_n(self, f: int, p: int, n: int) -> list[int]:
+        """Pop `n` pages from the free-queue head, in order; taking a page evicts its hash."""
+        free, bh, ref = self.free[f][p], self.bhash[f][p], self.ref[f][p]
+        popitem = free.popitem
+        out = [popitem(False)[0] for _ in range(n)]
+        for b in out:
+            ref[b] = 1
+            h = bh[b]
+            if h is not None:
+                idx = self.index[f][p]
+                if idx.get(h) == b:
+                    del idx[h]
+                bh[b] = None
+                self.stats["evictions"] += 1
+        return out
 
     def _decref(self, f: int, p: int, b: int) -> None:
         r = self.ref[f][p]
@@ -174,10 +191,10 @@ class KvCacheManager:
     # ---- growth (`ensure_group_blocks`) ------------------------------------------------------
     def _work(self, o: _Owned, tokens: int) -> list[int]:
         """Families whose tables must change to cover `tokens` (most decode steps touch few)."""
-        lg, pt = o.logical, self._page_tokens
         if o.holes:
             return list(range(self._nf))
-        return [f for f in range(self._nf) if -(-tokens // pt[f]) > lg[f]]
+        lg = o.logical
+        return [f for f, pt in enumerate(self._page_tokens) if -(-tokens // pt) > lg[f]]
 
     def _need(self, o: _Owned, f: int, tokens: int) -> int:
         fam = self.families[f]
@@ -207,14 +224,16 @@ class KvCacheManager:
         return need
 
     def _fits(self, o: _Owned, p: int, tokens: int, work: list[int]) -> tuple[bool, dict, dict]:
-        pt = self._page_tokens
+        pt, maxb, rolling = self._page_tokens, self._maxb, self._rolling
+        logical, tables, holes = o.logical, o.tables, o.holes
         free = self.free
         for f in work:
             # cheap upper bound first: each new logical page needs at most one free page
-            bound = -(-tokens // pt[f]) - o.logical[f] + (len(o.tables[f]) if o.holes else 0)
+            target = -(-tokens // pt[f])
+            bound = target - logical[f] + (len(tables[f]) if holes else 0)
             if len(free[f][p]) < bound and self._need(o, f, tokens) > len(free[f][p]):
                 break
-            if not self.families[f].rolling:
+            if not rolling[f] and target > maxb[f]:
                 self._need(o, f, tokens)            # raises past the full-history table capacity
         else:
             return True, {}, {}
@@ -225,6 +244,18 @@ class KvCacheManager:
         """Grow `rid`'s tables to cover `tokens` source tokens, atomically; a new request goes to
         the least-loaded partition that can hold it (ties round-robin).  Returns the partition."""
         o = self.reqs.get(rid)
+        if o is not None and o.partition is not None and not o.holes:
+            # the decode steady state: a placed request, most steps touching only the rolling rings
+            work = self._work(o, tokens)
+            if not work:
+                return o.partition
+            p = o.partition
+            ok, need, free = self._fits(o, p, tokens, work)
+            if not ok:
+                raise KVCacheCapacityError(p, need, free)
+            for f in work:
+                self._grow(o, f, tokens)
+            return p
         new = o is None
         if new:
             o = _Owned(self._nf)
@@ -261,68 +292,117 @@ class KvCacheManager:
         return best
 
     def _grow(self, o: _Owned, f: int, tokens: int) -> None:
-        fam = self.families[f]
         p = o.partition
         t = o.tables[f]
-        target = -(-tokens // fam.page_tokens)
-        if not fam.rolling:
-            while len(t) < target:
-                t.append(self._take(f, p))
-            o.logical[f] = max(o.logical[f], target)
+        target = -(-tokens // self._page_tokens[f])
+        lg = o.logical
+        if not self._rolling[f]:
+            if len(t) < target:
+                o.tables[f] = t + tuple(self._take_n(f, p, target - len(t)))
+            if target > lg[f]:
+                lg[f] = target
             return
-        maxb = fam.max_blocks_per_seq
-        size = min(target, maxb)
-        if o.holes:
+        maxb = self._maxb[f]
+        size = target if target < maxb else maxb
+        if o.holes and None in t[:size]:
+            t = list(t)
             for s in range(min(size, len(t))):
                 if t[s] is None:
                     t[s] = self._take(f, p)
-        while len(t) < size:
-            t.append(self._take(f, p))
-        if target > maxb and target > o.logical[f]:
-            self._wrap(o, f, p, t, max(o.logical[f], maxb), target, maxb)
-        o.logical[f] = max(o.logical[f], target)
+            t = tuple(t)
+        if len(t) < size:
+            t = t + tuple(self._take_n(f, p, size - len(t)))
+        if target > lg[f]:
+            if target > maxb:
+                t = self._wrap(o, f, p, t, max(lg[f], maxb), target, maxb)
+            lg[f] = target
+        o.tables[f] = t
 
-    def _wrap(self, o: _Owned, f: int, p: int, t: list, start: int, target: int, maxb: int) -> None:
-        """Rewrite ring slots for logical pages start..target-1: detach a shared or pinned page
-        (no copy: the slot is overwritten), rotate a solely owned one through the free queue."""
-        ref, free, bh, idx = self.ref[f][p], self.free[f][p], self.bhash[f][p], self.index[f][p]
-        pins = o.pins
-        fresh = set() if target - start > maxb else None
-        detaches = rotations = evictions = 0
-        for lb in range(start, target):
-            s = lb % maxb
-            if fresh is not None:
-                if s in fresh:
-                    continue
-                fresh.add(s)
-            b = t[s]
-            shared = ref[b] > 1
-            for pin in pins:                  # pins holding the page turn into stored refs
-                pt_ = pin.tables[f]
-                if s < len(pt_) and pt_[s] == b:
-                    ref[b] += 1
-                    pin.stored.append((f, b))
-                    shared = True
-            ref[b] -= 1
-            if ref[b] == 0:
-                free[b] = None
-            nb, _ = free.popitem(last=False)
+    def _wrap(self, o: _Owned, f: int, p: int, t: tuple, start: int, target: int, maxb: int) -> tuple:
+        """Rewrite ring slots for logical pages start..target-1 and return the new table: detach
+        a shared or pinned page (no copy: the slot is overwritten), rotate a solely owned one
+        through the free queue.  A slot is rewritten once per call (a page taken here is solely
+        owned and unpinned)."""
+        ref, free = self.ref[f][p], self.free[f][p]
+        n = target - start
+        if n > maxb:
+            n = maxb
+        s0 = start % maxb
+        end = s0 + n
+        slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
+        old = t[s0:end] if end <= maxb else t[s0:] + t[:end - maxb]
+        # per page, how many in-flight pins hold it; a pin taken since the table last changed
+        # shares the tuple itself and so holds every slot
+        held = None
+        for pin in o.pins:
+            pt, stored = pin.tables[f], pin.stored
+            if pt is t:
+                hit = [True] * n
+            else:
+                lp = len(pt)
+                hit = [s < lp and pt[s] == b for s, b in zip(slots, old)]
+            stored.extend([(f, b) for b, h in zip(old, hit) if h])
+            held = hit if held is None else [x + y for x, y in zip(held, hit)]
+        if len(free) >= n:
+            # pops reach only pages already queued, so the pages freed below (appended at the tail)
+            # cannot be among them: popping first is the same order as interleaving
+            popitem = free.popitem
+            new = [popitem(False)[0] for _ in range(n)]
+            if held is None:
+                shared = [ref[b] > 1 for b in old]
+                detaches = sum(shared)
+                for b in old:
+                    r = ref[b] - 1
+                    ref[b] = r
+                    if r == 0:
+                        free[b] = None
+            elif all(x == 1 for x in held):
+                detaches = n                  # each page moves from the owner to its one pin
+            else:
+                detaches = 0
+                for b, k in zip(old, held):
+                    r = ref[b]
+                    detaches += r > 1 or k > 0
+                    r += k - 1
+                    ref[b] = r
+                    if r == 0:
+                        free[b] = None
+            for nb in new:
+                ref[nb] = 1
+        else:
+            # the queue may run dry: a page freed by this rewrite is taken again, in order
+            new = []
+            detaches = 0
+            popitem = free.popitem
+            for i, b in enumerate(old):
+                r = ref[b]
+                k = held[i] if held is not None else 0
+                detaches += r > 1 or k > 0
+                r += k - 1
+                ref[b] = r
+                if r == 0:
+                    free[b] = None
+                nb = popitem(False)[0]
+                ref[nb] = 1
+                new.append(nb)
+        bh = self.bhash[f][p]
+        evictions = 0
+        for nb in new:
             h = bh[nb]
-            if h is not None:
+            if h is not None:                 # taking a page evicts its cached content
+                idx = self.index[f][p]
                 if idx.get(h) == nb:
                     del idx[h]
                 bh[nb] = None
                 evictions += 1
-            ref[nb] = 1
-            t[s] = nb
-            if shared:
-                detaches += 1
-            else:
-                rotations += 1
         st = self.stats
         st["detaches"] += detaches
-        st["rotations"] += rotations
+        st["rotations"] += n - detaches
         st["evictions"] += evictions
+        if end <= maxb:
+            return t[:s0] + tuple(new) + t[end:]
+        k = maxb - s0
+        return tuple(new[k:]) + t[end - maxb:s0] + tuple(new[:k])
 
     # ---- prefix lookup and attach (`acquire_group_prefix_blocks`) -------------------------
     def lookup(self, hashes: dict[int, list[int]], max_hit_tokens: int) -> tuple[int, int | None]:
@@ -381,7 +461,7 @@ class KvCacheManager:
                     if self.ref[f][partition][b] == 0:
                         del self.free[f][partition][b]
                     self.ref[f][partition][b] += 1
-            o.tables[f] = t
+            o.tables[f] = t = tuple(t)
             o.holes |= None in t
             o.logical[f] = eb
             o.cached[f] = eb
@@ -390,7 +470,7 @@ class KvCacheManager:
     def pin(self, rid: str) -> Pin:
         """`retain_group_block_snapshot`: the exact tables a step was scheduled with."""
         o = self.reqs[rid]
-        pin = Pin(tuple(map(tuple, o.tables)), o.partition)
+        pin = Pin(tuple(o.tables), o.partition)
         o.pins.append(pin)
         return pin
 
@@ -398,8 +478,19 @@ class KvCacheManager:
         o = self.reqs.get(rid)
         if o is not None and pin in o.pins:
             o.pins.remove(pin)
+        self._release_stored(pin)
+
+    def _release_stored(self, pin: Pin) -> None:
+        p = pin.partition
+        refs, frees = self.ref, self.free
         for f, b in pin.stored:
-            self._decref(f, pin.partition, b)
+            r = refs[f][p]
+            x = r[b] - 1
+            r[b] = x
+            if x == 0:
+                frees[f][p][b] = None
+            elif x < 0:
+                raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
         pin.stored.clear()
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
@@ -450,9 +541,7 @@ class KvCacheManager:
             return
         for pin in list(o.pins):
             o.pins.remove(pin)
-            for f, b in pin.stored:
-                self._decref(f, pin.partition, b)
-            pin.stored.clear()
+            self._release_stored(pin)
         p = o.partition
         for f, t in enumerate(o.tables):
             for b in t:
