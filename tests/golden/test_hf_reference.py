@@ -49,11 +49,11 @@ def test_hf_agrees_with_golden_exact_over_32_greedy_steps(pair):
     # transformers: the same, through its own caches
     with torch.no_grad():
         out = model(torch.tensor(prompt[None]), use_cache=True)
-        h_pre, cache = out.logits[0].numpy(), out.past_key_values
+        h_pre, cache = out.logits[0].numpy(), out.cache if hasattr(out, "cache") else out.past_key_values
         h_tok, h_logits = [int(h_pre[-1].argmax())], []
         for _ in range(STEPS):
-            out = model(torch.tensor([[h_tok[-1]]]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(torch.tensor([[h_tok[-1]]]), cache=cache, use_cache=True)
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
             h_logits.append(out.logits[0, -1].numpy())
             h_tok.append(int(h_logits[-1].argmax()))
     assert _cos(g_pre.logits, h_pre).min() >= 0.99999
