@@ -44,7 +44,9 @@ Weights (`golden.checkpoint`)
         W8A8: int8 `.weight` + f32 `.weight_scale`); save_checkpoint(ckpt, dir); real_names(cfg)
 
 JAX (`golden.jax_path`)
-    JaxGolden(ckpt, cfg, mode).forward(meta, caches)  - jit per layer kind, same results
+    JaxGolden(ckpt, cfg, mode, compiler_options=None).forward(meta, caches)  - jit per layer kind
+        (key: ratio, hash routing, form, candidate counts), same results; pools come back as JAX
+        arrays (to_numpy(tree) converts)
 
 Building on it (Golden II): run `forward` with `Taps(stages=["attn_in", "x_hc"])`, take
 `target_hidden(...)` for the drafter input, call `layer_step` for draft layers with your own

@@ -141,3 +141,28 @@ def test_session_rejects_overflow_and_non_contiguous(tiny_ckpt):
     meta.position_ids = np.array([0, 2, 3], np.int32)
     with pytest.raises(AbiError, match="consecutive"):
         forward(tiny_ckpt, meta, s.caches, cfg=TINY, nm=EXACT)
+
+
+@pytest.mark.parametrize("mode", ["exact", "device"])
+def test_rejected_drafts_are_rewritten_by_the_next_verify_step(tiny_ckpt, mode):
+    """A verify step writes all 8 rows (KV, compressor state) but commits compressed rows only for
+    columns < commit; the next step restarts at the new anchor and rewrites the rejected positions.
+    The result equals a history that never saw the rejected drafts."""
+    cfg = TINY
+    ids = _tokens(cfg, 140, seed=7)
+    start = 125                                   # the step crosses the ratio-128 boundary at 127
+    wrong = (ids[start + 3:start + 8] + 1) % cfg.vocab_size
+
+    def history(spans_fn):
+        s = Session(tiny_ckpt, cfg, mode, 1, 140, seed=3)
+        s.run({0: ids[:start]})
+        for span in spans_fn(s.blocks[0]):
+            r = forward(tiny_ckpt, lower(cfg, [span], form=DECODE), s.caches, cfg=cfg, nm=s.nm)
+            s.caches = r.caches
+        return r.logits
+
+    spec = history(lambda b: [Span(0, start, tuple(ids[start:start + 3]) + tuple(wrong), b, commit=3),
+                              Span(0, start + 3, tuple(ids[start + 3:start + 8]), b)])
+    clean = history(lambda b: [Span(0, start, tuple(ids[start:start + 3]), b),
+                               Span(0, start + 3, tuple(ids[start + 3:start + 8]), b)])
+    assert rel(spec, clean) <= (1e-12 if mode == "exact" else 0.0)
