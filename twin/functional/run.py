@@ -37,7 +37,7 @@ def decisions(plan) -> tuple:
     """What the scheduler decided in one step command, as the worker received it."""
     pre = tuple(tuple((it.request_id, it.num_computed, it.num_tokens, it.terminal) for it in b.items)
                 for b in plan.prefill)
-    dec = tuple(tuple(it.request_id for it in g) for g in plan.decode_groups)
+    dec = tuple(tuple((it.request_id, it.anchor) for it in g) for g in plan.decode_groups)
     return (plan.step_id, pre, dec, tuple(sorted(plan.requests)), tuple(plan.finished_ids))
 
 
