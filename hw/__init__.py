@@ -5,7 +5,7 @@ Public API (see docs/lockstep.md):
     Backend, StepResult, TorchBackend          hw.backend      the protocol over ABI dispatches; torch cpu/cuda/npu
     PyptoBackend, ProgramRunner                hw.pypto        positional binding to compiled PyPTO programs
     GoldenExecutor                             hw.golden_adapter  the golden side, re-synced from the device
-    Lockstep, LockstepRun, replay              hw.lockstep     compare, localize, re-sync; resumable runs; offline replay
+    Lockstep, LockstepRun, replay              hw.lockstep     compare, localize, re-sync; resume; offline replay
     Policy, Tolerance, DEFAULT_TABLE           hw.tolerance    the policy as data: (op class, dtype, quant) -> gates
     compare_tensor, compare_pool, Finding      hw.compare      comparators (mapped rows numeric, unmapped bit-identical)
     RecordStore, Record, content_hash          hw.records      content-addressed dispatch records

@@ -20,7 +20,7 @@ import numpy as np
 from twin.abi.batches import Dispatch
 from twin.abi.errors import AbiError
 
-from .model.spec import PROGRAM_SEED, PROGRAMS, Geometry
+from .model.spec import PROGRAM_FUSED, PROGRAM_SEED, PROGRAMS, Geometry
 from .model.weights import Weights
 
 DEVICE_RE = re.compile(r"^(cpu|cuda|npu)(:\d+)?$")
@@ -48,7 +48,7 @@ def touched_pools(program: str) -> tuple[str, ...]:
         raise AbiError("program", program, f"one of {list(PROGRAMS)}", where="hw backend")
     if program == PROGRAM_SEED:
         return ("draft_kv",)
-    return TARGET_POOLS + (("draft_kv",) if program == "l3_decode_fwd_dspark" else ())
+    return TARGET_POOLS + (("draft_kv",) if program == PROGRAM_FUSED else ())
 
 
 def check_device(device: str) -> str:

@@ -71,7 +71,8 @@ def rank_layer(rank: int, world: int, cfg, w, layer: int, ids, pos, device: str 
     dev = torch.device(device if device == "cpu" else f"{device}:{rank % max(1, _count(device))}")
     st = TorchStep(Geometry(cfg), w, dev)
     W_ = st.w
-    H, HD, R, eps, Wn = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim, cfg.rms_norm_eps, cfg.sliding_window
+    H, HD, R = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
+    eps, Wn = cfg.rms_norm_eps, cfg.sliding_window
     E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
     T = len(ids)
     if T % world or H % world or E % world:

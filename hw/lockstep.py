@@ -28,7 +28,7 @@ from twin.abi.batches import Dispatch
 from twin.abi.errors import AbiError
 
 from .compare import Finding, compare_pool, compare_tensor
-from .model.spec import POOL_WRITER, Geometry, output_site, target_layer, tensor_kind
+from .model.spec import POOL_WRITER, Geometry, output_site, tensor_kind
 from .records import Record, RecordStore, content_hash
 from .report import ReportWriter, write_summary
 from .tolerance import Policy
@@ -82,8 +82,9 @@ class Lockstep:
                     findings.append(f)
         for pool, e in g.state.items():
             tol, kind = self._tol(pool)
-            f = compare_pool(pool, r.state[pool], e, dev_state[pool], g.mapped.get(pool, np.zeros(0, np.int64)),
-                             tol, kind)
+            # a pool the device did not hand back is judged as left untouched
+            f = compare_pool(pool, r.state.get(pool, dev_state[pool]), e, dev_state[pool],
+                             g.mapped.get(pool, np.zeros(0, np.int64)), tol, kind)
             f.site = self._pool_site(pool, f.bad_rows) if f.bad_rows else (self.geo.pool_layers(pool)[0],
                                                                               POOL_WRITER[pool])
             findings.append(f)

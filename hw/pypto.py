@@ -80,8 +80,8 @@ class PyptoBackend:
             elif a.role in (OUTPUT, SCRATCH):
                 v = np.zeros(b.shape, want)
             else:
-                raise AbiError("argument", a.name, f"supplied by the dispatch, the state or the weights (role {a.role}, "
-                               f"buffer {a.buffer_id})", where=prog.name)
+                raise AbiError("argument", a.name, "supplied by the dispatch, the state or the weights "
+                               f"(role {a.role}, buffer {a.buffer_id})", where=prog.name)
             if tuple(np.shape(v)) != b.shape:
                 raise AbiError(a.name, list(np.shape(v)), f"shape {list(b.shape)} ({a.shape})", where=prog.name)
             if np.asarray(v).dtype != want:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -112,8 +111,9 @@ def _html(s: dict) -> str:
                    for p, c in sorted(s["programs"].items()))
     if fd:
         met = "".join(f"<tr><td>{e(str(k))}</td><td>{e(str(v))}</td></tr>" for k, v in fd["metrics"].items())
-        lead = (f"<p>Dispatch <b>{fd['dispatch']}</b> (<code>{e(fd['program'])}</code>), layer <b>{e(fd['layer'])}</b>, "
-                f"stage <b>{e(fd['stage'])}</b>, tensor <code>{e(fd['tensor'])}</code>: {e('; '.join(fd['reasons']))}</p>"
+        lead = (f"<p>Dispatch <b>{fd['dispatch']}</b> (<code>{e(fd['program'])}</code>), "
+                f"layer <b>{e(fd['layer'])}</b>, stage <b>{e(fd['stage'])}</b>, "
+                f"tensor <code>{e(fd['tensor'])}</code>: {e('; '.join(fd['reasons']))}</p>"
                 f"<table><tr><th>metric</th><th>value</th></tr>{met}</table>")
     else:
         lead = f"<p>No divergence in {s['dispatches']} dispatches.</p>"

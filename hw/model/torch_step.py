@@ -3,8 +3,8 @@ the NumPy golden: same contract (BF16 rounding points, W8A8 experts, FP32 accumu
 own kernels and reduction orders.
 
 `hooks` maps a site (layer, stage) to a function (value, taps so far) -> value applied to that
-stage's value before it is used downstream: the fault injector's way into the middle of a step.  Every stage's value is returned
-as a tap, as a device dump of tagged intermediates would be.
+stage's value before it is used downstream: the fault injector's way into the middle of a step.
+Every stage's value is returned as a tap, as a device dump of tagged intermediates would be.
 """
 from __future__ import annotations
 
@@ -239,7 +239,8 @@ class TorchStep:
             hn = tap((D, "attn_norm"), self.bf16(self.rms(h, w["draft_attn_norm_w"][d], eps)))
             q = self.bf16(hn @ w["draft_wq"][d]).view(-1, H, HD)
             q = self.bf16(self.rope(self.rms(q, None, eps), qpos[:, None], m.rope_theta, R))
-            kv = tap((D, "qkv"), self.bf16(self.rope(hn @ w["draft_wkv"][d], qpos, m.rope_theta, R)).view(Q, DRAFTS, HD))
+            kv = self.bf16(self.rope(hn @ w["draft_wkv"][d], qpos, m.rope_theta, R)).view(Q, DRAFTS, HD)
+            kv = tap((D, "qkv"), kv)
             ctx = flat[d * geo.region_rows("draft_kv") + cslots]
             keys = t.cat([ctx[:, None].expand(Q, DRAFTS, W, HD), kv[:, None].expand(Q, DRAFTS, DRAFTS, HD)], 2)
             o = tap((D, "attn"), self.bf16(self.attention(q, keys.reshape(Q * DRAFTS, -1, HD),

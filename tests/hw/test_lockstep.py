@@ -1,7 +1,6 @@
 """A clean CPU lockstep run: no false alarms over >= 100 dispatches of every kind; reports; replay."""
 import json
 
-import numpy as np
 import pytest
 
 from hw.faults import Fault
