@@ -32,6 +32,7 @@ Compositions (`golden.compose`)
     prefill_fwd(ckpt, caches, spans, ...)   packed, chunked, against each request's resident prefix
     decode_fwd(ckpt, caches, spans, ...)    S rows per request, logits for every row
     layer_step / attention_sublayer / moe_sublayer / final_head   the per-layer pieces
+        (ratio= overrides the layer's attention kind: DSpark draft layers are SWA with ids 40..42)
     Taps(stages=None): (layer, stage) -> array; stages attn_in, x_mixed, x_norm, q, kv, cmp_kv,
         idx_topk, attn, attn_out, attn_x_hc, ffn_x_mixed, moe_indices, moe_weights, ffn_out, x_hc;
         ("head", hidden | x_norm | logits)

@@ -76,9 +76,12 @@ def device_meta(meta: StepMeta, nm) -> dict:
     return {k: xp.asarray(v) for k, v in meta.arrays().items()}
 
 
-def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=None):
-    """One attention sub-layer: x_hc [T, HC, D] -> (x_hc, pools).  `m` = device_meta(meta)."""
-    ratio = cfg.compress_ratios[layer]
+def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=None, ratio=None):
+    """One attention sub-layer: x_hc [T, HC, D] -> (x_hc, pools).  `m` = device_meta(meta).
+
+    `ratio` overrides compress_ratios[layer] (the DSpark draft layers are SWA-profile layers that
+    carry target layer ids 40..42 for routing); swa_indices may be wider than 128 (192 there)."""
+    ratio = cfg.compress_ratios[layer] if ratio is None else ratio
     pools = dict(pools)
     _tap(taps, layer, "attn_in", x_hc)
     x_mixed, post, comb = hc_pre(x_hc, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg=cfg, nm=nm)
@@ -151,10 +154,11 @@ def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=N
     return x_hc
 
 
-def layer_step(x_hc, layer, ckpt, pools, m, rope, *, cfg, nm, form, taps=None, moe=None):
+def layer_step(x_hc, layer, ckpt, pools, m, rope, *, cfg, nm, form, taps=None, moe=None, ratio=None):
     """Attention + MoE of target layer `layer`: (x_hc, pools) -> (x_hc, pools)."""
     w = ckpt.layer(layer)
-    x_hc, pools = attention_sublayer(x_hc, layer, w, pools, m, rope, cfg=cfg, nm=nm, form=form, taps=taps)
+    x_hc, pools = attention_sublayer(x_hc, layer, w, pools, m, rope, cfg=cfg, nm=nm, form=form, taps=taps,
+                                     ratio=ratio)
     expert = ckpt.experts_of(layer) if hasattr(ckpt, "experts_of") else (lambda e: ckpt.expert(layer, e))
     x_hc = moe_sublayer(x_hc, layer, w, expert, m["input_ids"], cfg=cfg, nm=nm, taps=taps, moe=moe)
     return x_hc, pools

@@ -166,3 +166,20 @@ def test_rejected_drafts_are_rewritten_by_the_next_verify_step(tiny_ckpt, mode):
     clean = history(lambda b: [Span(0, start, tuple(ids[start:start + 3]), b),
                                Span(0, start + 3, tuple(ids[start + 3:start + 8]), b)])
     assert rel(spec, clean) <= (1e-12 if mode == "exact" else 0.0)
+
+
+def test_swa_override_and_wide_window_for_draft_layers(tiny_ckpt):
+    """A CSA-id layer run as SWA (ratio=0) touches only the ori pool; a 192-wide window with the
+    extra columns invalid equals the 128-wide one."""
+    from golden.compose import attention_sublayer, device_meta, rope_inputs
+    cfg, nm = TINY, DEVICE
+    s = Session(tiny_ckpt, cfg, "device", 1, 40)
+    meta = lower(cfg, [Span(0, 0, tuple(_tokens(cfg, 20)), s.blocks[0])])
+    x = np.random.default_rng(0).standard_normal((20, cfg.hc_mult, cfg.hidden_size))
+    m, rope, w = device_meta(meta, nm), rope_inputs(cfg, meta.position_ids, nm), tiny_ckpt.layer(2)
+    a, pa = attention_sublayer(x, 2, w, s.caches[2], m, rope, cfg=cfg, nm=nm, form=DECODE, ratio=0)
+    assert all(np.array_equal(np.asarray(pa[k], np.float64), np.asarray(s.caches[2][k], np.float64))
+               for k in pa if k != "kv_cache")
+    wide = dict(m, swa_indices=np.concatenate([m["swa_indices"], np.full((20, 64), -1)], 1))
+    b, _ = attention_sublayer(x, 2, w, s.caches[2], wide, rope, cfg=cfg, nm=nm, form=DECODE, ratio=0)
+    assert np.array_equal(a, b)
