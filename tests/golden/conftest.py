@@ -11,6 +11,13 @@ def tiny_ckpt():
 
 
 @pytest.fixture(scope="session")
+def flash_ckpt():
+    """FLASH-shaped weights, generated per (layer, expert) on first use and shared by the tests."""
+    from twin.abi.presets import FLASH
+    return SyntheticCheckpoint(FLASH, seed=0, cache_layers=2, cache_experts=64)
+
+
+@pytest.fixture(scope="session")
 def small_ckpt():
     return SyntheticCheckpoint(SMALL, seed=0)
 

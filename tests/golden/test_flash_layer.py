@@ -2,16 +2,15 @@
 the experts its tokens route to; device against exact within the layer tolerance."""
 import numpy as np
 
-from golden.checkpoint import SyntheticCheckpoint
 from golden.compose import device_meta, layer_step, rope_inputs
 from golden.numerics import Numerics
 from golden.paged import DECODE, Span, alloc_caches, assign_blocks, lower
 from twin.abi.presets import FLASH
 
 
-def test_one_flash_csa_layer_decode_rows():
+def test_one_flash_csa_layer_decode_rows(flash_ckpt):
     cfg, layer, S, pos0 = FLASH, 4, 4, 260
-    ck = SyntheticCheckpoint(cfg, seed=1)
+    ck = flash_ckpt
     rng = np.random.default_rng(0)
     blocks, pages = assign_blocks(cfg, 1, pos0 + S, chunk=S)
     spans = [Span(0, pos0, tuple(rng.integers(0, cfg.vocab_size, S)), blocks[0])]
@@ -41,4 +40,5 @@ def test_one_flash_csa_layer_decode_rows():
     t_dev, t_ex = outs["device_taps"], outs["exact_taps"]
     rl2 = lambda k: np.linalg.norm(np.asarray(t_dev[k], np.float64) - t_ex[k]) / np.linalg.norm(t_ex[k])
     assert rl2((layer, "kv")) < 0.01 and rl2((layer, "attn_out")) < 0.03 and rl2((layer, "x_hc")) < 0.05
-    assert np.array_equal(t_dev[(layer, "moe_indices")], t_ex[(layer, "moe_indices")])
+    # same experts (their order may swap on a near-tie of the biased scores)
+    assert np.array_equal(np.sort(t_dev[(layer, "moe_indices")], -1), np.sort(t_ex[(layer, "moe_indices")], -1))
