@@ -1,5 +1,7 @@
 """Every injected fault kind is detected, and localized to the right (dispatch, layer, stage)."""
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from hw.faults import KINDS, Fault
 from hw.runs import build_run
@@ -37,3 +39,12 @@ def test_localization_to_layer_and_stage_is_at_least_90_percent(outcomes):
     hits = [(f["layer"], f["stage"]) == (s["first_divergence"]["layer"], s["first_divergence"]["stage"])
             for f, s in outcomes.values()]
     assert sum(hits) / len(hits) >= 0.9, [(c, o[1]["first_divergence"]) for c, o in outcomes.items()]
+
+
+@settings(max_examples=6)
+@given(kind=st.sampled_from(KINDS), at=st.integers(0, 8), layer=st.integers(0, 6), seed=st.integers(0, 10_000))
+def test_any_fault_anywhere_is_detected_at_the_dispatch_it_breaks(tmp_path_factory, kind, at, layer, seed):
+    f = Fault(kind, at=at, layer=layer, seed=seed)
+    s = build_run(tmp_path_factory.mktemp("prop"), fault=f, record=False).run(at + 14)
+    assume(f.fired is not None)              # no applicable dispatch in the window: nothing was broken
+    assert s["verdict"] == "FAIL" and s["first_divergence"]["dispatch"] == f.fired["dispatch"]
