@@ -78,3 +78,15 @@ def test_both_recompute_modes_make_the_same_first_decisions(upstream_run, replay
     n = int((steps.t < first).sum())
     assert n > 3
     assert upstream_run.schedule[:n] == replay_run.schedule[:n]
+
+
+def test_k0_split_decode_equals_the_oracle_with_corrected_replay(golden, oracle):
+    """K=0: the split decode at the staged anchor, the worker's placeholder substitution."""
+    from twin.abi import deployment
+    from twin.functional import functional_simulate
+    from conftest import SLOTS
+    dep = deployment("tiny", ep=8, max_model_len=512, long_prefill_token_threshold=64, max_num_seqs=6,
+                     max_num_batched_tokens=256, num_speculative_tokens=0)
+    res = functional_simulate(dep, make_requests(), golden, slots=SLOTS, recompute="replay")
+    assert res.sim.summary["preemptions"] > 0
+    assert not _differ(res.tokens, oracle), _differ(res.tokens, oracle)

@@ -155,3 +155,13 @@ def test_functional_imports_only_abi_sim_and_golden():
                 if m.split(".")[0] in ("twin", "golden", "hw") and not any(m == a or m.startswith(a + ".") for a in allowed):
                     bad.append(f"{path.name} imports {m}")
     assert not bad, bad
+
+
+def test_an_executor_error_inside_the_simulation_keeps_its_message(golden):
+    """SimPy re-raises a process's exception as type(e)(*e.args): the ABI errors survive that."""
+    from twin.functional import functional_simulate
+    from twin.sim.request import Request, Sampling
+    dep = make_dep()
+    bad = Request("r0", np.full(20, dep.model.vocab_size + 5), Sampling(2))      # token ids past the vocabulary
+    with pytest.raises(AbiError, match="input_ids|token"):
+        functional_simulate(dep, [bad], golden, slots=2)

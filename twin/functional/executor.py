@@ -15,7 +15,7 @@ positions and all seven slot mappings golden writes through must be the ones the
 """
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import replace
 
 from golden.dspark import step as S
 from golden.paged import PREFILL
@@ -171,9 +171,15 @@ class GoldenExecutor:
         res.dispatches.append(self._time_seed(wave))
 
     def _decode(self, plan: StepPlan, res: StepResult) -> None:
-        d = self._lowered(plan.decode)
         items = [it for grp in plan.decode_groups for it in grp]
         seqs = [self._seq(it.request_id, it.partition, it.lease, it.generation, it.block_ids) for it in items]
+        batch = plan.decode
+        if not self.k:
+            # the worker substitutes its cached last sample for a placeholder before lowering (§4.9)
+            items = [replace(it, last_token=s.current) if it.last_token == PLACEHOLDER_TOKEN else it
+                     for it, s in zip(items, seqs)]
+            batch = replace(batch, items=tuple(items))
+        d = self._lowered(batch)
         if self.check:
             check_decode(d, items, seqs, self.k)
         if self.k:
@@ -187,11 +193,9 @@ class GoldenExecutor:
                 self.log.append({"step": plan.step_id, "request": rid, "count": c, "drafts": int(acc.proposed[i])})
         else:
             for it, s in zip(items, seqs):
-                # split decode stages the scheduler's position and token (the cached last sample
-                # replaces a placeholder), so a re-prefill gap shows up as it would on the device
-                s.anchor = int(it.anchor)
-                if it.last_token != PLACEHOLDER_TOKEN:
-                    s.current = int(it.last_token)
+                # split decode runs at the staged position and token, so upstream's re-prefill gap
+                # shows up as it does on the device
+                s.anchor, s.current = int(it.anchor), int(it.last_token)
             S.plain_step(self.g, self.run, seqs)
             for s in seqs:
                 res.tokens[s.req.request_id] = [s.current]

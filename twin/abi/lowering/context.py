@@ -40,6 +40,7 @@ class DispatchError(AbiError):
         self.arg = arg
         self.rule = rule
         super().__init__(arg, value, allowed, where=f"{program} [{rule}]")
+        self.args = (program, arg, rule, value, allowed)
 
 
 def to_bf16_bits(x) -> np.ndarray:
