@@ -1,13 +1,13 @@
-"""The JAX path: the same kernels (written once against `nm.xp`) run on jax.numpy, each layer
-kind jit-compiled once, equal to NumPy within FP32 tolerance.
+"""The JAX path: the golden layer compositions on jax.numpy, each layer kind jit-compiled once,
+equal to NumPy within FP32 tolerance (the same greedy tokens).
 
 Compute is float64 as in NumPy (kernel-math rounding points are explicit), so every call runs
 under `jax.enable_x64(True)` — a scoped setting, restored on exit; nothing global is changed.
-What NumPy decides from data (which tokens are boundaries, how many candidates a call has), JAX
-takes as static shapes: every token is pooled and masked, candidate counts are the call's maxima
-(part of the jit cache key).  The routed experts run densely (every expert on every row, then
-each route picks its row): on CPU that beats gathers and `jax.lax.ragged_dot` (a dense GEMM per
-group) at small-preset sizes; it is E/K times the routed work, so FLASH layers stay on NumPy.
+What NumPy decides from data, JAX takes as static shapes computed on the host from the call's
+metadata (`golden.jax_kernels.Layout`: the token grid, window unions, boundary tokens; candidate
+counts), all part of the jit cache key.  Attention and the indexer gather candidates per request,
+routed experts run in expert blocks (`golden.jax_kernels`): on a CPU, XLA's small-M batched
+GEMMs over per-token candidates and dense all-expert MoE were 3-5x slower than NumPy.
 
     jg = JaxGolden(ckpt, cfg, "device")
     out = jg.forward(meta, caches)            # same signature and result as compose.forward
@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .compose import ForwardOut, _check_contiguous, final_head, layer_step, rope_inputs
+from .compose import ForwardOut, _check_contiguous, final_head, moe_sublayer, rope_inputs
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
 from .kernels.moe import shared_expert
+from .jax_kernels import attention_sublayer_grouped, layout, moe_blocked
 from .numerics import Numerics
 from .paged import PREFILL, StepMeta
 
@@ -69,26 +70,10 @@ def moe_dense_jax(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
     return nm.bf16(out)
 
 
-class _Weights:
-    """The checkpoint protocol over device-resident (jnp) weights."""
-
-    def __init__(self, layers, experts, model):
-        self._layers, self._experts, self._model = layers, experts, model
-
-    def layer(self, layer):
-        return self._layers[layer]
-
-    def experts_of(self, layer):
-        return self._experts[layer]
-
-    def model(self):
-        return self._model
-
-
 class JaxGolden:
     def __init__(self, ckpt, cfg, mode: str = "device", compiler_options: dict | None = None):
         """compiler_options go to every jax.jit (e.g. {"xla_backend_optimization_level": 0} trades
-        step speed for ~40 % less compile time in tests)."""
+        step speed for less compile time in tests)."""
         self.cfg = cfg
         self.compiler_options = compiler_options
         self.nm = Numerics(mode, jnp)
@@ -97,24 +82,28 @@ class JaxGolden:
         with jax.enable_x64(True):
             put = lambda d: {k: jnp.asarray(v) for k, v in d.items() if v is not None}
             self.layers = [put(ckpt.layer(l)) for l in range(L)]
-            # a layer's routed experts stacked on a leading expert axis (dense expert GEMMs)
+            # a layer's routed experts stacked on a leading expert axis (one block reads one expert)
             self.experts = [{k: jnp.asarray(np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)]))
                              for k in EXPERT_KEYS} for l in range(L)]
             self.model = put(ckpt.model())
         self._fns = {}
 
-    def _layer_fn(self, layer, form, n_idx, n_hca):
+    def _layer_fn(self, layer, form, n_idx, n_hca, lay):
         cfg = self.cfg
-        key = (cfg.compress_ratios[layer], layer < cfg.num_hash_layers, form, n_idx, n_hca)
+        ratio = cfg.compress_ratios[layer]
+        key = (ratio, layer < cfg.num_hash_layers, form, n_idx, n_hca, lay.key())
         if key not in self._fns:
-            def step(x_hc, w, ex, pools, m, rope, layer_id):
-                m = dict(m, n_idx_candidates=n_idx, n_hca_rows=n_hca)
-                weights = _Weights({layer_id: w}, {layer_id: ex}, None)
-                return layer_step(x_hc, layer_id, weights, pools, m, rope, cfg=cfg, nm=self.nm, form=form,
-                                  moe=moe_dense_jax)
-            # the layer id only selects routing (hash or scored) and the ratio: both are in the key
-            self._fns[key] = jax.jit(step, static_argnums=(6,), compiler_options=self.compiler_options)
-        return self._fns[key], key
+            n_win_tiles = lay.n_win_tiles
+
+            def step(x_hc, w, ex, pools, m, g, rope, layer_id):
+                g = dict(g, n_win_tiles=n_win_tiles)
+                x_hc, pools = attention_sublayer_grouped(x_hc, layer_id, w, pools, m, rope, g, cfg=cfg, nm=self.nm,
+                                                         form=form, ratio=ratio, n_idx=n_idx, n_hca=n_hca)
+                x_hc = moe_sublayer(x_hc, layer_id, w, ex, m["input_ids"], cfg=cfg, nm=self.nm, moe=moe_blocked)
+                return x_hc, pools
+            # the layer id only selects routing (hash or scored): part of the key
+            self._fns[key] = jax.jit(step, static_argnums=(7,), compiler_options=self.compiler_options)
+        return self._fns[key], self._canonical_layer(key)
 
     def _head_fn(self):
         if "head" not in self._fns:
@@ -135,17 +124,18 @@ class JaxGolden:
         cfg, nm = self.cfg, self.nm
         _check_contiguous(meta)
         n_idx, n_hca = self.static_extents(meta)
+        lay = layout(meta)
         with jax.enable_x64(True):
             m = {k: jnp.asarray(v) for k, v in meta.arrays().items()}
+            g = {k: jnp.asarray(v) for k, v in lay.arrays().items()}
             rope = {k: tuple(jnp.asarray(np.asarray(a)) for a in v)
                     for k, v in rope_inputs(cfg, meta.position_ids, self.host_nm).items()}
             _, x_hc = lookup_embedding(m["input_ids"], self.model["embed_weight"], cfg=cfg, nm=nm)
             out = []
             for layer in range(cfg.num_hidden_layers):
-                fn, key = self._layer_fn(layer, meta.form, n_idx, n_hca)
+                fn, layer_id = self._layer_fn(layer, meta.form, n_idx, n_hca, lay)
                 pools = {k: jnp.asarray(v) for k, v in caches[layer].items()}
-                x_hc, pools = fn(x_hc, self.layers[layer], self.experts[layer], pools, m, rope,
-                                 self._canonical_layer(key))
+                x_hc, pools = fn(x_hc, self.layers[layer], self.experts[layer], pools, m, g, rope, layer_id)
                 out.append(pools)
             logits, sampled = self._head_fn()(x_hc, self.model, m["logit_row_indices"])
             logits.block_until_ready()

@@ -1,0 +1,314 @@
+"""JAX formulations of the gather-heavy kernels, with the NumPy kernels' rounding points.
+
+XLA on CPU runs batched GEMMs with a small M (one token's 8 heads against its own gathered
+candidates) at ~1 GFLOP/s, and dense "every expert on every row" MoE costs E/K times the routed
+work.  So on JAX:
+
+* attention and the indexer gather candidates once per REQUEST (a request's tokens share their
+  window and compressed rows), score every (token, head) of the request in one GEMM, and mask each
+  token's own candidates.  Tiles keep NumPy's membership (window = tile 0 in the token's window
+  order, compressed rows in tiles of 128 in the token's top-k order), so per-tile maxima, bf16(P)
+  and the sink combine are the same; only the f64 summation order inside a dot differs.
+* routed experts run grouped: routes sorted by expert into blocks of G rows of one expert, a
+  loop over the used blocks (dynamic trip count, static shapes), so the work is ~the routed work.
+* compressors pool only the boundary tokens, picked on the host from positions (static count).
+
+Host-side layout (`Layout`): tokens in a [B, S] grid (S = most tokens of one request in the call)
+and each request's window union: positions max(0, first - W + 1) .. last.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .kernels.compressor import EXCLUDE, compress_project, pool_rows
+from .kernels.hyper_connections import hc_post, hc_pre
+from .kernels.indexer import PREFILL_SCORE_CAP, index_query
+from .kernels.moe import shared_expert, swiglu_expert
+from .kernels.o_proj import o_proj, pack_groups
+from .kernels.qkv_proj_rope import qkv_proj_rope
+from .kernels.rmsnorm import rmsnorm_f, rms_norm
+from .kernels.rope import rope_tail
+from .kernels.sparse_attention import TILE, csa_rows, hca_rows
+from .numerics import FP32_NEG_INF, NEG_INF_ATTN
+from .paged import PREFILL
+
+MOE_BLOCK = 16          # rows per expert block: small enough that padding stays < E * G rows
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Host-computed index arrays of one call (all NumPy int32 / bool) and their static sizes."""
+
+    S: int                  # grid width: most tokens of one request
+    tok: np.ndarray         # [B, S] token row of grid cell, T for empty cells
+    cell: np.ndarray        # [T] grid column of each token (its row is req)
+    win_slot: np.ndarray    # [B, Wu] ori slot of each window-union position, -1 none
+    win_tile: np.ndarray    # [B, S, Wu] tile of that position in the token's window, -1 not in it
+    n_win_tiles: int
+    sel: dict               # ratio -> [n] boundary token rows (padded with 0)
+    sel_ok: dict            # ratio -> [n] real boundary
+
+    def arrays(self) -> dict:
+        out = {"g_tok": self.tok, "g_cell": self.cell, "g_win_slot": self.win_slot, "g_win_tile": self.win_tile}
+        for r in self.sel:
+            out[f"g_sel{r}"], out[f"g_sel_ok{r}"] = self.sel[r], self.sel_ok[r]
+        return out
+
+    def key(self) -> tuple:
+        return (self.S, self.win_slot.shape[1], self.n_win_tiles) + tuple(len(v) for v in self.sel.values())
+
+
+def layout(meta) -> Layout:
+    pos, req = np.asarray(meta.position_ids, np.int64), np.asarray(meta.req, np.int64)
+    B, T = meta.first_pos.shape[0], pos.shape[0]
+    counts = np.bincount(req, minlength=B)
+    r0 = np.full(B, T, np.int64)
+    np.minimum.at(r0, req, np.arange(T))
+    cell = np.arange(T) - r0[req]
+    S = max(int(counts.max(initial=0)), 1)
+    tok = np.full((B, S), T, np.int32)
+    tok[req, cell] = np.arange(T)
+    swa, lens = np.asarray(meta.swa_indices), np.asarray(meta.swa_lens)
+    W = swa.shape[1]
+    Wu = S + W - 1
+    start = np.maximum(pos - W + 1, 0)
+    p0 = np.full(B, np.iinfo(np.int64).max)
+    np.minimum.at(p0, req, start)
+    off = start - p0[req]                                   # token's window column 0 in the union
+    j = np.arange(W)
+    valid = (j[None, :] < lens[:, None]) & (swa >= 0)
+    win_slot = np.full((B, Wu), -1, np.int32)
+    tt, jj = np.nonzero(valid)
+    win_slot[req[tt], off[tt] + jj] = swa[tt, jj]
+    win_tile = np.full((B, S, Wu), -1, np.int32)
+    win_tile[req[tt], cell[tt], off[tt] + jj] = jj // TILE
+    sel, sel_ok = {}, {}
+    for ratio in (4, 128):
+        n = max(1, int(sum(-(-int(c) // ratio) for c in counts)))   # a run of c positions has <= ceil(c/r)
+        rows = np.nonzero((pos + 1) % ratio == 0)[0]
+        sel[ratio] = np.zeros(n, np.int32)
+        sel[ratio][:rows.size] = rows
+        sel_ok[ratio] = np.arange(n) < rows.size
+    return Layout(S, tok, cell.astype(np.int32), win_slot, win_tile, -(-W // TILE), sel, sel_ok)
+
+
+# ---- compressors: pool the host-selected boundary tokens only ---------------------------------
+def compressor_sel(x, sel, sel_ok, positions, req, first_pos, compress_state, state_block_table,
+                   state_slot_mapping, cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *,
+                   ratio, cfg, nm, missing=EXCLUDE):
+    """golden.kernels.compressor.compressor with `sel` given (a static-length list of rows)."""
+    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
+    pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, compress_state, state_block_table,
+                       ratio=ratio, nm=nm, missing=missing)
+    y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
+    if nm.mode == "official":
+        R = cfg.qk_rope_head_dim
+        y = jnp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
+    y = nm.bf16(y)
+    cmp_kv = nm.set_rows(cmp_kv, jnp.where(sel_ok, cmp_slot_mapping[sel], -1), nm.store_bf16(y))
+    compress_state = nm.set_rows(compress_state, state_slot_mapping, jnp.concatenate([kvp, scp], -1))
+    return cmp_kv, compress_state
+
+
+def indexer_compressor_sel(x, sel, sel_ok, positions, req, first_pos, inner_state, state_block_table,
+                           state_slot_mapping, idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate,
+                           inner_ape, inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm):
+    kvp, scp = compress_project(x, inner_wkv, inner_wgate, inner_ape, positions, ratio=4, nm=nm)
+    pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
+    y = nm.bf16(rope_tail(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm))
+    y = nm.bf16(nm.mm(y, nm.asf(hadamard)))
+    if nm.mode == "device":
+        y_q, dq = nm.q8(y)
+    else:
+        y_q, dq = nm.fp4(y), jnp.ones(y.shape[:-1] + (1,), nm.f)
+    slots = jnp.where(sel_ok, idx_slot_mapping[sel], -1)
+    idx_kv_cache = nm.set_rows(idx_kv_cache, slots, y_q)
+    idx_kv_scale = nm.set_rows(idx_kv_scale, slots, dq)
+    inner_state = nm.set_rows(inner_state, state_slot_mapping, jnp.concatenate([kvp, scp], -1))
+    return idx_kv_cache, idx_kv_scale, inner_state
+
+
+# ---- per-request candidate gathers ------------------------------------------------------------
+def _grid(a, tok):
+    """Token rows [T, ...] -> grid [B, S, ...] (empty cells: zeros)."""
+    pad = jnp.zeros((1,) + a.shape[1:], a.dtype)
+    return jnp.concatenate([a, pad], axis=0)[tok]
+
+
+def _paged_rows(table, n, rpp):
+    """Flat slots [B, n] of logical rows 0..n-1 through each request's absolute table, -1 unmapped."""
+    c = jnp.arange(n)
+    pg = c // rpp
+    width = table.shape[1]
+    ent = table[:, jnp.minimum(pg, width - 1)]
+    ok = (pg[None, :] < width) & (ent >= 0)
+    return jnp.where(ok, ent * rpp + c[None, :] % rpp, -1), ok
+
+
+def _int_dots(spec, a, b, nm):
+    """Dots of integer-valued operands: exact in f32 on the device path (|sum| < 2^24)."""
+    if nm.mode == "device":
+        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32)).astype(nm.f)
+    return jnp.einsum(spec, nm.asf(a), nm.asf(b))
+
+
+def lightning_indexer_grouped(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_weights_proj,
+                              csa_hadamard_idx, rope_cos, rope_sin, idx_kv_cache, idx_kv_scale, idx_block_table,
+                              req, positions, cache_lens, g, *, cfg, nm, cap, n_candidates):
+    """golden.kernels.indexer.lightning_indexer, candidates gathered once per request -> topk."""
+    IK, C = cfg.index_topk, n_candidates
+    T = x.shape[0]
+    q_i8, q_scale = index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx,
+                                rope_cos, rope_sin, cfg=cfg, nm=nm)
+    w = nm.r32(nm.mm(nm.asf(x), nm.asf(csa_weights_proj)) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5))
+    visible = jnp.minimum(jnp.minimum(cache_lens[req], (positions + 1) // 4), cap)
+    slot, ok = _paged_rows(idx_block_table, C, idx_kv_cache.shape[1])
+    k = nm.get_rows(idx_kv_cache, slot)                                   # [B, C, IHD]
+    ks = nm.asf(nm.get_rows(idx_kv_scale, slot))[..., 0]                  # [B, C]
+    dots = _int_dots("bshd,bcd->bshc", _grid(q_i8, g["g_tok"]), k, nm)[req, g["g_cell"]]   # [T, IH, C]
+    s = jnp.sum(jnp.maximum(dots * q_scale * ks[req][:, None, :], 0.0) * w[:, :, None], axis=1)
+    keep = ok[req] & (jnp.arange(C)[None, :] < visible[:, None])
+    score = jnp.where(keep, nm.r32(s), FP32_NEG_INF)
+    order = jnp.argsort(-score, axis=-1, stable=True)[:, :IK].astype(jnp.int32)
+    kk = jnp.minimum(visible, IK)
+    topk = jnp.where(jnp.arange(order.shape[1])[None, :] < kk[:, None], order, -1)
+    if order.shape[1] < IK:
+        topk = jnp.concatenate([topk, jnp.full((T, IK - order.shape[1]), -1, jnp.int32)], axis=1)
+    return topk.astype(jnp.int32)
+
+
+def _tile(s, mask, K, nm):
+    """One softmax tile over the masked columns: (m, l, o, any) as golden's `attend` forms them."""
+    st = jnp.where(mask, s, NEG_INF_ATTN)
+    m = jnp.max(st, axis=-1)
+    e = jnp.where(mask, jnp.exp(st - m[..., None]), 0.0)
+    p = e if nm.mode == "official" else nm.bf16(e)
+    return m, jnp.sum(e, axis=-1), jnp.einsum("bshn,bnd->bshd", p, K), jnp.any(mask, axis=-1)
+
+
+def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, cmp_kv=None, cmp_rows=None,
+                             cmp_block_table=None, n_cmp=0, req, cfg, nm):
+    """golden.kernels.sparse_attention.sparse_attention over per-request candidate sets.
+
+    cmp_rows [T, n] logical compressed rows (-1 none) in the token's order; every row is < n_cmp."""
+    T = q.shape[0]
+    qg = _grid(nm.asf(q), g["g_tok"])                                       # [B, S, H, HD]
+    Kw = nm.asf(nm.get_rows(kv_cache, g["g_win_slot"]))                     # [B, Wu, HD]
+    sw = jnp.einsum("bshd,bnd->bshn", qg, Kw) * cfg.softmax_scale
+    wt = g["g_win_tile"][:, :, None, :]
+    tiles = [_tile(sw, wt == j, Kw, nm) for j in range(g["n_win_tiles"])]
+    if cmp_rows is not None and n_cmp:
+        slot, ok = _paged_rows(cmp_block_table, n_cmp, cmp_kv.shape[1])
+        Kc = nm.asf(nm.get_rows(cmp_kv, slot))                              # [B, Cu, HD]
+        r = jnp.arange(cmp_rows.shape[1])
+        tile_of = jnp.full((T, n_cmp + 1), -1, jnp.int32).at[jnp.arange(T)[:, None],
+                                                             jnp.where(cmp_rows >= 0, cmp_rows, n_cmp)].set(
+            jnp.broadcast_to((r // TILE).astype(jnp.int32), cmp_rows.shape))[:, :n_cmp]
+        tile_of = jnp.where(ok[req], tile_of, -1)
+        ct = _grid(tile_of + 1, g["g_tok"])[:, :, None, :] - 1                  # empty cells: -1
+        sc = jnp.einsum("bshd,bnd->bshn", qg, Kc) * cfg.softmax_scale
+        tiles += [_tile(sc, ct == j, Kc, nm) for j in range(-(-cmp_rows.shape[1] // TILE))]
+    anys = jnp.stack([t[3] for t in tiles], -1)                              # [B, S, 1, nt]
+    ms = jnp.stack([t[0] for t in tiles], -1)                                # [B, S, H, nt]
+    has = jnp.any(anys, axis=-1)
+    M = jnp.where(has, jnp.max(jnp.where(anys, ms, -jnp.inf), axis=-1), 0.0)
+    o, den = 0.0, 0.0
+    for j, (m, l_t, o_t, a_t) in enumerate(tiles):
+        a = jnp.where(a_t, jnp.exp(m - M), 0.0)
+        o = o + a[..., None] * o_t
+        den = den + a * l_t
+    den = den + jnp.exp(nm.asf(attn_sink)[None, None, :] - M)
+    o = jnp.where(has[..., None], o / den[..., None], 0.0)[req, g["g_cell"]]       # [T, H, HD]
+    return nm.bf16(rope_tail(o, rope_cos[:, None, :], rope_sin[:, None, :], nm, inverse=True))
+
+
+# ---- routed experts in expert blocks ------------------------------------------------------------
+def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, block=MOE_BLOCK):
+    """golden.kernels.moe.moe_experts on JAX: routes sorted by expert into blocks of `block` rows
+    of one expert; a loop over the used blocks runs swiglu_expert on each (same rounding points)."""
+    T, K = indices.shape
+    E, D = cfg.n_routed_experts, x_i8.shape[1]
+    n = T * K
+    nb = (n + min(E, n) * (block - 1)) // block + 1
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    cnt = jnp.bincount(flat, length=E)
+    padded = (cnt + block - 1) // block * block
+    pend = jnp.cumsum(padded)
+    se = flat[order]
+    dest = (pend - padded)[se] + jnp.arange(n) - (jnp.cumsum(cnt) - cnt)[se]
+    route = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    blk_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(nb) * block, side="right"), E - 1)
+    wflat = weights.reshape(-1)
+
+    def body(i, acc):
+        rt = lax.dynamic_slice_in_dim(route, i * block, block)
+        r = jnp.maximum(rt, 0)
+        ew = {k: lax.dynamic_index_in_dim(v, blk_e[i], keepdims=False) for k, v in expert.items()}
+        y = swiglu_expert(x_i8[r // K], x_scale[r // K], ew["routed_w1"], ew["routed_w1_scale"], ew["routed_w3"],
+                          ew["routed_w3_scale"], ew["routed_w2"], ew["routed_w2_scale"], cfg=cfg, nm=nm,
+                          route_weight=jnp.where(rt >= 0, wflat[r], 0.0))
+        return lax.dynamic_update_slice_in_dim(acc, y[None], i, axis=0)
+
+    acc = lax.fori_loop(0, pend[-1] // block, body, jnp.zeros((nb, block, D), nm.f))
+    routed = jnp.zeros((n, D), nm.f).at[jnp.where(route >= 0, route, n)].set(acc.reshape(-1, D), mode="drop")
+    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
+    routed = routed.reshape(T, K, D)
+    for k in range(K):
+        out = out + routed[:, k]
+    return nm.bf16(out)
+
+
+# ---- the attention sub-layer on the grouped kernels -------------------------------------------
+def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca):
+    """golden.compose.attention_sublayer with the JAX kernels above (same order and pools)."""
+    pools = dict(pools)
+    x_mixed, post, comb = hc_pre(x_hc, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg=cfg, nm=nm)
+    x_n = rms_norm(x_mixed, w["attn_norm_w"], cfg=cfg, nm=nm)
+    cos, sin = rope["swa"] if ratio == 0 else rope["compressed"]
+    q, kv, qr, qr_scale = qkv_proj_rope(x_n, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], w["gamma_cq"],
+                                        w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm)
+    pos, req, first = m["position_ids"], m["req"], m["first_pos"]
+    cmp = {}
+    if ratio == 4:
+        ccos, csin = rope["csa_cmp"]
+        sel, ok = g["g_sel4"], g["g_sel_ok4"]
+        pools["csa_cmp_kv"], pools["csa_compress_state"] = compressor_sel(
+            x_n, sel, ok, pos, req, first, pools["csa_compress_state"], m["csa_compress_state_block_table"],
+            m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w["csa_cmp_wkv"],
+            w["csa_cmp_wgate"], w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm)
+        pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"] = indexer_compressor_sel(
+            x_n, sel, ok, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
+            m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
+            m["csa_idx_slot_mapping"], w["csa_inner_wkv"], w["csa_inner_wgate"], w["csa_inner_ape"],
+            w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm)
+        cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
+        topk = lightning_indexer_grouped(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
+                                         w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin, pools["idx_kv_cache"],
+                                         pools["idx_kv_scale"], m["idx_block_table"], req, pos,
+                                         m["kv_seq_lens"] // 4, g, cfg=cfg, nm=nm, cap=cap, n_candidates=n_idx)
+        cmp = dict(cmp_kv=pools["csa_cmp_kv"], cmp_rows=csa_rows(topk, pos, nm=nm),
+                   cmp_block_table=m["csa_cmp_block_table"], n_cmp=n_idx)
+    elif ratio == 128:
+        from .compose import PREFILL_HCA_CAP
+        from .kernels.compressor import ZERO
+        hcos, hsin = rope["hca_cmp"]
+        pools["hca_cmp_kv"], pools["hca_compress_state"] = compressor_sel(
+            x_n, g["g_sel128"], g["g_sel_ok128"], pos, req, first, pools["hca_compress_state"],
+            m["hca_compress_state_block_table"], m["hca_state_slot_mapping"], pools["hca_cmp_kv"],
+            m["hca_cmp_slot_mapping"], w["hca_cmp_wkv"], w["hca_cmp_wgate"], w["hca_cmp_ape"], w["hca_cmp_norm_w"],
+            hcos, hsin, ratio=128, cfg=cfg, nm=nm, missing=ZERO if form == PREFILL else EXCLUDE)
+        cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
+        if n_hca:
+            cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm,
+                                                                     n_max=n_hca),
+                       cmp_block_table=m["hca_cmp_block_table"], n_cmp=n_hca)
+    pools["kv_cache"] = nm.set_rows(pools["kv_cache"], m["ori_slot_mapping"], nm.store_bf16(kv))
+    o = sparse_attention_grouped(q, pools["kv_cache"], w["attn_sink"], cos, sin, g, req=req, cfg=cfg, nm=nm, **cmp)
+    attn_out = o_proj(pack_groups(o, cfg=cfg), w["wo_a"], w["wo_b"], w["wo_b_scale"], cfg=cfg, nm=nm)
+    return hc_post(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools
+
