@@ -96,8 +96,8 @@ class _Owned:
 
 
 class Pin:
-    """An in-flight step's exact block tables (§3.5); `stored` lists (family, block) refs that
-    became explicit because the owner dropped the page while this pin held it."""
+    """An in-flight step's exact block tables (§3.5); `stored` lists (family, blocks) runs of
+    refs that became explicit because the owner dropped the pages while this pin held them."""
 
     __slots__ = ("tables", "partition", "stored")
 
@@ -106,7 +106,7 @@ class Pin:
         self.stored = [] if stored is None else stored
 
     def __repr__(self) -> str:
-        return f"Pin(partition={self.partition}, stored={len(self.stored)})"
+        return f"Pin(partition={self.partition}, stored={sum(len(bs) for _, bs in self.stored)})"
 
 
 class KvCacheManager:
@@ -245,16 +245,34 @@ class KvCacheManager:
         the least-loaded partition that can hold it (ties round-robin).  Returns the partition."""
         o = self.reqs.get(rid)
         if o is not None and o.partition is not None and not o.holes:
-            # the decode steady state: a placed request, most steps touching only the rolling rings
-            work = self._work(o, tokens)
-            if not work:
-                return o.partition
+            # the decode steady state: a placed request, most steps touching only the rolling rings;
+            # the cheap bound (one free page per new logical page) settles the fit almost always
             p = o.partition
-            ok, need, free = self._fits(o, p, tokens, work)
-            if not ok:
-                raise KVCacheCapacityError(p, need, free)
+            lg, free, maxb, rolling = o.logical, self.free, self._maxb, self._rolling
+            work = []
+            slow = False
+            for f, pt in enumerate(self._page_tokens):
+                target = -(-tokens // pt)
+                if target > lg[f]:
+                    work.append(f)
+                    if len(free[f][p]) < target - lg[f] or (target > maxb[f] and not rolling[f]):
+                        slow = True
+            if not work:
+                return p
+            if slow:
+                ok, need, nfree = self._fits(o, p, tokens, work)
+                if not ok:
+                    raise KVCacheCapacityError(p, need, nfree)
+            tables = o.tables
             for f in work:
-                self._grow(o, f, tokens)
+                t = tables[f]
+                m = maxb[f]
+                if rolling[f] and len(t) == m:        # a full ring: only the rewrite (no fill)
+                    target = -(-tokens // self._page_tokens[f])
+                    tables[f] = self._wrap(o, f, p, t, lg[f] if lg[f] > m else m, target, m)
+                    lg[f] = target
+                else:
+                    self._grow(o, f, tokens)
             return p
         new = o is None
         if new:
@@ -329,19 +347,39 @@ class KvCacheManager:
             n = maxb
         s0 = start % maxb
         end = s0 + n
+        pins = o.pins
+        if len(pins) == 1 and end <= maxb and pins[0].tables[f] is t and len(free) >= n:
+            # the async steady state (a few pages, the one in-flight step pins the whole table):
+            # every page moves from the owner to the pin, ref counts unchanged, all detaches
+            pins[0].stored.append((f, t[s0:end]))
+            popitem = free.popitem
+            new = [popitem(False)[0] for _ in range(n)]
+            bh = self.bhash[f][p]
+            st = self.stats
+            for nb in new:
+                ref[nb] = 1
+                if bh[nb] is not None:
+                    h = bh[nb]
+                    idx = self.index[f][p]
+                    if idx.get(h) == nb:
+                        del idx[h]
+                    bh[nb] = None
+                    st["evictions"] += 1
+            st["detaches"] += n
+            return t[:s0] + tuple(new) + t[end:]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
         old = t[s0:end] if end <= maxb else t[s0:] + t[:end - maxb]
         # per page, how many in-flight pins hold it; a pin taken since the table last changed
         # shares the tuple itself and so holds every slot
         held = None
-        for pin in o.pins:
+        for pin in pins:
             pt, stored = pin.tables[f], pin.stored
             if pt is t:
                 hit = [True] * n
             else:
                 lp = len(pt)
                 hit = [s < lp and pt[s] == b for s, b in zip(slots, old)]
-            stored.extend([(f, b) for b, h in zip(old, hit) if h])
+            stored.append((f, [b for b, h in zip(old, hit) if h]))
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
         if len(free) >= n:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
@@ -483,14 +521,15 @@ class KvCacheManager:
     def _release_stored(self, pin: Pin) -> None:
         p = pin.partition
         refs, frees = self.ref, self.free
-        for f, b in pin.stored:
-            r = refs[f][p]
-            x = r[b] - 1
-            r[b] = x
-            if x == 0:
-                frees[f][p][b] = None
-            elif x < 0:
-                raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+        for f, bs in pin.stored:
+            r, fr = refs[f][p], frees[f][p]
+            for b in bs:
+                x = r[b] - 1
+                r[b] = x
+                if x == 0:
+                    fr[b] = None
+                elif x < 0:
+                    raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
         pin.stored.clear()
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
@@ -512,21 +551,25 @@ class KvCacheManager:
             if done <= start:
                 continue
             idx, bh = self.index[f][p], self.bhash[f][p]
-            for i in range(start, done):
-                b = t[i % len(t)] if fam.rolling else t[i]
+            get = idx.get
+            if fam.rolling:
+                L = len(t)
+                pages = zip([t[i % L] for i in range(start, done)], hs[start:done])
+            else:
+                pages = zip(t[start:done], hs[start:done])
+            for b, h in pages:
                 if b is None:
                     continue
-                h = hs[i]
-                owner = idx.get(h)
+                owner = get(h)
                 if owner is None:
                     old = bh[b]
-                    if old is not None and idx.get(old) == b:
+                    if old is not None and get(old) == b:
                         del idx[old]
                     bh[b] = h
                     idx[h] = b
                 elif owner != b:          # duplicate content: keep the index, drop this block's hash
                     old = bh[b]
-                    if old is not None and idx.get(old) == b:
+                    if old is not None and get(old) == b:
                         del idx[old]
                     bh[b] = None
             o.cached[f] = max(o.cached[f], done)
@@ -544,9 +587,17 @@ class KvCacheManager:
             self._release_stored(pin)
         p = o.partition
         for f, t in enumerate(o.tables):
+            if not t:
+                continue
+            r, fr = self.ref[f][p], self.free[f][p]
             for b in t:
                 if b is not None:
-                    self._decref(f, p, b)
+                    x = r[b] - 1
+                    r[b] = x
+                    if x == 0:
+                        fr[b] = None
+                    elif x < 0:
+                        raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
         if p is not None:
             self.load[p] -= 1
 
@@ -573,8 +624,9 @@ class KvCacheManager:
         for o in self.reqs.values():
             for pin in o.pins:
                 stored = {}
-                for f, b in pin.stored:
-                    stored[(f, b)] = stored.get((f, b), 0) + 1
+                for f, bs in pin.stored:
+                    for b in bs:
+                        stored[(f, b)] = stored.get((f, b), 0) + 1
                 for f in range(self._nf):
                     d = out[f][o.partition]
                     for b in set(pin.tables[f]):

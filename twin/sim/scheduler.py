@@ -330,18 +330,22 @@ class Scheduler:
                 continue
             req.terminal_prefill_in_flight = False
             toks = tokens.get(rid, ())
-            retained = 0
             out = req.outputs
             sp = req.sampling
             eos = None if sp.ignore_eos else sp.eos_token_id
             limit = req.max_new_tokens
-            for t in toks:
-                out.append(t)
-                retained += 1
-                if t == eos or len(out) >= limit:       # per token: later tokens are dropped
-                    req.dropped_tokens += len(toks) - retained
-                    self._finish(req, Finish.EOS if t == eos else Finish.LENGTH)
-                    break
+            if len(out) + len(toks) < limit and (eos is None or eos not in toks):
+                out.extend(toks)                        # no finish inside this chunk
+                retained = len(toks)
+            else:
+                retained = 0
+                for t in toks:
+                    out.append(t)
+                    retained += 1
+                    if t == eos or len(out) >= limit:   # per token: later tokens are dropped
+                        req.dropped_tokens += len(toks) - retained
+                        self._finish(req, Finish.EOS if t == eos else Finish.LENGTH)
+                        break
             if req.finished:
                 touched.append((req, retained))
                 continue
