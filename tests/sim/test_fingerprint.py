@@ -16,6 +16,7 @@ import pytest
 
 from simtest import make_dep
 from twin.sim.acceptance import ForcedAcceptance
+from twin.sim.loop import run_sync
 from twin.sim.run import SimConfig, build
 from twin.sim.workload import LengthDist, WorkloadSpec, generate
 
@@ -60,6 +61,21 @@ def fingerprint(cfg) -> str:
     return dig.h.hexdigest()
 
 
+def fingerprint_sync(cfg, depth: int) -> str:
+    """The wall-clock driver (`run_sync`, as the functional twin uses it) over the same objects."""
+    env, eng, sched, rec, slots = build(cfg)
+
+    class NoClock:
+        now = 0.0
+
+    dig = Digest(eng.executor, NoClock())
+    steps = run_sync(sched, dig, cfg.dep, cfg.requests, depth=depth)
+    dig._put((steps, [(r.request_id, r.finish.value, len(r.outputs), r.dropped_tokens, r.discarded_tokens,
+                       r.num_preemptions, r.cached_tokens) for r in cfg.requests], sorted(sched.kv.stats.items())))
+    sched.kv.check()
+    return dig.h.hexdigest()
+
+
 def saturated_cfg(n=300, seed=0):
     # the speed benchmark's shape (FLASH EP16 K=7, 256 running, 128-token chunks), a short burst;
     # n=320, seed=5 exhausts group 3's drafter leases (a worker error aborts the in-flight batches)
@@ -80,17 +96,39 @@ def pressure_cfg(depth=2):
                      SimConfig.__dataclass_fields__["acceptance"].default_factory())
 
 
-# computed at commit f938e96 (before the speed work)
+# computed with the package at commit f938e96 (before the speed work)
+def prefix_cfg():
+    # heavy prefix sharing at a 2,048-token limit: hits, cold-retry fallbacks, shared rolling
+    # tails detached on write, cached pages evicted by later takes
+    dep = make_dep(max_num_seqs=64, max_model_len=2048)
+    reqs = generate(WorkloadSpec(num_requests=150, arrival="poisson", rate=200,
+                                 prompt=LengthDist("uniform", 700, 300, 200, 1200),
+                                 output=LengthDist("uniform", 60, 50, 4, 200), prefix_groups=2, prefix_len=640,
+                                 prefix_fraction=0.9, eos_fraction=0.1, seed=21))
+    return SimConfig(dep, reqs, slots=12)
+
+
 PINNED = {
     "saturated": "e64ddd9e861ee64a0e2f6c7400258d17007becbea6cc8ac7ad573a3e4646781a",
     "pressure": "a346283c215441a5bce5838801954043c1585babe5e50ea53d5598bcc23b49d7",
     "pressure_sync": "d4a8d7fa63999d413f3109b67d56e847eb0434473c3203b368932ad38a473c7c",
     "lease_error": "42527d2e0af2757fc0ce5ced94b1d73b4e6bb06c84dac1b8776ac66704dc58f2",
+    "prefix": "486bcb714856246bef18588caeef482cbd43fe63e5124e97a7c6ec1ff5780c0c",
 }
 
 
 @pytest.mark.parametrize("name,make", [("saturated", saturated_cfg), ("pressure", pressure_cfg),
                                        ("pressure_sync", lambda: pressure_cfg(1)),
-                                       ("lease_error", lambda: saturated_cfg(320, 5))])
+                                       ("lease_error", lambda: saturated_cfg(320, 5)), ("prefix", prefix_cfg)])
 def test_run_fingerprint_is_unchanged(name, make):
     assert fingerprint(make()) == PINNED[name]
+
+
+# run_sync over the pressure workloads, also computed with the package at f938e96
+PINNED_SYNC = {2: "b6d787e077aaff44978c54ca39d71e666e120cd0731a10dee04c624185efde1a",
+               1: "6d183ebf0b64d0901a6d2d2f6f405cd8d660941293e0dcde601a08bd80b2ff69"}
+
+
+@pytest.mark.parametrize("depth", [2, 1])
+def test_wall_clock_driver_fingerprint_is_unchanged(depth):
+    assert fingerprint_sync(pressure_cfg(depth), depth) == PINNED_SYNC[depth]
