@@ -62,13 +62,21 @@ class TorchBackend:
 
     def __init__(self, geo: Geometry, weights: Weights, device: str = "cpu", *, cpu_threads: int | None = 1):
         check_device(device)
-        import torch
+        try:
+            import torch
+        except ModuleNotFoundError:
+            raise AbiError("device", device, "a backend whose runtime is installed: torch is missing "
+                           "(pip install -e \".[torch]\")", where="TorchBackend") from None
 
         if device == "cpu" and cpu_threads:
             # small per-op work: intra-op threads only contend (and stall badly on a shared 2-core runner)
             torch.set_num_threads(cpu_threads)
         if device.startswith("npu"):
-            import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+            try:
+                import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+            except ModuleNotFoundError:
+                raise AbiError("device", device, "'cpu' or 'cuda' here: torch_npu is not installed "
+                               "(pip install -e \".[npu]\" on an Ascend host)", where="TorchBackend") from None
         elif device.startswith("cuda") and not torch.cuda.is_available():
             raise AbiError("device", device, "a device torch can see (torch.cuda.is_available() is False)",
                            where="TorchBackend")
