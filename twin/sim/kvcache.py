@@ -352,10 +352,22 @@ class KvCacheManager:
             # the async steady state (a few pages, the one in-flight step pins the whole table):
             # every page moves from the owner to the pin, ref counts unchanged, all detaches
             pins[0].stored.append((f, t[s0:end]))
-            popitem = free.popitem
-            new = [popitem(False)[0] for _ in range(n)]
             bh = self.bhash[f][p]
             st = self.stats
+            if n == 1:                        # the most common rewrite: one page
+                nb = free.popitem(False)[0]
+                ref[nb] = 1
+                h = bh[nb]
+                if h is not None:
+                    idx = self.index[f][p]
+                    if idx.get(h) == nb:
+                        del idx[h]
+                    bh[nb] = None
+                    st["evictions"] += 1
+                st["detaches"] += 1
+                return t[:s0] + (nb,) + t[end:]
+            popitem = free.popitem
+            new = [popitem(False)[0] for _ in range(n)]
             for nb in new:
                 ref[nb] = 1
                 if bh[nb] is not None:
