@@ -1,0 +1,18 @@
+"""hw.real: lockstep against golden's real compositions, through the real lowering.
+
+The reference path (`hw.golden_adapter`, `hw.model`) compares a torch device against a simplified
+model.  This path drives `golden.compose.forward` (via `golden.dspark.step`: packed prefill, the
+seeding waves, the fused K=7 step, the K=0 decode) from batches that `twin.abi.lowering` lowers and
+validates, on two sides:
+
+    golden   golden's NumPy numerics (device or exact mode): every in-kernel sum carried in float64
+    device   the same compositions with every golden GEMM (`nm.mm`, `nm.int_mm`, so W8A8 too) run by
+             torch on a torch device with FP32 accumulation in torch's own tile order (`TorchNumerics`)
+
+Public API:
+    TorchNumerics(mode, device=...)            hw.real.numerics   golden Numerics whose GEMMs run on torch
+    Side, TapPar                               hw.real.side       one side's weights + run state; full taps
+    Stream, RealDispatch                       hw.real.stream     requests -> batches -> lower + validate
+    RealFault, REAL_KINDS                      hw.real.faults     device-side faults on the real path
+    RealLockstep, build_real                   hw.real.lockstep   compare, localize, re-sync, report
+"""

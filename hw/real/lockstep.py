@@ -1,0 +1,270 @@
+"""The real-golden lockstep: every dispatch of a `Stream` runs on the device side, then on the
+golden side re-synced from the device's decisions, and outputs, per-stage taps and every touched
+pool are compared under the tolerance policy; a failure is localized to the first (layer, stage)
+of golden.compose's taps, in dependency order, whose device value disagrees.
+
+Re-sync (recorded in each report entry): before a dispatch the golden adopts the device's decision
+state (the K=7 device state, each request's current token, anchor, generated tokens), so one tie
+flip does not cascade; pools and taps are never re-synced in a clean run, they are compared.
+Target samples are judged with ties: a device token whose golden logit is within `tie_tol` of the
+golden's best is a tie (re-sync), anything else a failure at ("head", "sample").  New drafts that
+differ are adopted as a "draft" re-sync (a draft never changes an output token; the drafter's
+pools are compared numerically).  In continuous mode a failing dispatch re-syncs the golden's
+whole run from the device.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from twin.abi.errors import AbiError
+
+from ..compare import Finding, compare_pool, compare_tensor
+from ..golden_adapter import compose_kind
+from ..lockstep import MODES, first_divergent_tap
+from ..report import ReportWriter, write_summary
+from ..tolerance import Policy
+from .stream import mapped_rows
+
+OUTPUT_KIND = {"main_hidden": ("activation", "bf16", "w8a8"), "state_meta": ("index", "i32", "none")}
+POOL_KIND = {"kv_cache": ("kv_pool", "bf16", "none"), "hca_cmp_kv": ("kv_pool", "bf16", "none"),
+             "csa_cmp_kv": ("kv_pool", "bf16", "none"), "idx_kv_cache": ("kv_pool", "bf16", "none"),
+             "idx_kv_scale": ("state", "f32", "none"), "hca_compress_state": ("state", "f32", "none"),
+             "csa_compress_state": ("state", "f32", "none"), "csa_inner_compress_state": ("state", "f32", "none")}
+POOL_STAGE = {"kv_cache": "kv", "hca_cmp_kv": "cmp_kv", "csa_cmp_kv": "cmp_kv", "idx_kv_cache": "cmp_kv",
+              "idx_kv_scale": "cmp_kv", "hca_compress_state": "cmp_kv", "csa_compress_state": "cmp_kv",
+              "csa_inner_compress_state": "cmp_kv"}
+DECISION_STAGES = ("moe_indices",)
+UNSYNCED_TAPS = ("idx_topk",)
+SEQ_FIELDS = ("anchor", "current", "generated", "draft_anchor", "released")
+
+
+def _resync(kind, site, detail) -> dict:
+    return {"kind": kind, "site": site, "row": -1, "golden": detail, "device": detail}
+
+
+class RealLockstep:
+    def __init__(self, stream, device, golden, *, policy: Policy | None = None, mode: str = "strict",
+                 fault=None, run_dir=None, config: dict | None = None):
+        if mode not in MODES:
+            raise AbiError("mode", mode, f"one of {MODES}", where="hw.real lockstep")
+        self.stream, self.dev, self.gold = stream, device, golden
+        self.policy, self.mode, self.fault = policy or Policy(), mode, fault
+        self.dir = None if run_dir is None else Path(run_dir)
+        self.config = {**(config or {}), "golden": "real", "mode": mode, "device": device.name,
+                       "golden_side": golden.name}
+        self.entries: list[dict] = []
+        stream.setup(device)
+        stream.setup(golden)
+        if fault is not None:
+            fault.attach(device)
+
+    # ---- decisions ---------------------------------------------------------------------------------
+    def _adopt_decisions(self) -> list[dict]:
+        out, d, g = [], self.dev.run, self.gold.run
+        if d.state is not None and not (np.array_equal(d.state.tokens, g.state.tokens)
+                                        and np.array_equal(d.state.meta, g.state.meta)):
+            bad = np.argwhere((d.state.tokens != g.state.tokens).any(-1))
+            out.append(_resync("draft", ["dspark", "state"], [list(map(int, b)) for b in bad[:8]]))
+            g.state = d.state
+        for sd, sg in zip(d.seqs, g.seqs):
+            diff = [f for f in SEQ_FIELDS if getattr(sd, f) != getattr(sg, f)]
+            if diff:
+                out.append(_resync("tokens", [sd.req.request_id, "seq"], diff))
+                for f in SEQ_FIELDS:
+                    setattr(sg, f, list(getattr(sd, f)) if f == "generated" else getattr(sd, f))
+        # the captured target hidden (the seed's input) is the device's, compared when it was produced
+        moved = [sd.req.request_id for sd, sg in zip(d.seqs, g.seqs)
+                 if sd.tail.keys() != sg.tail.keys() or any(not np.array_equal(sd.tail[p], sg.tail[p]) for p in sd.tail)]
+        if moved:
+            out.append(_resync("hidden", ["head", "hidden"], moved))
+            for sd, sg in zip(d.seqs, g.seqs):
+                sg.tail = dict(sd.tail)
+        return out
+
+    def _samples(self, dtaps, gtaps, findings, resyncs) -> None:
+        """Greedy target samples (argmax of each side's logits), ties judged on the golden's logits."""
+        if ("head", "logits") not in gtaps:
+            return
+        gl, dl = np.asarray(gtaps[("head", "logits")], np.float64), np.asarray(dtaps[("head", "logits")], np.float64)
+        gs, ds = gl.argmax(-1), dl.argmax(-1)
+        tie = self.policy.lookup("sample", "i32").tie_tol or 0.0
+        rows = np.flatnonzero(gs != ds)
+        hard = [int(r) for r in rows if gl[r, ds[r]] < gl[r].max() - tie * max(1.0, abs(gl[r].max()))]
+        if hard:
+            f = Finding("sampled_ids", False, ("sample", "i32", "none"), points=int(gs.size), bad_points=len(hard),
+                        bad_rows=hard, reasons=[f"{len(hard)} of {gs.size} greedy samples differ beyond ties"],
+                        metrics={"mismatches": len(hard)}, site=("head", "sample"))
+            findings.append(f)
+
+    # ---- one dispatch ------------------------------------------------------------------------------
+    def check(self, rd) -> dict:
+        resyncs = self._adopt_decisions()
+        before = [dict(p) for p in self.dev.run.caches]
+        dpools_before = list(self.dev.run.pools or [])
+        if self.fault is not None:
+            self.fault.arm(rd.index)
+        r = self.stream.execute(self.dev, rd)
+        if self.fault is not None:
+            r = self.fault.after(self.dev, rd, r)
+        dcalls = list(self.dev.par.calls)
+        dtaps = dcalls[-1][1] if dcalls else {}
+        gp = self.gold.par
+        gp.route_from, gp.tie_tol, gp.resyncs = dtaps, self.policy.lookup("route", "i32").tie_tol or 0.0, []
+        gp.draft_from = list(self.dev.par.draft_routes)
+        gp.sample_from = [c[2] for c in dcalls]
+        gp.tie_samples = self.policy.lookup("sample", "i32").tie_tol or 0.0
+        g = self.stream.execute(self.gold, rd)
+        resyncs += gp.resyncs
+        gcalls = list(gp.calls)
+        gtaps = gcalls[-1][1] if gcalls else {}
+        findings: list[Finding] = []
+        self._samples(dtaps, gtaps, findings, resyncs)
+        sample_flips = any(x["kind"] == "sample" for x in resyncs) or bool(rows_tied(dtaps, gtaps))
+        for name, e in g.items():
+            a = r.get(name, np.zeros(0))
+            if name in ("drafts", "accepted_ids", "accepted_counts", "sampled_ids"):
+                if not np.array_equal(a, e):
+                    if name == "drafts" or sample_flips:
+                        resyncs.append(_resync("draft" if name == "drafts" else "sample", ["dspark", name],
+                                               np.flatnonzero((np.asarray(a) != e).reshape(len(e), -1).any(-1))[:8]
+                                               .tolist()))
+                    elif not any(f.site == ("head", "sample") for f in findings):
+                        findings.append(Finding(name, False, ("sample", "i32", "none"), points=int(e.size),
+                                                reasons=["differs (exact)"], site=("head", "sample")))
+                continue
+            kind = OUTPUT_KIND[name]
+            f = compare_tensor(name, a, e, self.policy.lookup(*kind), kind)
+            f.site = ("head", "hidden")
+            findings.append(f)
+        for site in gtaps:
+            if site[1] in DECISION_STAGES and site in dtaps:
+                kind = compose_kind(site)
+                f = compare_tensor(f"{site[0]}/{site[1]}", dtaps[site], gtaps[site], self.policy.lookup(*kind), kind)
+                f.site = site
+                if not f.passed:
+                    findings.append(f)
+        mapped = mapped_rows(gcalls)
+        for layer, (pd, pg, pb) in enumerate(zip(self.dev.run.caches, self.gold.run.caches, before)):
+            for pool, e in pg.items():
+                kind = POOL_KIND[pool]
+                f = compare_pool(f"{layer}/{pool}", np.asarray(pd[pool]), np.asarray(e), np.asarray(pb[pool]),
+                                 mapped[pool], self.policy.lookup(*kind), kind)
+                f.site = (layer, POOL_STAGE[pool])
+                if not f.passed or pb[pool] is not pd[pool]:
+                    findings.append(f)
+        for grp, (pd, pg) in enumerate(zip(self.dev.run.pools or [], self.gold.run.pools or [])):
+            if dpools_before and pd is dpools_before[grp]:
+                continue
+            for j, (a, e) in enumerate(zip(_leaves(pd), _leaves(pg))):
+                kind = ("kv_pool", "bf16", "none")
+                f = compare_tensor(f"draft_kv[{grp}][{j}]", np.asarray(a, np.float32).reshape(-1, a.shape[-1]),
+                                   np.asarray(e, np.float32).reshape(-1, e.shape[-1]), self.policy.lookup(*kind), kind)
+                f.site = ("drafter", "ctx_kv")
+                findings.append(f)
+        failed = [f for f in findings if not f.passed]
+        entry = {"index": rd.index, "program": rd.dispatch.program, "kind": rd.kind, "rows": len(rd.rows),
+                 "verdict": "fail" if failed else "pass",
+                 "findings": [f.to_dict() for f in findings if not f.passed or f.site[1] in ("hidden",)],
+                 "first_divergence": self.localize(list(gtaps), dtaps, gtaps, failed) if failed else None,
+                 "resyncs": resyncs}
+        self.stream.advance(rd)
+        if failed and self.mode == "continuous":
+            self.gold.adopt(self.dev.run)
+            entry["resyncs"].append(_resync("state", None, "whole run"))
+        return entry
+
+    def localize(self, order, dtaps, gtaps, failed) -> dict:
+        pos = {s: i for i, s in enumerate(order)}
+        for s in (("head", "sample"), ("drafter", "ctx_kv")):
+            pos.setdefault(s, len(pos))
+        cands = [(pos.get(f.site, len(pos)), f) for f in failed]
+        first = min(c[0] for c in cands)
+        if all(f.site == ("head", "sample") for f in failed) and ("head", "logits") in gtaps:
+            # the sampler's own input agrees: the divergence is the sample, not anything upstream
+            if first_divergent_tap([("head", "logits")], dtaps, gtaps, self.policy, compose_kind) is None:
+                first = 0
+        # indexer top-k near-ties are not re-synced (their effect on attention is compared numerically)
+        f = first_divergent_tap([s for s in order[:first] if s[1] not in UNSYNCED_TAPS], dtaps, gtaps, self.policy,
+                                compose_kind)
+        if f is not None:
+            cands.append((pos[f.site], f))
+        _, f = min(cands, key=lambda c: c[0])
+        return {"layer": f.site[0], "stage": f.site[1], "tensor": f.name, "reasons": f.reasons,
+                "metrics": f.to_dict()["metrics"], "bad_rows": f.bad_rows[:8]}
+
+    # ---- a run -------------------------------------------------------------------------------------
+    def run(self, steps: int, progress=None) -> dict:
+        if steps < 1:
+            raise AbiError("steps", steps, ">= 1", where="hw.real lockstep")
+        t0 = time.perf_counter()
+        report = ReportWriter(self.dir) if self.dir else None
+        while len(self.entries) < steps:
+            if self.mode == "strict" and any(e["verdict"] == "fail" for e in self.entries):
+                break
+            rd = self.stream.next(self.dev)
+            if rd is None:
+                break
+            e = self.check(rd)
+            self.entries.append(e)
+            if report:
+                report.append(e)
+            if progress:
+                progress(e)
+        self.config["wall_s"] = round(time.perf_counter() - t0, 3)
+        if self.dir:
+            return write_summary(self.dir, self.entries, self.config)
+        from ..report import summarize
+        return summarize(self.entries, self.config)
+
+
+def rows_tied(dtaps, gtaps) -> list:
+    """Rows whose greedy samples differ between the sides' logits (ties the golden adopted)."""
+    if ("head", "logits") not in gtaps or ("head", "logits") not in dtaps:
+        return []
+    return np.flatnonzero(np.asarray(gtaps[("head", "logits")]).argmax(-1)
+                          != np.asarray(dtaps[("head", "logits")]).argmax(-1)).tolist()
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        return [v for k in sorted(x) for v in _leaves(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [v for y in x for v in _leaves(y)]
+    return [x]
+
+
+def build_real(*, preset: str = "tiny", device: str = "cpu", mode: str = "strict", seed: int = 0,
+               golden_mode: str = "device", k: int = 7, n_requests: int = 4, max_new: int = 24, slots: int = 2,
+               chunk: int = 64, fault=None, policy: Policy | None = None, run_dir=None) -> RealLockstep:
+    """A real-golden lockstep over `n_requests` seeded prompts on a small preset's deployment (TP4,
+    EP8: two cache partitions).  The device side is `TorchNumerics(golden_mode, device)`."""
+    from golden.checkpoint import SyntheticCheckpoint
+    from golden.dspark.weights import DrafterCheckpoint
+    from twin.abi.presets import get_preset
+    from twin.abi.topology import deployment
+
+    from .numerics import TorchNumerics
+    from .side import Side
+    from .stream import Stream
+
+    cfg = get_preset(preset)
+    if not cfg.small:
+        raise AbiError("preset", preset, "a small preset (tiny or small): the real path runs whole models",
+                       where="hw.real")
+    dep = deployment(cfg, ep=8, max_model_len=512, long_prefill_token_threshold=chunk, max_num_seqs=2 * slots,
+                     max_num_batched_tokens=256, num_speculative_tokens=k)
+    rng = np.random.default_rng(seed)
+    lens = (80, 40, 100, 30, 60, 50, 70, 20)
+    prompts = [rng.integers(2, cfg.vocab_size - 1, lens[i % len(lens)]) for i in range(n_requests)]
+    stream = Stream(dep, slots, prompts, max_new=max_new, chunk=chunk)
+    ck = SyntheticCheckpoint(cfg, seed)
+    dk = DrafterCheckpoint(cfg) if k else None
+    dev = Side(f"torch:{device}", cfg, ck, dk, TorchNumerics(golden_mode, device=device), dep, stream.pool_pages)
+    gold = Side(f"golden:{golden_mode}", cfg, ck, dk, golden_mode, dep, stream.pool_pages)
+    config = {"preset": cfg.name, "seed": seed, "k": k, "requests": n_requests, "max_new": max_new,
+              "golden_mode": golden_mode,
+              "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer}}
+    return RealLockstep(stream, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config)

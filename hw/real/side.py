@@ -1,0 +1,161 @@
+"""One side of a real-golden lockstep: golden's compositions, its weights and its mutable run.
+
+`TapPar` is golden's single-rank `par` with the target forward tapped at every stage (golden's own
+step keeps only the two stages the drafter needs); it remembers each forward's lowered `StepMeta`
+and taps, which the lockstep compares and localizes against and whose slot mappings are the rows
+a dispatch maps.  `Side` holds config + weights (`golden.dspark.step.Golden`) apart from the run
+state (`golden.dspark.step.Run`), so a re-sync replaces the run and nothing else.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from golden.compose import Taps, forward
+from golden.kernels.moe import gate, moe_experts
+from golden.dspark import step as S
+from golden.dspark.parallel import SINGLE
+from golden.dspark.ring import new_pools
+from golden.dspark.state import new_state
+from golden.paged import alloc_caches
+
+
+class LayerTaps(Taps):
+    """Taps that remember the layer of the last stage put (the MoE hook runs inside a layer)."""
+
+    layer = None
+
+    def put(self, layer, stage, value):
+        self.layer = layer
+        super().put(layer, stage, value)
+
+
+class TapPar:
+    """Single-rank `par` with full taps.  On the golden side, `route_from` (the device's taps of
+    the same forward) re-syncs routing: where the device chose another expert set and that set is a
+    near-tie under the golden's own biased scores (within `tie_tol` of the k-th best, relative), the
+    golden adopts the device's experts (weights from its own unbiased scores) and records it."""
+
+    name = "single+taps"
+
+    def __init__(self, base=SINGLE):
+        self.base = base
+        self.calls: list = []          # (StepMeta, Taps, sampled) per target forward since the last clear
+        self.route_from: dict | None = None
+        self.tie_tol = 0.0
+        self.resyncs: list = []
+        self.draft_routes: list = []   # expert indices of each drafter MoE call, in call order
+        self.draft_from: list | None = None
+        self.sample_from: list | None = None
+        self.tie_samples = 0.0
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.draft_routes = []
+
+    def moe(self, x_mixed, lw, expert, input_ids, *, layer, cfg, nm, owners=None):
+        """The drafter's MoE (golden's single-rank one), its routing recorded and, on the golden
+        side, near-ties re-synced from the device's same call."""
+        x_i8, x_scale, idx, wts = gate(x_mixed, lw["norm_w"], lw["gate_w"], lw["gate_bias"], lw.get("tid2eid"),
+                                       input_ids, layer=layer, cfg=cfg, nm=nm)
+        n = len(self.draft_routes)
+        if self.draft_from is not None and n < len(self.draft_from) and layer >= cfg.num_hash_layers:
+            idx, wts = self._tie_adopt(x_mixed, lw, idx, wts, self.draft_from[n], ("drafter", f"moe{n}"), cfg=cfg, nm=nm)
+        self.draft_routes.append(np.asarray(idx))
+        return moe_experts(x_i8, x_scale, idx, wts, expert, lw, cfg=cfg, nm=nm)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def target_forward(self, ckpt, meta, caches, owners, *, cfg, nm, taps=None):
+        full = LayerTaps()
+        if self.route_from is None:
+            out = self.base.target_forward(ckpt, meta, caches, owners, cfg=cfg, nm=nm, taps=full)
+        else:
+            def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
+                idx, wts = self._adopt_routes(full, ckpt, meta, idx, wts, cfg=cfg, nm=nm)
+                return moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
+            out = forward(ckpt, meta, caches, cfg=cfg, nm=nm, taps=full, moe=moe)
+        if self.sample_from is not None and len(self.calls) < len(self.sample_from):
+            out.sampled = self._adopt_samples(full, out.sampled, self.sample_from[len(self.calls)])
+        if taps is not None:
+            for (layer, stage), v in full.items():
+                taps.put(layer, stage, v)
+        self.calls.append((meta, full, np.asarray(out.sampled)))
+        return out
+
+    def _adopt_samples(self, taps, sampled, dev):
+        """Greedy samples: where the device's token is within tie_tol (relative) of the golden's best
+        logit, the golden takes the device's token (acceptance then runs on the same decision)."""
+        sampled, dev = np.array(sampled), np.asarray(dev)
+        logits = np.asarray(taps[("head", "logits")], np.float64)
+        rows = np.flatnonzero(sampled != dev) if sampled.shape == dev.shape else []
+        top = logits.max(-1)
+        tie = [int(r) for r in rows if logits[r, dev[r]] >= top[r] - self.tie_samples * max(1.0, abs(top[r]))]
+        if tie:
+            sampled[tie] = dev[tie]
+            self.resyncs.append({"kind": "sample", "site": ["head", "sample"], "row": tie[0],
+                                 "golden": f"{len(tie)} near-tie rows", "device": tie[:8]})
+        return sampled
+
+
+    def _adopt_routes(self, taps, ckpt, meta, idx, wts, *, cfg, nm):
+        layer = taps.layer
+        dev = self.route_from.get((layer, "moe_indices"))
+        if dev is None or layer < cfg.num_hash_layers:
+            return idx, wts
+        idx2, wts2 = self._tie_adopt(taps[(layer, "ffn_x_mixed")], ckpt.layer(layer), idx, wts, dev,
+                                     (layer, "moe_indices"), cfg=cfg, nm=nm)
+        if idx2 is not idx:
+            taps.put(layer, "moe_indices", idx2)
+            taps.put(layer, "moe_weights", wts2)
+        return idx2, wts2
+
+    def _tie_adopt(self, x_mixed, lw, idx, wts, dev, site, *, cfg, nm):
+        idx, dev = np.asarray(idx), np.asarray(dev)
+        if idx.shape != dev.shape:
+            return idx, wts
+        rows = np.flatnonzero((np.sort(idx, -1) != np.sort(dev, -1)).any(-1))
+        if not rows.size:
+            return idx, wts
+        x = np.asarray(x_mixed, np.float64)[rows]
+        inv_rms = 1.0 / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
+        logits = inv_rms * ((x * np.asarray(lw["norm_w"], np.float64)) @ np.asarray(lw["gate_w"], np.float64).T)
+        score = np.sqrt(np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits))))
+        biased = score + np.asarray(lw["gate_bias"], np.float64)
+        kth = np.sort(biased, -1)[:, -cfg.num_experts_per_tok]
+        chosen = np.take_along_axis(biased, dev[rows].astype(np.int64), -1).min(-1)
+        tie = chosen >= kth - self.tie_tol * np.maximum(1.0, np.abs(biased).max(-1))
+        if not tie.any():
+            return idx, wts
+        idx, wts = np.array(idx), np.array(wts)
+        for r, s_row, d_row in zip(rows[tie], score[tie], dev[rows[tie]]):
+            sel = s_row[d_row.astype(np.int64)]
+            idx[r] = d_row
+            wts[r] = nm.r32(sel / sel.sum() * cfg.routed_scaling_factor)
+        self.resyncs.append({"kind": "route", "site": list(site), "row": int(rows[tie][0]),
+                             "golden": f"{int(tie.sum())} near-tie rows", "device": rows[tie][:8].tolist()})
+        return idx, wts
+
+
+class Side:
+    def __init__(self, name: str, cfg, ckpt, dckpt, nm, dep, pool_pages: dict):
+        self.name = name
+        self.par = TapPar()
+        self.g = S.Golden(cfg, ckpt, dckpt, nm, max_model_len=dep.limits.max_model_len, groups=dep.partitions,
+                          par=self.par)
+        self.run = S.Run(alloc_caches(cfg, pool_pages, self.g.nm), [], [])
+        if dep.k:
+            self.run.state = new_state(dep.partitions, cfg.dspark_noise_token_id)
+            self.run.pools = new_pools(cfg, dep.partitions, self.g.nm)
+
+    def seq(self, index: int) -> S.Seq:
+        return self.run.seqs[index]
+
+    def snapshot(self) -> S.Run:
+        return copy.deepcopy(self.run)
+
+    def adopt(self, run: S.Run) -> None:
+        """Re-sync: take the other side's run state (a copy) as this side's."""
+        self.run = copy.deepcopy(run)
