@@ -1,10 +1,24 @@
-"""The JAX path (jit per layer kind) equals the NumPy reference on a decode step."""
+"""The JAX path equals the NumPy reference: the whole decode step (jit per layer kind), and the
+per-request kernels (grouped attention, expert-block MoE, host layout) on inputs that stress what
+the regrouping changes: unequal request lengths, empty requests, several window and compressed
+tiles, unmapped compressed pages, skewed routing."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from golden.compose import Session, forward
+from golden.jax_kernels import layout, moe_blocked, sparse_attention_grouped
 from golden.jax_path import JaxGolden
-from golden.paged import DECODE, Span, lower
+from golden.kernels.moe import moe_experts
+from golden.kernels.rope import SWA_PROFILE, rope_rows
+from golden.kernels.sparse_attention import TILE, sparse_attention
+from golden.numerics import Numerics
+from golden.paged import DECODE, PREFILL, Span, assign_blocks, lower, window_indices
 from golden_testlib import rel
 from twin.abi.presets import TINY
 
@@ -28,3 +42,113 @@ def test_jax_decode_step_equals_numpy(tiny_ckpt, mode):
         for name, pool in ref.caches[layer].items():
             got = np.asarray(out.caches[layer][name], np.float64)
             assert rel(got, np.asarray(pool, np.float64)) <= (1e-12 if mode == "exact" else 1e-6), (layer, name)
+
+
+def _spans(cfg, runs, max_len=640, seed=0):
+    """runs: {request: (start, n)}; requests not named get no tokens (an empty grid row)."""
+    blocks, pages = assign_blocks(cfg, max(runs) + 1, max_len, rng=np.random.default_rng(seed))
+    rng = np.random.default_rng(seed + 1)
+    return [Span(r, a, tuple(rng.integers(0, cfg.vocab_size, n)), blocks[r]) for r, (a, n) in sorted(runs.items())], pages
+
+
+@settings(max_examples=30)
+@given(st.dictionaries(st.integers(0, 4), st.tuples(st.integers(0, 400), st.integers(1, 12)), min_size=1, max_size=4),
+       st.sampled_from([128, 192]))
+def test_layout_places_every_window_entry_and_boundary(runs, W):
+    cfg = TINY
+    spans, _ = _spans(cfg, runs)
+    meta = lower(cfg, spans, form=PREFILL)
+    if W != cfg.sliding_window:       # DSpark draft layers read a wider window
+        ori = meta.tables["ori_block_table"]
+        win = [window_indices(meta.position_ids[t:t + 1], ori[meta.req[t]], 128, W) for t in range(meta.T)]
+        meta = dataclasses.replace(meta, swa_indices=np.concatenate([a for a, _ in win]),
+                                   swa_lens=np.concatenate([b for _, b in win]))
+    lay = layout(meta)
+    T, pos, req = meta.T, meta.position_ids, meta.req
+    assert np.array_equal(lay.tok[req, lay.cell], np.arange(T))
+    assert (lay.tok == T).sum() == lay.tok.size - T
+    for t in range(T):
+        j = np.nonzero((np.arange(W) < meta.swa_lens[t]) & (meta.swa_indices[t] >= 0))[0]
+        cols = np.nonzero(lay.win_tile[req[t], lay.cell[t]] >= 0)[0]
+        assert cols.size == j.size
+        assert np.array_equal(lay.win_slot[req[t], cols], meta.swa_indices[t, j])
+        assert np.array_equal(lay.win_tile[req[t], lay.cell[t], cols], j // TILE)
+    assert lay.n_win_tiles == -(-W // TILE)
+    for ratio in (4, 128):
+        b = np.nonzero((pos + 1) % ratio == 0)[0]
+        assert lay.sel_ok[ratio].sum() == b.size and np.array_equal(lay.sel[ratio][:b.size], b)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca", "swa192"])
+def test_grouped_attention_equals_numpy(kind):
+    """Requests of 20, 5 (at position 0), none and 1 token; CSA candidates in a shuffled top-k order
+    over 200 columns (two compressed tiles) with rows past the mapped pages; HCA rows 0..n_c-1."""
+    cfg, nm = TINY, Numerics("device")
+    rng = np.random.default_rng(11)
+    spans, pages = _spans(cfg, {0: (150, 20), 1: (0, 5), 3: (300, 1)})
+    meta = lower(cfg, spans, form=PREFILL)
+    T, H, HD = meta.T, cfg.num_attention_heads, cfg.head_dim
+    if kind == "swa192":
+        ori = meta.tables["ori_block_table"]
+        win = [window_indices(meta.position_ids[t:t + 1], ori[meta.req[t]], 128, 192) for t in range(T)]
+        meta = dataclasses.replace(meta, swa_indices=np.concatenate([a for a, _ in win]),
+                                   swa_lens=np.concatenate([b for _, b in win]))
+    bf = lambda shape: nm.store_bf16(rng.standard_normal(shape))
+    q = nm.asf(bf((T, H, HD)))
+    kv_cache = bf((pages["ori"], 128, 1, HD))
+    sink = rng.standard_normal(H)
+    cos, sin = rope_rows(cfg, SWA_PROFILE, meta.position_ids, nm)
+    cmp, n_cmp = {}, 0
+    if kind == "csa":
+        n_cmp, cols = 170, 200                      # cmp_c4 pages cover 160 rows: 160..169 unmapped
+        rows = np.stack([np.concatenate([rng.permutation(n_cmp), np.full(cols - n_cmp, -1)]) for _ in range(T)])
+        rows = np.where(rng.random(rows.shape) < 0.2, -1, rows).astype(np.int32)
+        cmp = dict(cmp_kv=bf((pages["cmp_c4"], 32, 1, HD)), cmp_rows=rows,
+                   cmp_block_table=meta.tables["csa_cmp_block_table"])
+    elif kind == "hca":
+        n_cmp = 3
+        n_c = np.minimum((meta.position_ids + 1) // 128, n_cmp)
+        rows = np.where(np.arange(n_cmp)[None, :] < n_c[:, None], np.arange(n_cmp)[None, :], -1).astype(np.int32)
+        cmp = dict(cmp_kv=bf((pages["cmp_c128"], 1, 1, HD)), cmp_rows=rows,
+                   cmp_block_table=meta.tables["hca_cmp_block_table"])
+    ref = sparse_attention(q, kv_cache, meta.swa_indices, meta.swa_lens, sink, cos, sin, req=meta.req, cfg=cfg,
+                           nm=nm, **cmp)
+    lay = layout(meta)
+    with jax.enable_x64(True):
+        g = dict({k: jnp.asarray(v) for k, v in lay.arrays().items()}, n_win_tiles=lay.n_win_tiles)
+        j = {k: jnp.asarray(v) for k, v in cmp.items()}
+        got = sparse_attention_grouped(jnp.asarray(q), jnp.asarray(kv_cache), jnp.asarray(sink), jnp.asarray(cos),
+                                       jnp.asarray(sin), g, n_cmp=n_cmp, req=jnp.asarray(meta.req), cfg=cfg,
+                                       nm=Numerics("device", jnp), **j)
+        got = np.asarray(got)
+    assert np.abs(ref).max() > 0
+    assert rel(got, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["device", "exact"])
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_moe_blocked_equals_grouped_dispatch(tiny_ckpt, mode, routing):
+    """Every route lands in its expert's block: random routing, and all routes on two experts
+    (blocks of one expert far past the block size)."""
+    cfg, layer, T = TINY, 3, 40
+    rng = np.random.default_rng(5)
+    K, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    x_i8 = rng.integers(-127, 128, (T, cfg.hidden_size)).astype(np.float64)
+    x_scale = rng.uniform(1e-3, 1e-2, (T, 1))
+    if routing == "random":
+        idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    else:
+        idx = np.tile(np.array([[3, 7]], np.int32), (T, 1))
+    wts = rng.uniform(0.1, 1.0, (T, K))
+    w = tiny_ckpt.layer(layer)
+    shared = {k: w[k] for k in w if k.startswith("shared_")}
+    ref = moe_experts(x_i8, x_scale, idx, wts, lambda e: tiny_ckpt.expert(layer, e), shared, cfg=cfg,
+                      nm=Numerics(mode))
+    keys = tiny_ckpt.expert(layer, 0).keys()
+    with jax.enable_x64(True):
+        stacked = {k: jnp.asarray(np.stack([tiny_ckpt.expert(layer, e)[k] for e in range(E)])) for k in keys}
+        got = jax.jit(lambda *a: moe_blocked(*a, cfg=cfg, nm=Numerics(mode, jnp)))(
+            jnp.asarray(x_i8), jnp.asarray(x_scale), jnp.asarray(idx), jnp.asarray(wts), stacked,
+            {k: jnp.asarray(v) for k, v in shared.items()})
+        got = np.asarray(got)
+    assert rel(got, ref) <= (1e-12 if mode == "exact" else 1e-6)
