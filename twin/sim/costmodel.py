@@ -151,6 +151,8 @@ class CostModel:
         self.tok_bytes = {n: f.page_bytes / f.page_tokens for n, f in fam.items()}   # all layers of the family
         self.row_bytes = {n: f.row_bytes for n, f in fam.items()}
         self.expert_flops = 2 * 3 * m.hidden_size * m.moe_intermediate_size
+        # the preset derives layer lists on every access; attention asks per dispatch
+        self._layer_counts = (m.num_hidden_layers, len(m.csa_layers), len(m.hca_layers))
         self._moe_cache: dict[tuple, float] = {}
         d = self.device
         self.bw = d.hbm_bw * d.hbm_efficiency
@@ -234,7 +236,7 @@ class CostModel:
     def _attn(self, q_rows: int, ctx: float) -> tuple[float, float]:
         """(bytes, flops) for `q_rows` query rows of one request at context `ctx`."""
         m = self.m
-        nl, nc, nh = m.num_hidden_layers, len(m.csa_layers), len(m.hca_layers)
+        nl, nc, nh = self._layer_counts
         win = np.minimum(ctx, C.SLIDING_WINDOW + q_rows)
         topk = np.minimum(ctx / 4, m.index_topk)
         r = self.row_bytes
