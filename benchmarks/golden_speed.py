@@ -3,19 +3,25 @@
 1. small-preset decode step (SMALL, 16 requests x 8 rows against a resident prefix):
    - the NumPy step against the same GEMMs alone (every GEMM the step ran, recorded with
      `MatmulRecorder` and replayed on ready operands: what is left is golden's own overhead);
-   - the JAX path (jit per layer kind, compile excluded and reported) against the NumPy step.
+   - the JAX path (jit per layer kind, per-request candidate gathers, expert-block MoE; compile
+     excluded and reported) against the NumPy step, twice: NumPy pools in (compose.forward's
+     signature: the pools are copied into JAX first) and pools already JAX arrays (a decode loop
+     carries the returned pools; the device keeps its pools resident too).
 2. one FLASH-shaped layer at the 512-row decode tile (64 requests x 8 rows at position ~4096,
    resident pools filled with random rows, all 256 experts generated lazily): the NumPy layer step
    against its GEMMs alone.
 
 Targets (issue 4): step <= 2x its GEMMs; JAX >= 5x faster than NumPy on the small decode step.
+Threads: NumPy's BLAS and XLA both get one thread by default (--blas-threads, --xla-threads; XLA's
+setting is fixed when JAX starts, so it applies to the whole process).
 
-    python benchmarks/golden_speed.py [--skip-flash] [--reps 3]
+    python benchmarks/golden_speed.py [--skip-flash] [--reps 3] [--modes device,exact]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -62,10 +68,10 @@ def _replay(records, reps):
     return _median_time(run, reps)
 
 
-def small_decode(reps: int, jax_too: bool = True) -> dict:
+def small_decode(reps: int, jax_too: bool = True, mode: str = "device") -> dict:
     cfg, B, S, prefix = SMALL, 16, 8, 160
     ck = SyntheticCheckpoint(cfg, seed=0)
-    s = Session(ck, cfg, "device", B, prefix + S)
+    s = Session(ck, cfg, mode, B, prefix + S)
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, prefix + S)
     s.run({r: ids[:prefix] for r in range(B)})
     meta = lower(cfg, [Span(r, prefix, tuple(ids[prefix:]), s.blocks[r]) for r in range(B)], form=DECODE)
@@ -73,23 +79,37 @@ def small_decode(reps: int, jax_too: bool = True) -> dict:
     step()
     with MatmulRecorder() as rec:
         ref = step()
-    t_step = _median_time(step, reps)
     t_mm = _replay(rec, reps)
-    out = {"preset": cfg.name, "requests": B, "rows_per_request": S, "resident_prefix": prefix,
-           "numpy_step_s": t_step, "gemms_alone_s": t_mm, "step_over_gemms": t_step / t_mm,
-           "gemm_calls": len(rec), "target_step_over_gemms": 2.0}
-    if jax_too:
-        from golden.jax_path import JaxGolden
-        jg = JaxGolden(ck, cfg, "device")
-        t0 = time.perf_counter()
-        first = jg.forward(meta, s.caches)
-        compile_s = time.perf_counter() - t0
-        t_jax = _median_time(lambda: jg.forward(meta, s.caches), reps)
-        L = np.asarray(first.logits)
-        out.update({"jax_step_s": t_jax, "jax_first_call_s": compile_s, "jax_speedup": t_step / t_jax,
-                    "jax_rel_err": float(np.abs(L - ref.logits).max() / np.abs(ref.logits).max()),
-                    "jax_same_greedy": bool(np.array_equal(np.asarray(first.sampled), ref.sampled)),
-                    "target_jax_speedup": 5.0})
+    out = {"preset": cfg.name, "mode": mode, "requests": B, "rows_per_request": S, "resident_prefix": prefix,
+           "gemms_alone_s": t_mm, "gemm_calls": len(rec), "target_step_over_gemms": 2.0}
+    if not jax_too:
+        t_step = _median_time(step, reps)
+        out.update({"numpy_step_s": t_step, "step_over_gemms": t_step / t_mm})
+        return out
+    import jax
+    from golden.jax_path import JaxGolden
+    jg = JaxGolden(ck, cfg, mode)
+    t0 = time.perf_counter()
+    first = jg.forward(meta, s.caches)
+    compile_s = time.perf_counter() - t0
+    with jax.enable_x64(True):
+        resident = [{k: jax.numpy.asarray(v) for k, v in c.items()} for c in s.caches]
+    jg.forward(meta, resident)
+    # interleaved, so that load from other processes falls on both sides alike
+    t_np, t_jax, t_res = [], [], []
+    for _ in range(reps):
+        t_np.append(_median_time(step, 1))
+        t_jax.append(_median_time(lambda: jg.forward(meta, s.caches), 1))
+        t_res.append(_median_time(lambda: jg.forward(meta, resident), 1))
+    t_step, t_jax, t_res = (float(np.median(t)) for t in (t_np, t_jax, t_res))
+    L = np.asarray(first.logits)
+    out.update({"numpy_step_s": t_step, "step_over_gemms": t_step / t_mm,
+                "jax_step_s": t_jax, "jax_step_resident_pools_s": t_res, "jax_first_call_s": compile_s,
+                "jax_speedup": t_step / t_jax, "jax_speedup_resident_pools": t_step / t_res,
+                "jax_over_numpy_gemms_alone": t_res / t_mm,
+                "jax_rel_err": float(np.abs(L - ref.logits).max() / np.abs(ref.logits).max()),
+                "jax_same_greedy": bool(np.array_equal(np.asarray(first.sampled), ref.sampled)),
+                "target_jax_speedup": 5.0})
     return out
 
 
@@ -136,11 +156,21 @@ def main(argv=None):
     ap.add_argument("--skip-flash", action="store_true")
     ap.add_argument("--skip-jax", action="store_true")
     ap.add_argument("--blas-threads", type=int, default=1)
+    ap.add_argument("--xla-threads", type=int, default=1, help="1: one XLA CPU thread; 0: XLA's default")
+    ap.add_argument("--modes", default="device", help="numerics modes of the small decode step, comma separated")
     a = ap.parse_args(argv)
     old = blas_threads(a.blas_threads)
+    if a.xla_threads == 1:     # read when the JAX backend starts (no JAX computation has run yet)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+    elif a.xla_threads != 0:
+        ap.error("--xla-threads: 0 (XLA default) or 1")
     res = {"benchmark": "golden_speed", "machine": platform.processor() or platform.machine(),
+           "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
            "blas_threads": a.blas_threads if old is not None else "unchanged",
-           "small_decode": small_decode(a.reps, not a.skip_jax)}
+           "xla_threads": "default" if a.xla_threads == 0 else 1}
+    for mode in a.modes.split(","):
+        res["small_decode" if mode == "device" else f"small_decode_{mode}"] = small_decode(a.reps, not a.skip_jax, mode)
     if not a.skip_flash:
         res["flash_layer"] = flash_layer(a.reps)
     print(json.dumps(res, indent=1))
