@@ -19,55 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .compose import ForwardOut, _check_contiguous, final_head, moe_sublayer, rope_inputs
+from .jax_kernels import attention_sublayer_grouped, layout, moe_blocked
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
-from .kernels.moe import shared_expert
-from .jax_kernels import attention_sublayer_grouped, layout, moe_blocked
 from .numerics import Numerics
 from .paged import PREFILL, StepMeta
 
 EXPERT_KEYS = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
-
-
-def _expert_mm(x, w, nm):
-    """[E, T, N] = x . W_e^T for every expert: integer-valued x [T, K] or [E, T, K], int8 W [E, N, K];
-    f32 GEMMs on K slices of <= 1024 (exact), slices added in the compute dtype."""
-    from .numerics import EXACT_F32_K
-    xp = nm.xp
-    if nm.mode != "device":
-        spec = "tk,enk->etn" if x.ndim == 2 else "etk,enk->etn"
-        return xp.einsum(spec, nm.asf(x), nm.asf(w))
-    x32, w32 = x.astype(xp.float32), w.astype(xp.float32)
-    spec = "tk,enk->etn" if x.ndim == 2 else "etk,enk->etn"
-    out = 0.0
-    for k0 in range(0, x.shape[-1], EXACT_F32_K):
-        out = out + xp.einsum(spec, x32[..., k0:k0 + EXACT_F32_K], w32[..., k0:k0 + EXACT_F32_K]).astype(nm.f)
-    return out
-
-
-def moe_dense_jax(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
-    """The MoE on JAX: every expert on every row (dense batched GEMMs, E/K times the routed work,
-    which on a small preset beats any gather or ragged GEMM on CPU), then each route (t, k) picks
-    its expert's row.  The routing weight multiplies after the w2 GEMM, on the dequant scale, as
-    on the device, so the rounding points are those of the NumPy grouped dispatch."""
-    xp = nm.xp
-    T, K = indices.shape
-    lim = cfg.swiglu_limit
-    sh = shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm)
-    g = _expert_mm(x_i8, expert["routed_w1"], nm) * x_scale[None] * nm.asf(expert["routed_w1_scale"])[:, None, :]
-    u = _expert_mm(x_i8, expert["routed_w3"], nm) * x_scale[None] * nm.asf(expert["routed_w3_scale"])[:, None, :]
-    g = xp.minimum(nm.r32(g), lim)
-    u = xp.clip(nm.r32(u), -lim, lim)
-    h_i8, h_dq = nm.q8(g / (1.0 + xp.exp(-g)) * u)                  # [E, T, I], [E, T, 1]
-    y = _expert_mm(h_i8, expert["routed_w2"], nm)                   # [E, T, D]
-    rows = xp.arange(T)[:, None]
-    sel = y[indices, rows]                                          # [T, K, D]
-    dq = h_dq[indices, rows] * weights[..., None]
-    routed = nm.bf16(sel * dq * nm.asf(expert["routed_w2_scale"])[indices])
-    out = nm.asf(sh)
-    for k in range(K):
-        out = out + routed[:, k]
-    return nm.bf16(out)
 
 
 class JaxGolden:
@@ -113,12 +71,15 @@ class JaxGolden:
         return self._fns["head"]
 
     def static_extents(self, meta: StepMeta):
-        """The candidate counts of a call: max indexer visibility and max HCA rows."""
+        """The candidate counts of a call (max indexer visibility, max HCA rows), rounded up to a
+        power of two: a decode loop recompiles only when they cross one.  Extra candidates are
+        invisible to every token (masked, and ranked after every visible one), so the results
+        do not depend on the rounding."""
         cfg, pos, lens = self.cfg, meta.position_ids, meta.kv_seq_lens[meta.req]
         cap = PREFILL_SCORE_CAP if meta.form == PREFILL else cfg.max_position_embeddings // 4
         n_idx = int(max(1, np.minimum(np.minimum(lens // 4, (pos + 1) // 4), cap).max(initial=1)))
         n_hca = int(np.minimum((pos + 1) // 128, lens // 128).max(initial=0))
-        return n_idx, n_hca
+        return _bucket(n_idx, 16), (_bucket(n_hca, 1) if n_hca else 0)
 
     def forward(self, meta: StepMeta, caches) -> ForwardOut:
         cfg, nm = self.cfg, self.nm
@@ -148,6 +109,10 @@ class JaxGolden:
             if (cfg.compress_ratios[l], l < cfg.num_hash_layers) == key[:2]:
                 return l
         raise AssertionError(key)
+
+
+def _bucket(n: int, least: int) -> int:
+    return max(least, 1 << (n - 1).bit_length())
 
 
 def to_numpy(tree):
