@@ -76,11 +76,12 @@ def device_meta(meta: StepMeta, nm) -> dict:
     return {k: xp.asarray(v) for k, v in meta.arrays().items()}
 
 
-def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=None, ratio=None):
+def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=None, ratio=None, indexer=None):
     """One attention sub-layer: x_hc [T, HC, D] -> (x_hc, pools).  `m` = device_meta(meta).
 
     `ratio` overrides compress_ratios[layer] (the DSpark draft layers are SWA-profile layers that
-    carry target layer ids 40..42 for routing); swa_indices may be wider than 128 (192 there)."""
+    carry target layer ids 40..42 for routing); swa_indices may be wider than 128 (192 there).
+    `indexer` replaces lightning_indexer (same signature; lockstep re-syncs near-tie top-k with it)."""
     ratio = cfg.compress_ratios[layer] if ratio is None else ratio
     pools = dict(pools)
     _tap(taps, layer, "attn_in", x_hc)
@@ -108,7 +109,7 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
             m["csa_idx_slot_mapping"], w["csa_inner_wkv"], w["csa_inner_wgate"], w["csa_inner_ape"],
             w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm)
         cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
-        _, topk = lightning_indexer(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
+        _, topk = (indexer or lightning_indexer)(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
                                     w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin, pools["idx_kv_cache"],
                                     pools["idx_kv_scale"], m["idx_block_table"], req, pos, m["kv_seq_lens"] // 4,
                                     cfg=cfg, nm=nm, cap=cap, n_candidates=m.get("n_idx_candidates"))
@@ -154,11 +155,11 @@ def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=N
     return x_hc
 
 
-def layer_step(x_hc, layer, ckpt, pools, m, rope, *, cfg, nm, form, taps=None, moe=None, ratio=None):
+def layer_step(x_hc, layer, ckpt, pools, m, rope, *, cfg, nm, form, taps=None, moe=None, ratio=None, indexer=None):
     """Attention + MoE of target layer `layer`: (x_hc, pools) -> (x_hc, pools)."""
     w = ckpt.layer(layer)
     x_hc, pools = attention_sublayer(x_hc, layer, w, pools, m, rope, cfg=cfg, nm=nm, form=form, taps=taps,
-                                     ratio=ratio)
+                                     ratio=ratio, indexer=indexer)
     expert = ckpt.experts_of(layer) if hasattr(ckpt, "experts_of") else (lambda e: ckpt.expert(layer, e))
     x_hc = moe_sublayer(x_hc, layer, w, expert, m["input_ids"], cfg=cfg, nm=nm, taps=taps, moe=moe)
     return x_hc, pools
@@ -200,7 +201,7 @@ class ForwardOut:
     meta: StepMeta | None = None
 
 
-def forward(ckpt, meta: StepMeta, caches, *, cfg, nm="device", taps=None, moe=None) -> ForwardOut:
+def forward(ckpt, meta: StepMeta, caches, *, cfg, nm="device", taps=None, moe=None, indexer=None) -> ForwardOut:
     """Run the whole target model over one call's tokens.  Pools come in and new pools go out
     (NumPy never mutates the inputs)."""
     nm = numerics(nm)
@@ -214,7 +215,7 @@ def forward(ckpt, meta: StepMeta, caches, *, cfg, nm="device", taps=None, moe=No
     out = []
     for layer in range(cfg.num_hidden_layers):
         x_hc, pools = layer_step(x_hc, layer, ckpt, caches[layer], m, rope, cfg=cfg, nm=nm, form=meta.form,
-                                 taps=taps, moe=moe)
+                                 taps=taps, moe=moe, indexer=indexer)
         out.append(pools)
     logits, sampled = final_head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm, taps=taps)
     return ForwardOut(logits, sampled, out, x_hc, taps, meta)

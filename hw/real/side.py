@@ -13,6 +13,7 @@ import copy
 import numpy as np
 
 from golden.compose import Taps, forward
+from golden.kernels.indexer import lightning_indexer
 from golden.kernels.moe import gate, moe_experts
 from golden.dspark import step as S
 from golden.dspark.parallel import SINGLE
@@ -49,6 +50,8 @@ class TapPar:
         self.draft_from: list | None = None
         self.sample_from: list | None = None
         self.tie_samples = 0.0
+        self.index_tie_tol = 0.0
+        self.index_gaps: list = []     # measured: golden-score gap of each top-k row the device chose differently
 
     def reset(self) -> None:
         self.calls.clear()
@@ -76,7 +79,10 @@ class TapPar:
             def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
                 idx, wts = self._adopt_routes(full, ckpt, meta, idx, wts, cfg=cfg, nm=nm)
                 return moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
-            out = forward(ckpt, meta, caches, cfg=cfg, nm=nm, taps=full, moe=moe)
+            def indexer(*a, **kw):
+                score, topk = lightning_indexer(*a, **kw)
+                return score, self._adopt_topk(full.layer, score, topk)
+            out = forward(ckpt, meta, caches, cfg=cfg, nm=nm, taps=full, moe=moe, indexer=indexer)
         if self.sample_from is not None and len(self.calls) < len(self.sample_from):
             out.sampled = self._adopt_samples(full, out.sampled, self.sample_from[len(self.calls)])
         if taps is not None:
@@ -84,6 +90,33 @@ class TapPar:
                 taps.put(layer, stage, v)
         self.calls.append((meta, full, np.asarray(out.sampled)))
         return out
+
+    def _adopt_topk(self, layer, score, topk):
+        """Indexer top-k: where the device selected other compressed rows and every one of them
+        scores (golden's scores) within tie_tol of the golden's weakest selected row, adopt them."""
+        dev = self.route_from.get((layer, "idx_topk"))
+        topk = np.asarray(topk)
+        if dev is None or np.shape(dev) != topk.shape:
+            return topk
+        dev, score = np.asarray(dev), np.asarray(score, np.float64)
+        rows = np.flatnonzero((np.sort(topk, -1) != np.sort(dev, -1)).any(-1))
+        tie = []
+        for r in rows:
+            g, d = topk[r][topk[r] >= 0], dev[r][dev[r] >= 0]
+            if g.size != d.size or d.size == 0 or d.max() >= score.shape[1]:
+                continue
+            scale = max(1.0, float(np.abs(score[r, g]).max()))
+            gap = (score[r, g].min() - score[r, d].min()) / scale
+            self.index_gaps.append(gap)
+            if gap <= self.index_tie_tol:
+                tie.append(int(r))
+        if not tie:
+            return topk
+        topk = topk.copy()
+        topk[tie] = dev[tie]
+        self.resyncs.append({"kind": "index", "site": [layer, "idx_topk"], "row": tie[0],
+                             "golden": f"{len(tie)} near-tie rows", "device": tie[:8]})
+        return topk
 
     def _adopt_samples(self, taps, sampled, dev):
         """Greedy samples: where the device's token is within tie_tol (relative) of the golden's best

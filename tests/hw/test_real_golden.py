@@ -73,7 +73,7 @@ def test_fault_detected_and_localized(kind, at, layer):
     fd = s["first_divergence"]
     assert fd["dispatch"] == at
     assert fd["stage"] in EXPECTED_STAGES[kind]
-    assert fd["layer"] == ("head" if kind == "token" else layer)
+    assert fd["layer"] == ("head" if kind == "token" else str(layer))
     if kind == "stray":
         assert any("unmapped rows modified" in r for r in fd["reasons"])
 

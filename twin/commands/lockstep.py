@@ -22,6 +22,9 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
     p.add_argument("--seed", type=int, default=0, help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
+    p.add_argument("--golden", default="reference", choices=("reference", "real"),
+                   help="reference: hw.model's compact reference step (default; records, resume, replay); "
+                        "real: golden.compose/golden.dspark through twin.abi.lowering (hw.real; no records)")
 
 
 def run(args) -> int:
@@ -44,10 +47,23 @@ def run(args) -> int:
         shutil.rmtree(run_dir)
     resumed = (run_dir / "report.jsonl").exists()
     policy = Policy.from_json(args.policy) if args.policy else None
-    fault = parse_fault(args.inject) if args.inject else None
-    lr = build_run(run_dir, preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
-                   policy=policy, record=not args.no_records)
-    done = len(lr.report.entries())
+    if getattr(args, "golden", "reference") == "real":
+        from hw.real.lockstep import build_real, parse_real_fault
+
+        if resumed:
+            from twin.abi.errors import AbiError
+            raise AbiError("run-dir", str(run_dir), "a new directory or --fresh (the real-golden path does not resume)",
+                           where="lockstep --golden real")
+        fault = parse_real_fault(args.inject) if args.inject else None
+        # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions)
+        lr = build_real(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
+                        policy=policy, run_dir=run_dir, max_new=min(400, max(8, args.steps)))
+        done = 0
+    else:
+        fault = parse_fault(args.inject) if args.inject else None
+        lr = build_run(run_dir, preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
+                       policy=policy, record=not args.no_records)
+        done = len(lr.report.entries())
     if resumed:
         con.print(f"resuming {run_dir}: {done} dispatches already checked")
     with Progress(TextColumn("[bold]lockstep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -70,5 +86,6 @@ def run(args) -> int:
         con.print(f"injected: {fault.fired}")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
-    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl, records/)")
+    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl"
+              + (", records/)" if getattr(args, "golden", "reference") != "real" else ")"))
     return 0 if s["verdict"] == "PASS" else 1
