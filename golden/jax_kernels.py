@@ -13,8 +13,9 @@ work.  So on JAX:
   loop over the used blocks (dynamic trip count, static shapes), so the work is ~the routed work.
 * compressors pool only the boundary tokens, picked on the host from positions (static count).
 
-Host-side layout (`Layout`): tokens in a [B, S] grid (S = most tokens of one request in the call)
-and each request's window union: positions max(0, first - W + 1) .. last.
+Host-side layout (`Layout`): a request's tokens in groups of at most GROUP consecutive tokens (a
+long prefill chunk would make per-request dense scores quadratic), the groups in a [G, S] grid,
+and each group's window union: positions max(0, first - W + 1) .. last.
 """
 from __future__ import annotations
 
@@ -37,55 +38,65 @@ from .numerics import FP32_NEG_INF, NEG_INF_ATTN
 from .paged import PREFILL
 
 MOE_BLOCK = 16          # rows per expert block: small enough that padding stays < E * G rows
+GROUP = 64              # most tokens sharing one candidate gather: a window union is <= GROUP + W - 1
 
 
 @dataclass(frozen=True)
 class Layout:
     """Host-computed index arrays of one call (all NumPy int32 / bool) and their static sizes."""
 
-    S: int                  # grid width: most tokens of one request
-    tok: np.ndarray         # [B, S] token row of grid cell, T for empty cells
-    cell: np.ndarray        # [T] grid column of each token (its row is req)
-    win_slot: np.ndarray    # [B, Wu] ori slot of each window-union position, -1 none
-    win_tile: np.ndarray    # [B, S, Wu] tile of that position in the token's window, -1 not in it
+    S: int                  # grid width: most tokens of one group
+    tok: np.ndarray         # [G, S] token row of grid cell, T for empty cells
+    grp: np.ndarray         # [T] group (grid row) of each token
+    cell: np.ndarray        # [T] grid column of each token
+    grp_req: np.ndarray     # [G] request of each group
+    win_slot: np.ndarray    # [G, Wu] ori slot of each window-union position, -1 none
+    win_tile: np.ndarray    # [G, S, Wu] tile of that position in the token's window, -1 not in it
     n_win_tiles: int
     sel: dict               # ratio -> [n] boundary token rows (padded with 0)
     sel_ok: dict            # ratio -> [n] real boundary
 
     def arrays(self) -> dict:
-        out = {"g_tok": self.tok, "g_cell": self.cell, "g_win_slot": self.win_slot, "g_win_tile": self.win_tile}
+        out = {"g_tok": self.tok, "g_grp": self.grp, "g_cell": self.cell, "g_req": self.grp_req,
+               "g_win_slot": self.win_slot, "g_win_tile": self.win_tile}
         for r in self.sel:
             out[f"g_sel{r}"], out[f"g_sel_ok{r}"] = self.sel[r], self.sel_ok[r]
         return out
 
     def key(self) -> tuple:
-        return (self.S, self.win_slot.shape[1], self.n_win_tiles) + tuple(len(v) for v in self.sel.values())
+        return (self.tok.shape, self.win_slot.shape[1], self.n_win_tiles) + tuple(len(v) for v in self.sel.values())
 
 
-def layout(meta) -> Layout:
+def layout(meta, group: int = GROUP) -> Layout:
     pos, req = np.asarray(meta.position_ids, np.int64), np.asarray(meta.req, np.int64)
     B, T = meta.first_pos.shape[0], pos.shape[0]
     counts = np.bincount(req, minlength=B)
     r0 = np.full(B, T, np.int64)
     np.minimum.at(r0, req, np.arange(T))
-    cell = np.arange(T) - r0[req]
-    S = max(int(counts.max(initial=0)), 1)
-    tok = np.full((B, S), T, np.int32)
-    tok[req, cell] = np.arange(T)
+    k = np.arange(T) - r0[req]                              # token's index within its request
+    n_grp = -(-counts // group)
+    grp = (np.cumsum(n_grp) - n_grp)[req] + k // group
+    cell = k % group
+    G = max(int(n_grp.sum()), 1)
+    grp_req = np.zeros(G, np.int32)
+    grp_req[grp] = req
+    S = max(min(int(counts.max(initial=0)), group), 1)
+    tok = np.full((G, S), T, np.int32)
+    tok[grp, cell] = np.arange(T)
     swa, lens = np.asarray(meta.swa_indices), np.asarray(meta.swa_lens)
     W = swa.shape[1]
     Wu = S + W - 1
     start = np.maximum(pos - W + 1, 0)
-    p0 = np.full(B, np.iinfo(np.int64).max)
-    np.minimum.at(p0, req, start)
-    off = start - p0[req]                                   # token's window column 0 in the union
+    p0 = np.full(G, np.iinfo(np.int64).max)
+    np.minimum.at(p0, grp, start)
+    off = start - p0[grp]                                   # token's window column 0 in the union
     j = np.arange(W)
     valid = (j[None, :] < lens[:, None]) & (swa >= 0)
-    win_slot = np.full((B, Wu), -1, np.int32)
+    win_slot = np.full((G, Wu), -1, np.int32)
     tt, jj = np.nonzero(valid)
-    win_slot[req[tt], off[tt] + jj] = swa[tt, jj]
-    win_tile = np.full((B, S, Wu), -1, np.int32)
-    win_tile[req[tt], cell[tt], off[tt] + jj] = jj // TILE
+    win_slot[grp[tt], off[tt] + jj] = swa[tt, jj]
+    win_tile = np.full((G, S, Wu), -1, np.int32)
+    win_tile[grp[tt], cell[tt], off[tt] + jj] = jj // TILE
     sel, sel_ok = {}, {}
     for ratio in (4, 128):
         n = max(1, int(sum(-(-int(c) // ratio) for c in counts)))   # a run of c positions has <= ceil(c/r)
@@ -93,7 +104,8 @@ def layout(meta) -> Layout:
         sel[ratio] = np.zeros(n, np.int32)
         sel[ratio][:rows.size] = rows
         sel_ok[ratio] = np.arange(n) < rows.size
-    return Layout(S, tok, cell.astype(np.int32), win_slot, win_tile, -(-W // TILE), sel, sel_ok)
+    return Layout(S, tok, grp.astype(np.int32), cell.astype(np.int32), grp_req, win_slot, win_tile,
+                  -(-W // TILE), sel, sel_ok)
 
 
 # ---- compressors: pool the host-selected boundary tokens only ---------------------------------
@@ -134,13 +146,13 @@ def indexer_compressor_sel(x, sel, sel_ok, positions, req, first_pos, inner_stat
 
 # ---- per-request candidate gathers ------------------------------------------------------------
 def _grid(a, tok):
-    """Token rows [T, ...] -> grid [B, S, ...] (empty cells: zeros)."""
+    """Token rows [T, ...] -> grid [G, S, ...] (empty cells: zeros)."""
     pad = jnp.zeros((1,) + a.shape[1:], a.dtype)
     return jnp.concatenate([a, pad], axis=0)[tok]
 
 
 def _paged_rows(table, n, rpp):
-    """Flat slots [B, n] of logical rows 0..n-1 through each request's absolute table, -1 unmapped."""
+    """Flat slots [G, n] of logical rows 0..n-1 through each group's table row, -1 unmapped."""
     c = jnp.arange(n)
     pg = c // rpp
     width = table.shape[1]
@@ -166,12 +178,13 @@ def lightning_indexer_grouped(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale,
                                 rope_cos, rope_sin, cfg=cfg, nm=nm)
     w = nm.r32(nm.mm(nm.asf(x), nm.asf(csa_weights_proj)) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5))
     visible = jnp.minimum(jnp.minimum(cache_lens[req], (positions + 1) // 4), cap)
-    slot, ok = _paged_rows(idx_block_table, C, idx_kv_cache.shape[1])
-    k = nm.get_rows(idx_kv_cache, slot)                                   # [B, C, IHD]
-    ks = nm.asf(nm.get_rows(idx_kv_scale, slot))[..., 0]                  # [B, C]
-    dots = _int_dots("bshd,bcd->bshc", _grid(q_i8, g["g_tok"]), k, nm)[req, g["g_cell"]]   # [T, IH, C]
-    s = jnp.sum(jnp.maximum(dots * q_scale * ks[req][:, None, :], 0.0) * w[:, :, None], axis=1)
-    keep = ok[req] & (jnp.arange(C)[None, :] < visible[:, None])
+    grp = g["g_grp"]
+    slot, ok = _paged_rows(idx_block_table[g["g_req"]], C, idx_kv_cache.shape[1])
+    k = nm.get_rows(idx_kv_cache, slot)                                   # [G, C, IHD]
+    ks = nm.asf(nm.get_rows(idx_kv_scale, slot))[..., 0]                  # [G, C]
+    dots = _int_dots("bshd,bcd->bshc", _grid(q_i8, g["g_tok"]), k, nm)[grp, g["g_cell"]]   # [T, IH, C]
+    s = jnp.sum(jnp.maximum(dots * q_scale * ks[grp][:, None, :], 0.0) * w[:, :, None], axis=1)
+    keep = ok[grp] & (jnp.arange(C)[None, :] < visible[:, None])
     score = jnp.where(keep, nm.r32(s), FP32_NEG_INF)
     order = jnp.argsort(-score, axis=-1, stable=True)[:, :IK].astype(jnp.int32)
     kk = jnp.minimum(visible, IK)
@@ -196,24 +209,25 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
 
     cmp_rows [T, n] logical compressed rows (-1 none) in the token's order; every row is < n_cmp."""
     T = q.shape[0]
-    qg = _grid(nm.asf(q), g["g_tok"])                                       # [B, S, H, HD]
-    Kw = nm.asf(nm.get_rows(kv_cache, g["g_win_slot"]))                     # [B, Wu, HD]
+    grp = g["g_grp"]
+    qg = _grid(nm.asf(q), g["g_tok"])                                       # [G, S, H, HD]
+    Kw = nm.asf(nm.get_rows(kv_cache, g["g_win_slot"]))                     # [G, Wu, HD]
     sw = jnp.einsum("bshd,bnd->bshn", qg, Kw) * cfg.softmax_scale
     wt = g["g_win_tile"][:, :, None, :]
     tiles = [_tile(sw, wt == j, Kw, nm) for j in range(g["n_win_tiles"])]
     if cmp_rows is not None and n_cmp:
-        slot, ok = _paged_rows(cmp_block_table, n_cmp, cmp_kv.shape[1])
-        Kc = nm.asf(nm.get_rows(cmp_kv, slot))                              # [B, Cu, HD]
+        slot, ok = _paged_rows(cmp_block_table[g["g_req"]], n_cmp, cmp_kv.shape[1])
+        Kc = nm.asf(nm.get_rows(cmp_kv, slot))                              # [G, Cu, HD]
         r = jnp.arange(cmp_rows.shape[1])
         tile_of = jnp.full((T, n_cmp + 1), -1, jnp.int32).at[jnp.arange(T)[:, None],
                                                              jnp.where(cmp_rows >= 0, cmp_rows, n_cmp)].set(
             jnp.broadcast_to((r // TILE).astype(jnp.int32), cmp_rows.shape))[:, :n_cmp]
-        tile_of = jnp.where(ok[req], tile_of, -1)
+        tile_of = jnp.where(ok[grp], tile_of, -1)
         ct = _grid(tile_of + 1, g["g_tok"])[:, :, None, :] - 1                  # empty cells: -1
         sc = jnp.einsum("bshd,bnd->bshn", qg, Kc) * cfg.softmax_scale
         tiles += [_tile(sc, ct == j, Kc, nm) for j in range(-(-cmp_rows.shape[1] // TILE))]
-    anys = jnp.stack([t[3] for t in tiles], -1)                              # [B, S, 1, nt]
-    ms = jnp.stack([t[0] for t in tiles], -1)                                # [B, S, H, nt]
+    anys = jnp.stack([t[3] for t in tiles], -1)                              # [G, S, 1, nt]
+    ms = jnp.stack([t[0] for t in tiles], -1)                                # [G, S, H, nt]
     has = jnp.any(anys, axis=-1)
     M = jnp.where(has, jnp.max(jnp.where(anys, ms, -jnp.inf), axis=-1), 0.0)
     o, den = 0.0, 0.0
@@ -222,7 +236,7 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
         o = o + a[..., None] * o_t
         den = den + a * l_t
     den = den + jnp.exp(nm.asf(attn_sink)[None, None, :] - M)
-    o = jnp.where(has[..., None], o / den[..., None], 0.0)[req, g["g_cell"]]       # [T, H, HD]
+    o = jnp.where(has[..., None], o / den[..., None], 0.0)[grp, g["g_cell"]]       # [T, H, HD]
     return nm.bf16(rope_tail(o, rope_cos[:, None, :], rope_sin[:, None, :], nm, inverse=True))
 
 

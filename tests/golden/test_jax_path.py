@@ -66,8 +66,8 @@ def _spans(cfg, runs, max_len=640, seed=0):
 
 @settings(max_examples=30)
 @given(st.dictionaries(st.integers(0, 4), st.tuples(st.integers(0, 400), st.integers(1, 12)), min_size=1, max_size=4),
-       st.sampled_from([128, 192]))
-def test_layout_places_every_window_entry_and_boundary(runs, W):
+       st.sampled_from([128, 192]), st.sampled_from([4, 64]))
+def test_layout_places_every_window_entry_and_boundary(runs, W, group):
     cfg = TINY
     spans, _ = _spans(cfg, runs)
     meta = lower(cfg, spans, form=PREFILL)
@@ -76,16 +76,18 @@ def test_layout_places_every_window_entry_and_boundary(runs, W):
         win = [window_indices(meta.position_ids[t:t + 1], ori[meta.req[t]], 128, W) for t in range(meta.T)]
         meta = dataclasses.replace(meta, swa_indices=np.concatenate([a for a, _ in win]),
                                    swa_lens=np.concatenate([b for _, b in win]))
-    lay = layout(meta)
-    T, pos, req = meta.T, meta.position_ids, meta.req
-    assert np.array_equal(lay.tok[req, lay.cell], np.arange(T))
+    lay = layout(meta, group=group)
+    T, pos, req, grp = meta.T, meta.position_ids, meta.req, lay.grp
+    assert np.array_equal(lay.tok[grp, lay.cell], np.arange(T))
     assert (lay.tok == T).sum() == lay.tok.size - T
+    assert np.array_equal(lay.grp_req[grp], req) and lay.S <= group
+    assert np.all(np.bincount(grp) <= group)
     for t in range(T):
         j = np.nonzero((np.arange(W) < meta.swa_lens[t]) & (meta.swa_indices[t] >= 0))[0]
-        cols = np.nonzero(lay.win_tile[req[t], lay.cell[t]] >= 0)[0]
+        cols = np.nonzero(lay.win_tile[grp[t], lay.cell[t]] >= 0)[0]
         assert cols.size == j.size
-        assert np.array_equal(lay.win_slot[req[t], cols], meta.swa_indices[t, j])
-        assert np.array_equal(lay.win_tile[req[t], lay.cell[t], cols], j // TILE)
+        assert np.array_equal(lay.win_slot[grp[t], cols], meta.swa_indices[t, j])
+        assert np.array_equal(lay.win_tile[grp[t], lay.cell[t], cols], j // TILE)
     assert lay.n_win_tiles == -(-W // TILE)
     for ratio in (4, 128):
         b = np.nonzero((pos + 1) % ratio == 0)[0]
@@ -95,7 +97,8 @@ def test_layout_places_every_window_entry_and_boundary(runs, W):
 @pytest.mark.parametrize("kind", ["csa", "hca", "swa192"])
 def test_grouped_attention_equals_numpy(kind):
     """Requests of 20, 5 (at position 0), none and 1 token; CSA candidates in a shuffled top-k order
-    over 200 columns (two compressed tiles) with rows past the mapped pages; HCA rows 0..n_c-1."""
+    over 200 columns (two compressed tiles) with rows past the mapped pages, the 20-token request
+    split into groups of 8; HCA rows 0..n_c-1."""
     cfg, nm = TINY, Numerics("device")
     rng = np.random.default_rng(11)
     spans, pages = _spans(cfg, {0: (150, 20), 1: (0, 5), 3: (300, 1)})
@@ -126,13 +129,16 @@ def test_grouped_attention_equals_numpy(kind):
                    cmp_block_table=meta.tables["hca_cmp_block_table"])
     ref = sparse_attention(q, kv_cache, meta.swa_indices, meta.swa_lens, sink, cos, sin, req=meta.req, cfg=cfg,
                            nm=nm, **cmp)
-    lay = layout(meta)
+    lay = layout(meta, group=8 if kind == "csa" else 64)
     with jax.enable_x64(True):
         g = dict({k: jnp.asarray(v) for k, v in lay.arrays().items()}, n_win_tiles=lay.n_win_tiles)
         j = {k: jnp.asarray(v) for k, v in cmp.items()}
-        got = sparse_attention_grouped(jnp.asarray(q), jnp.asarray(kv_cache), jnp.asarray(sink), jnp.asarray(cos),
-                                       jnp.asarray(sin), g, n_cmp=n_cmp, req=jnp.asarray(meta.req), cfg=cfg,
-                                       nm=Numerics("device", jnp), **j)
+        n_win_tiles = g.pop("n_win_tiles")
+        fn = jax.jit(lambda q, kv, sink, cos, sin, g, req, j: sparse_attention_grouped(
+            q, kv, sink, cos, sin, dict(g, n_win_tiles=n_win_tiles), n_cmp=n_cmp, req=req, cfg=cfg,
+            nm=Numerics("device", jnp), **j), compiler_options={"xla_backend_optimization_level": 0})
+        got = fn(jnp.asarray(q), jnp.asarray(kv_cache), jnp.asarray(sink), jnp.asarray(cos), jnp.asarray(sin), g,
+                 jnp.asarray(meta.req), j)
         got = np.asarray(got)
     assert np.abs(ref).max() > 0
     assert rel(got, ref) <= 1e-6
