@@ -100,7 +100,8 @@ def compare(ref: str, sizes: tuple[int, ...], repeat: int) -> dict:
             if not vals:
                 return None
             return max(vals) if key.startswith("sim_s") else min(vals)     # best of the rounds
-        b_sat, c_sat = best("baseline", "sim_s_per_wall_s", "saturated"), best("current", "sim_s_per_wall_s", "saturated")
+        b_sat = best("baseline", "sim_s_per_wall_s", "saturated")
+        c_sat = best("current", "sim_s_per_wall_s", "saturated")
         b_us = best("baseline", "wall_us_per_request_step", "saturated")
         c_us = best("current", "wall_us_per_request_step", "saturated")
         b_cpu, c_cpu = best("baseline", "cpu_s"), best("current", "cpu_s")
@@ -114,7 +115,8 @@ def compare(ref: str, sizes: tuple[int, ...], repeat: int) -> dict:
                          "engine_wall_s": b_wall},
             "current": {"saturated_sim_s_per_wall_s": c_sat, "wall_us_per_request_step": c_us, "cpu_s": c_cpu,
                         "engine_wall_s": c_wall},
-            "speedup_saturated": c_sat / b_sat if b_sat and c_sat else None, "speedup_cpu": b_cpu / c_cpu, "speedup_engine_wall": b_wall / c_wall,
+            "speedup_saturated": c_sat / b_sat if b_sat and c_sat else None,
+            "speedup_cpu": b_cpu / c_cpu, "speedup_engine_wall": b_wall / c_wall,
             "same_results": same}
     return out
 
