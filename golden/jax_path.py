@@ -63,6 +63,12 @@ class JaxGolden:
             self._fns[key] = jax.jit(step, static_argnums=(7,), compiler_options=self.compiler_options)
         return self._fns[key], self._canonical_layer(key)
 
+    def _embed_fn(self):
+        if "embed" not in self._fns:     # eager, its gather and broadcast cost ~5 ms of dispatch per call
+            self._fns["embed"] = jax.jit(lambda ids, w: lookup_embedding(ids, w, cfg=self.cfg, nm=self.nm)[1],
+                                         compiler_options=self.compiler_options)
+        return self._fns["embed"]
+
     def _head_fn(self):
         if "head" not in self._fns:
             self._fns["head"] = jax.jit(lambda x_hc, model, rows: final_head(x_hc, model, rows, cfg=self.cfg,
@@ -82,7 +88,7 @@ class JaxGolden:
         return _bucket(n_idx, 16), (_bucket(n_hca, 1) if n_hca else 0)
 
     def forward(self, meta: StepMeta, caches) -> ForwardOut:
-        cfg, nm = self.cfg, self.nm
+        cfg = self.cfg
         _check_contiguous(meta)
         n_idx, n_hca = self.static_extents(meta)
         lay = layout(meta)
@@ -91,7 +97,7 @@ class JaxGolden:
             g = {k: jnp.asarray(v) for k, v in lay.arrays().items()}
             rope = {k: tuple(jnp.asarray(np.asarray(a)) for a in v)
                     for k, v in rope_inputs(cfg, meta.position_ids, self.host_nm).items()}
-            _, x_hc = lookup_embedding(m["input_ids"], self.model["embed_weight"], cfg=cfg, nm=nm)
+            x_hc = self._embed_fn()(m["input_ids"], self.model["embed_weight"])
             out = []
             for layer in range(cfg.num_hidden_layers):
                 fn, layer_id = self._layer_fn(layer, meta.form, n_idx, n_hca, lay)
