@@ -5,6 +5,9 @@ taps in dependency order, the rows each pool maps (for the mapped/unmapped rule)
 it re-synced from the device.  Today it runs the NumPy reference step (`hw.model.golden_np`); when
 golden's compositions (`golden.compose.prefill_fwd/decode_fwd`, `golden.dspark` fused step and
 seeding) and the lowering's `Dispatch` land with the same contract, this adapter is what switches.
+
+Those compositions are checked today by `hw.real` (`dspark-twin lockstep --golden real`): golden.compose
+and golden.dspark driven through twin.abi.lowering, their taps localized with COMPOSE_STAGE_KIND below.
 """
 from __future__ import annotations
 

@@ -105,3 +105,20 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(AbiError, match="mode"):
         build_real(mode="lenient")
     assert set(EXPECTED_STAGES) == set(REAL_KINDS)
+
+
+def test_cli_golden_real(tmp_path, capsys):
+    from twin.cli import main
+
+    assert main(["lockstep", "--golden", "real", "--steps", "6", "--run-dir", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "PASS: 6 dispatches" in out and "re-syncs:" in out
+    assert (tmp_path / "a" / "summary.md").exists() and (tmp_path / "a" / "report.jsonl").exists()
+    rc = main(["lockstep", "--golden", "real", "--steps", "8", "--run-dir", str(tmp_path / "b"), "--inject", "kv_row@5:3"])
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert rc == 1 and "dispatch 5" in out and "layer 3" in out and "stage kv" in out
+    # the real path starts fresh: an existing run directory is refused unless --fresh
+    assert main(["lockstep", "--golden", "real", "--steps", "2", "--run-dir", str(tmp_path / "a")]) == 2
+    assert "run-dir=" in capsys.readouterr().err
+    assert main(["lockstep", "--golden", "real", "--inject", "melt@1", "--run-dir", str(tmp_path / "c")]) == 2
+    assert "kind='melt'" in capsys.readouterr().err
