@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from twin.abi.lowering.primitives import absolute_table, ring_table  # the metadata builder's own tables
 from twin.abi.caches import FAMILY_NAMES, cache_families
 from twin.abi.errors import AbiError
 
@@ -73,22 +74,6 @@ class StepMeta:
         out.update(self.tables)
         out.update({k + "_slot_mapping": v for k, v in self.slots.items()})
         return out
-
-
-def ring_table(ids, depth: int) -> np.ndarray:
-    ids = np.asarray(ids, np.int32)
-    if ids.size == 0 or ids.min() < 0:
-        raise AbiError("block_ids", ids.tolist(), "a non-empty list of non-negative ids", where="ring_table")
-    return ids[np.arange(depth) % ids.size]
-
-
-def absolute_table(ids, depth: int) -> np.ndarray:
-    ids = np.asarray(ids, np.int32)
-    if ids.size > depth:
-        raise AbiError("block_ids", ids.size, f"at most depth={depth} pages", where="absolute_table")
-    out = np.full(depth, -1, np.int32)
-    out[: ids.size] = ids
-    return out
 
 
 def paged_slot(pos, table, page: int) -> np.ndarray:

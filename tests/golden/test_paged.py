@@ -13,7 +13,7 @@ from twin.abi.presets import TINY
 def test_primitives():
     assert ring_table([7, 3, 5], 7).tolist() == [7, 3, 5, 7, 3, 5, 7]
     assert absolute_table([4, 2], 4).tolist() == [4, 2, -1, -1]
-    with pytest.raises(AbiError, match="at most depth=1"):
+    with pytest.raises(AbiError, match="at most 1 pages"):
         absolute_table([1, 2], 1)
     with pytest.raises(AbiError, match="non-negative"):
         ring_table([1, -1], 4)
