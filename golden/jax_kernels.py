@@ -200,7 +200,14 @@ def _tile(s, mask, K, nm):
     m = jnp.max(st, axis=-1)
     e = jnp.where(mask, jnp.exp(st - m[..., None]), 0.0)
     p = e if nm.mode == "official" else nm.bf16(e)
-    return m, jnp.sum(e, axis=-1), jnp.einsum("bshn,bnd->bshd", p, K), jnp.any(mask, axis=-1)
+    return m, jnp.sum(e, axis=-1), _per_group(p, K), jnp.any(mask, axis=-1)
+
+
+def _per_group(a, b):
+    """[G, S, H, N] x [G, N, D] -> [G, S, H, D] as one 3-D batched GEMM (XLA CPU runs the 4-D
+    einsum form ~1.4x slower)."""
+    G, S, H, N = a.shape
+    return jnp.matmul(a.reshape(G, S * H, N), b).reshape(G, S, H, b.shape[-1])
 
 
 def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, cmp_kv=None, cmp_rows=None,
@@ -212,7 +219,7 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
     grp = g["g_grp"]
     qg = _grid(nm.asf(q), g["g_tok"])                                       # [G, S, H, HD]
     Kw = nm.asf(nm.get_rows(kv_cache, g["g_win_slot"]))                     # [G, Wu, HD]
-    sw = jnp.einsum("bshd,bnd->bshn", qg, Kw) * cfg.softmax_scale
+    sw = _per_group(qg, jnp.swapaxes(Kw, 1, 2)) * cfg.softmax_scale
     wt = g["g_win_tile"][:, :, None, :]
     tiles = [_tile(sw, wt == j, Kw, nm) for j in range(g["n_win_tiles"])]
     if cmp_rows is not None and n_cmp:
@@ -224,7 +231,7 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
             jnp.broadcast_to((r // TILE).astype(jnp.int32), cmp_rows.shape))[:, :n_cmp]
         tile_of = jnp.where(ok[grp], tile_of, -1)
         ct = _grid(tile_of + 1, g["g_tok"])[:, :, None, :] - 1                  # empty cells: -1
-        sc = jnp.einsum("bshd,bnd->bshn", qg, Kc) * cfg.softmax_scale
+        sc = _per_group(qg, jnp.swapaxes(Kc, 1, 2)) * cfg.softmax_scale
         tiles += [_tile(sc, ct == j, Kc, nm) for j in range(-(-cmp_rows.shape[1] // TILE))]
     anys = jnp.stack([t[3] for t in tiles], -1)                              # [G, S, 1, nt]
     ms = jnp.stack([t[0] for t in tiles], -1)                                # [G, S, H, nt]
