@@ -90,6 +90,8 @@ class RealFault:
             kv = np.array(pools["kv_cache"])
             flat = kv.reshape(-1, kv.shape[-1])
             mapped = mapped_rows(side.par.calls)["kv_cache"]
+            if self.kind == "kv_row" and not mapped.size:
+                return out                      # a seed dispatch writes no target row: nothing to corrupt
             if self.kind == "kv_row":
                 row = int(mapped[len(mapped) // 2])
                 flat[row] = (flat[row].astype(np.float32) + 0.5).astype(flat.dtype)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
@@ -76,6 +78,21 @@ def test_fault_detected_and_localized(kind, at, layer):
     assert fd["layer"] == ("head" if kind == "token" else str(layer))
     if kind == "stray":
         assert any("unmapped rows modified" in r for r in fd["reasons"])
+
+
+@settings(max_examples=6, deadline=None)
+@given(kind=st.sampled_from(["weight", "kv_row", "stray"]), at=st.integers(0, 7), layer=st.integers(0, 6))
+def test_any_fault_fires_and_is_caught_where_it_fires(kind, at, layer):
+    """A fault that fires is reported at its dispatch and layer; one that finds nothing to break
+    (a seed dispatch runs no target layer) leaves the run clean."""
+    f = RealFault(kind, at=at, layer=layer)
+    lr = build_real(k=7, max_new=6, fault=f)
+    s = lr.run(at + 2)
+    if f.fired:
+        fd = s["first_divergence"]
+        assert (fd["dispatch"], fd["layer"], fd["stage"] in EXPECTED_STAGES[kind]) == (at, str(layer), True)
+    else:
+        assert lr.entries[at]["kind"] == "seed" and s["verdict"] == "PASS"
 
 
 def test_continuous_mode_resyncs_after_a_fault():
