@@ -13,6 +13,10 @@ Public API:
     TorchNumerics(mode, device=...)            hw.real.numerics   golden Numerics whose GEMMs run on torch
     Side, TapPar                               hw.real.side       one side's weights + run state; full taps
     Stream, RealDispatch                       hw.real.stream     requests -> batches -> lower + validate
-    RealFault, REAL_KINDS                      hw.real.faults     device-side faults on the real path
-    RealLockstep, build_real                   hw.real.lockstep   compare, localize, re-sync, report
+    RealFault, REAL_KINDS, EXPECTED_STAGES     hw.real.faults     device-side faults and where they must localize
+    RealLockstep, build_real, parse_real_fault hw.real.lockstep   compare, localize, re-sync (route, index,
+                                                                  sample, draft, tokens, hidden), report;
+                                                                  carry="device" | "golden"
+
+Only twin.abi, golden and hw are imported (DESIGN.md); torch when a device side computes.
 """
