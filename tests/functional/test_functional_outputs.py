@@ -5,7 +5,7 @@ import numpy as np
 
 from twin.functional import first_difference
 
-from conftest import PREFIX, make_requests
+from functional_workload import PREFIX, make_requests
 
 
 def _differ(outputs, reference) -> str:
@@ -84,7 +84,7 @@ def test_k0_split_decode_equals_the_oracle_with_corrected_replay(golden, oracle)
     """K=0: the split decode at the staged anchor, the worker's placeholder substitution."""
     from twin.abi import deployment
     from twin.functional import functional_simulate
-    from conftest import SLOTS
+    from functional_workload import SLOTS
     dep = deployment("tiny", ep=8, max_model_len=512, long_prefill_token_threshold=64, max_num_seqs=6,
                      max_num_batched_tokens=256, num_speculative_tokens=0)
     res = functional_simulate(dep, make_requests(), golden, slots=SLOTS, recompute="replay")

@@ -18,7 +18,7 @@ from twin.functional.agreement import check_prefill
 from twin.functional.pages import PageMap
 from twin.sim import StepPlan
 
-from conftest import make_dep
+from functional_workload import make_dep
 
 ROOT = Path(__file__).resolve().parents[2]
 

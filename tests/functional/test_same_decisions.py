@@ -5,7 +5,7 @@ import pytest
 from twin.functional import Recording, ReplayExecutor, scheduler_for
 from twin.sim import SimConfig, simulate
 
-from conftest import SLOTS, make_dep, make_requests
+from functional_workload import SLOTS, make_dep, make_requests
 
 
 def _cost_run(golden_run, recompute):
