@@ -12,6 +12,11 @@ Public API (see docs/lockstep.md):
     Fault, FaultBackend, KINDS                 hw.faults       fault injection
     build_run, parse_fault                     hw.runs         assembling a run (CLI, benchmark, tests)
     spawn_local, worker                        hw.distributed  multi-rank CP/TP/EP with torch.distributed
+    RealLockstep, build_real, TorchNumerics    hw.real         lockstep against golden's real compositions through
+                                                               the real lowering (TINY; `--golden real`)
+
+Two golden sides exist: `hw.model` (the reference model the records, resume and all nine fault
+kinds run on) and `hw.real` (golden.compose / golden.dspark from lowered, validated dispatches).
 
 Imports only twin.abi and golden (DESIGN.md); torch is imported when a torch backend is built,
 torch_npu only for device "npu", a PyPTO runtime only by `PyptoBackend.from_runtime`.  Nothing here
