@@ -25,13 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .kernels.compressor import EXCLUDE, compress_project, pool_rows
+from .kernels.compressor import EXCLUDE, compressor, indexer_compressor
 from .kernels.hyper_connections import hc_post, hc_pre
 from .kernels.indexer import PREFILL_SCORE_CAP, index_query
 from .kernels.moe import shared_expert, swiglu_expert
 from .kernels.o_proj import o_proj, pack_groups
 from .kernels.qkv_proj_rope import qkv_proj_rope
-from .kernels.rmsnorm import rmsnorm_f, rms_norm
+from .kernels.rmsnorm import rms_norm
 from .kernels.rope import rope_tail
 from .kernels.sparse_attention import TILE, csa_rows, hca_rows
 from .numerics import FP32_NEG_INF, NEG_INF_ATTN
@@ -113,35 +113,19 @@ def compressor_sel(x, sel, sel_ok, positions, req, first_pos, compress_state, st
                    state_slot_mapping, cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *,
                    ratio, cfg, nm, missing=EXCLUDE):
     """golden.kernels.compressor.compressor with `sel` given (a static-length list of rows)."""
-    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
-    pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, compress_state, state_block_table,
-                       ratio=ratio, nm=nm, missing=missing)
-    y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
-    if nm.mode == "official":
-        R = cfg.qk_rope_head_dim
-        y = jnp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
-    y = nm.bf16(y)
-    cmp_kv = nm.set_rows(cmp_kv, jnp.where(sel_ok, cmp_slot_mapping[sel], -1), nm.store_bf16(y))
-    compress_state = nm.set_rows(compress_state, state_slot_mapping, jnp.concatenate([kvp, scp], -1))
-    return cmp_kv, compress_state
+    return compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping,
+                      cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, ratio=ratio, cfg=cfg,
+                      nm=nm, missing=missing, selection=(sel, sel_ok))[:2]
 
 
 def indexer_compressor_sel(x, sel, sel_ok, positions, req, first_pos, inner_state, state_block_table,
                            state_slot_mapping, idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate,
                            inner_ape, inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm):
-    kvp, scp = compress_project(x, inner_wkv, inner_wgate, inner_ape, positions, ratio=4, nm=nm)
-    pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
-    y = nm.bf16(rope_tail(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm))
-    y = nm.bf16(nm.mm(y, nm.asf(hadamard)))
-    if nm.mode == "device":
-        y_q, dq = nm.q8(y)
-    else:
-        y_q, dq = nm.fp4(y), jnp.ones(y.shape[:-1] + (1,), nm.f)
-    slots = jnp.where(sel_ok, idx_slot_mapping[sel], -1)
-    idx_kv_cache = nm.set_rows(idx_kv_cache, slots, y_q)
-    idx_kv_scale = nm.set_rows(idx_kv_scale, slots, dq)
-    inner_state = nm.set_rows(inner_state, state_slot_mapping, jnp.concatenate([kvp, scp], -1))
-    return idx_kv_cache, idx_kv_scale, inner_state
+    """golden.kernels.compressor.indexer_compressor with `sel` given."""
+    return indexer_compressor(x, positions, req, first_pos, inner_state, state_block_table, state_slot_mapping,
+                              idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate, inner_ape,
+                              inner_norm_w, hadamard, cmp_cos, cmp_sin, cfg=cfg, nm=nm,
+                              selection=(sel, sel_ok))[:3]
 
 
 # ---- per-request candidate gathers ------------------------------------------------------------

@@ -79,14 +79,15 @@ def boundary_selection(positions, ratio, nm):
 
 def compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping,
                cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *, ratio, cfg, nm,
-               missing=EXCLUDE):
+               missing=EXCLUDE, selection=None):
     """Main KV compressor (ratio 4 = CSA, ratio 128 = HCA).
 
     x [T, D] attn-normed; positions/req [T]; first_pos [B]; cmp_cos/sin [T, R] rows of the compress
     profile at the window start p - ratio + 1.  Returns (cmp_kv, compress_state, (sel, rows)) where
-    rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens."""
+    rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens.  `selection`
+    = (sel, is_boundary) chosen by the caller (the JAX path passes a static-length host list)."""
     kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
-    sel, is_b = boundary_selection(positions, ratio, nm)
+    sel, is_b = selection if selection is not None else boundary_selection(positions, ratio, nm)
     pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, compress_state, state_block_table,
                        ratio=ratio, nm=nm, missing=missing)
     y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
@@ -102,12 +103,13 @@ def compressor(x, positions, req, first_pos, compress_state, state_block_table, 
 
 def indexer_compressor(x, positions, req, first_pos, inner_state, state_block_table, state_slot_mapping,
                        idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate, inner_ape,
-                       inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm):
+                       inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm, selection=None):
     """K9: ratio-4 overlapping pooling at IHD, rms + RoPE + Hadamard, then quant-on-write: int8
-    rows + f32 scale (device), the FP4-rounded values (official), raw float64 (exact)."""
+    rows + f32 scale (device), the FP4-rounded values (official), raw float64 (exact).  `selection`
+    as in `compressor`."""
     xp = nm.xp
     kvp, scp = compress_project(x, inner_wkv, inner_wgate, inner_ape, positions, ratio=4, nm=nm)
-    sel, is_b = boundary_selection(positions, 4, nm)
+    sel, is_b = selection if selection is not None else boundary_selection(positions, 4, nm)
     pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
     y = nm.bf16(rope_tail(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm))
     y = nm.bf16(nm.mm(y, nm.asf(hadamard)))
