@@ -18,6 +18,7 @@ import numpy as np
 
 from golden.checkpoint import SyntheticCheckpoint
 from golden.dspark import step as S
+from golden.dspark.oracle_drafts import continuation_drafts
 from golden.dspark.weights import DrafterCheckpoint
 from twin.abi import get_preset
 
@@ -27,12 +28,7 @@ LIMIT = 176
 
 def fixed_length_policy(reference, j, vocab):
     def policy(seq, drafts):
-        ref = reference[seq.req.request_id]
-        a = seq.anchor
-        out = np.array([ref[a + 1 + t] if a + 1 + t < len(ref) else 0 for t in range(7)], np.int64)
-        if j < 7:
-            out[j] = (out[j] + 1) % vocab
-        return out
+        return continuation_drafts(reference[seq.req.request_id], seq.anchor, j, vocab)
     return policy
 
 

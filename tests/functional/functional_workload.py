@@ -15,6 +15,8 @@ tokens a step commits, never which: the target verifies every one of them.
 
 import numpy as np
 
+from golden.dspark.oracle_drafts import continuation_drafts
+
 from twin.abi import deployment
 from twin.sim.request import Request, Sampling
 
@@ -51,10 +53,6 @@ def oracle_drafts(reference: dict, requests, vocab: int):
         f, a = full[rid], seq.anchor
         i = calls.get(rid, 0)
         calls[rid] = i + 1
-        out = np.array([f[a + 1 + t] if a + 1 + t < len(f) else 2 for t in range(7)], np.int64)
-        j = WRONG_AT[i % len(WRONG_AT)]
-        if j < 7:
-            out[j] = (out[j] + 1) % vocab
-        return out
+        return continuation_drafts(f, a, WRONG_AT[i % len(WRONG_AT)], vocab, pad=2)
 
     return policy

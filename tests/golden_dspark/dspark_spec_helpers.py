@@ -2,6 +2,8 @@
 comparison of two runs' caches."""
 import numpy as np
 
+from golden.dspark.oracle_drafts import continuation_drafts
+
 from golden.dspark.ring import ring_slots
 from golden.paged import families
 
@@ -24,12 +26,7 @@ def oracle_policy(reference: dict, patterns: dict, vocab: int, log: dict | None 
         steps[rid] = i + 1
         pat = patterns[rid]
         j = pat[i % len(pat)]
-        ref = reference[rid]
-        a = seq.anchor
-        out = np.array([ref[a + 1 + t] if a + 1 + t < len(ref) else 0 for t in range(7)], np.int64)
-        if j < 7:
-            out[j] = (out[j] + 1) % vocab
-        return out
+        return continuation_drafts(reference[rid], seq.anchor, j, vocab)
 
     return policy
 
