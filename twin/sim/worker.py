@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from twin.abi import constants as C
 from twin.abi.batches import DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
+from twin.abi.lowering.drafter import seeding_waves  # noqa: F401  (re-exported: the worker's split)
 
 
 @dataclass(frozen=True)
@@ -54,15 +55,6 @@ def split_prefill(items, max_batch: int, per_partition: int,
     return out
 
 
-def seeding_waves(terminal: list[PrefillItem]) -> list[tuple[PrefillItem, ...]]:
-    """Wave w holds the w-th completed request of every group (one seed row per group)."""
-    by_group: dict[int, list[PrefillItem]] = {}
-    for it in terminal:
-        by_group.setdefault(it.partition, []).append(it)
-    depth = max((len(v) for v in by_group.values()), default=0)
-    return [tuple(v[w] for _, v in sorted(by_group.items()) if w < len(v)) for w in range(depth)]
-
-
 def decode_groups(items, partitions: int, k: int) -> tuple[tuple[tuple[DecodeItem, ...], ...], str | None]:
     """Per TP group, in group ordinal order; at K=7 each request's owner rank is lease % 4 and
     holds at most 16 requests."""
@@ -93,7 +85,7 @@ def plan(cmd, dep) -> StepPlan:
             dispatches = split_prefill(pre, dep.prefill_batch, dep.prefill_requests_per_partition)
         except ValueError as e:
             error = error or str(e)
-    waves = seeding_waves([it for it in pre if it.terminal]) if dep.k else []
+    waves = [tuple(w) for w in seeding_waves([it for it in pre if it.terminal])] if dep.k else []
     groups, derr = decode_groups(cmd.decode.items, dep.partitions, dep.k)
     return StepPlan(cmd.step_id, tuple(dispatches), tuple(waves), cmd.decode if cmd.decode.items else None,
                     groups, cmd.decode_only, error or derr, {r.request_id: r for r in cmd.new_requests},
