@@ -117,17 +117,9 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
         cmp = dict(cmp_kv=pools["csa_cmp_kv"], cmp_rows=csa_rows(topk, pos, nm=nm),
                    cmp_block_table=m["csa_cmp_block_table"], req=req)
     elif ratio == 128:
-        hcos, hsin = rope["hca_cmp"]
-        pools["hca_cmp_kv"], pools["hca_compress_state"], rows = compressor(
-            x_n, pos, req, first, pools["hca_compress_state"], m["hca_compress_state_block_table"],
-            m["hca_state_slot_mapping"], pools["hca_cmp_kv"], m["hca_cmp_slot_mapping"], w["hca_cmp_wkv"],
-            w["hca_cmp_wgate"], w["hca_cmp_ape"], w["hca_cmp_norm_w"], hcos, hsin, ratio=128, cfg=cfg, nm=nm,
-            missing=ZERO if form == PREFILL else EXCLUDE)
+        rows, cmp = hca_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, form=form)
         _tap(taps, layer, "cmp_kv", rows)
-        cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
-        cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm,
-                                                                 n_max=m.get("n_hca_rows")),
-                   cmp_block_table=m["hca_cmp_block_table"], req=req)
+        cmp["req"] = req
     pools["kv_cache"] = nm.set_rows(pools["kv_cache"], m["ori_slot_mapping"], nm.store_bf16(kv))
     o = sparse_attention(q, pools["kv_cache"], m["swa_indices"], m["swa_lens"], w["attn_sink"], cos, sin,
                          cfg=cfg, nm=nm, **cmp)
@@ -137,6 +129,22 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
     x_hc = hc_post(attn_out, x_hc, post, comb, cfg=cfg, nm=nm)
     _tap(taps, layer, "attn_x_hc", x_hc)
     return x_hc, pools
+
+
+def hca_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, form):
+    """The ratio-128 compressor of an HCA layer (writes `pools` in place of the returned arrays) and
+    the compressed rows attention reads: (rows written, cmp keyword arguments of sparse_attention)."""
+    hcos, hsin = rope["hca_cmp"]
+    pools["hca_cmp_kv"], pools["hca_compress_state"], rows = compressor(
+        x_n, pos, req, first, pools["hca_compress_state"], m["hca_compress_state_block_table"],
+        m["hca_state_slot_mapping"], pools["hca_cmp_kv"], m["hca_cmp_slot_mapping"], w["hca_cmp_wkv"],
+        w["hca_cmp_wgate"], w["hca_cmp_ape"], w["hca_cmp_norm_w"], hcos, hsin, ratio=128, cfg=cfg, nm=nm,
+        missing=ZERO if form == PREFILL else EXCLUDE)
+    cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
+    cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm,
+                                                             n_max=m.get("n_hca_rows")),
+               cmp_block_table=m["hca_cmp_block_table"])
+    return rows, cmp
 
 
 def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=None):

@@ -18,8 +18,8 @@ import numpy as np
 
 from twin.abi.errors import AbiError
 
-from ..compose import PREFILL_HCA_CAP, ForwardOut, _check_contiguous, _tap, device_meta, rope_inputs
-from ..kernels.compressor import EXCLUDE, ZERO, compressor, indexer_compressor
+from ..compose import ForwardOut, _check_contiguous, _tap, device_meta, hca_compress, rope_inputs
+from ..kernels.compressor import compressor, indexer_compressor
 from ..kernels.embedding import lookup_embedding
 from ..kernels.hyper_connections import hc_head, hc_post, hc_pre
 from ..kernels.indexer import PREFILL_SCORE_CAP, lightning_indexer
@@ -27,7 +27,7 @@ from ..kernels.lm_head import greedy_sample
 from ..kernels.o_proj import pack_groups
 from ..kernels.qkv_proj_rope import qkv_proj_rope
 from ..kernels.rmsnorm import rms_norm
-from ..kernels.sparse_attention import csa_rows, hca_rows, sparse_attention
+from ..kernels.sparse_attention import csa_rows, sparse_attention
 from ..numerics import numerics
 from ..paged import PREFILL
 
@@ -89,16 +89,7 @@ def attention_sublayer_ranks(x_hc, layer, w, pools, m, rope, owners, par, *, cfg
         cmp = dict(cmp_kv=pools["csa_cmp_kv"], cmp_rows=csa_rows(topk, pos, nm=nm),
                    cmp_block_table=m["csa_cmp_block_table"])
     elif ratio == 128:
-        hcos, hsin = rope["hca_cmp"]
-        pools["hca_cmp_kv"], pools["hca_compress_state"], _ = compressor(
-            x_n, pos, req, first, pools["hca_compress_state"], m["hca_compress_state_block_table"],
-            m["hca_state_slot_mapping"], pools["hca_cmp_kv"], m["hca_cmp_slot_mapping"], w["hca_cmp_wkv"],
-            w["hca_cmp_wgate"], w["hca_cmp_ape"], w["hca_cmp_norm_w"], hcos, hsin, ratio=128, cfg=cfg, nm=nm,
-            missing=ZERO if form == PREFILL else EXCLUDE)
-        cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
-        cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm,
-                                                                 n_max=m.get("n_hca_rows")),
-                   cmp_block_table=m["hca_cmp_block_table"])
+        _, cmp = hca_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, form=form)
     if taps is not None and topk is not None:
         _tap(taps, layer, "idx_topk", topk)
     pools["kv_cache"] = nm.set_rows(pools["kv_cache"], m["ori_slot_mapping"], nm.store_bf16(kv))
