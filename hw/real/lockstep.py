@@ -14,7 +14,9 @@ whole run from the device.
 """
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +49,25 @@ INDEX_TIE_TOL = 0.1           # measured clean (carry=device, seeds 0-2, 63 disp
 SEQ_FIELDS = ("anchor", "current", "generated", "draft_anchor", "released")
 
 
+@dataclass
+class DeviceStep:
+    """What the device side produced for one dispatch: outputs, the taps of its last target forward,
+    the sampled tokens of each target forward and the drafter's routes (what the golden re-syncs from)."""
+
+    outputs: dict
+    taps: dict
+    sampled: list
+    draft_routes: list
+
+
 def _resync(kind, site, detail) -> dict:
     return {"kind": kind, "site": site, "row": -1, "golden": detail, "device": detail}
 
 
 class RealLockstep:
     def __init__(self, stream, device, golden, *, policy: Policy | None = None, mode: str = "strict",
-                 fault=None, run_dir=None, config: dict | None = None, carry: str = "device"):
+                 fault=None, run_dir=None, config: dict | None = None, carry: str = "device",
+                 record: bool = True, build: dict | None = None):
         if mode not in MODES:
             raise AbiError("mode", mode, f"one of {MODES}", where="hw.real lockstep")
         if carry not in CARRY:
@@ -66,6 +80,14 @@ class RealLockstep:
         self.config = {**(config or {}), "golden": "real", "mode": mode, "carry": carry, "device": device.name,
                        "golden_side": golden.name}
         self.entries: list[dict] = []
+        # records need a run directory and the build_real arguments that rebuild this run offline
+        self.build = build
+        self.recorder = None
+        if self.dir is not None and record and build is not None:
+            from .records import RealRecorder
+            self.recorder = RealRecorder(self.dir / "records", build)
+        self.crash_after: int | None = None        # tests: die after this many records, before the report line
+        self._opened = False
         stream.setup(device)
         stream.setup(golden)
         if fault is not None:
@@ -110,23 +132,28 @@ class RealLockstep:
             findings.append(f)
 
     # ---- one dispatch ------------------------------------------------------------------------------
-    def check(self, rd) -> dict:
-        resyncs = self._adopt_decisions()
-        before = [dict(p) for p in self.dev.run.caches]
-        gold_before = [dict(p) for p in self.gold.run.caches]
-        dpools_before = list(self.dev.run.pools or [])
-        gpools_before = list(self.gold.run.pools or [])
+    def device_step(self, rd) -> DeviceStep:
+        """The device side runs the dispatch (a replay substitutes the recorded step)."""
         if self.fault is not None:
             self.fault.arm(rd.index)
         r = self.stream.execute(self.dev, rd)
         if self.fault is not None:
             r = self.fault.after(self.dev, rd, r)
         dcalls = list(self.dev.par.calls)
-        dtaps = dcalls[-1][1] if dcalls else {}
+        return DeviceStep(r, dcalls[-1][1] if dcalls else {}, [c[2] for c in dcalls], list(self.dev.par.draft_routes))
+
+    def check(self, rd) -> dict:
+        resyncs = self._adopt_decisions()
+        before = [dict(p) for p in self.dev.run.caches]
+        gold_before = [dict(p) for p in self.gold.run.caches]
+        dpools_before = list(self.dev.run.pools or [])
+        gpools_before = list(self.gold.run.pools or [])
+        step = self.last_step = self.device_step(rd)
+        r, dtaps = step.outputs, step.taps
         gp = self.gold.par
         gp.route_from, gp.tie_tol, gp.resyncs = dtaps, self.policy.lookup("route", "i32").tie_tol or 0.0, []
-        gp.draft_from = list(self.dev.par.draft_routes)
-        gp.sample_from = [c[2] for c in dcalls]
+        gp.draft_from = list(step.draft_routes)
+        gp.sample_from = list(step.sampled)
         gp.tie_samples = self.policy.lookup("sample", "i32").tie_tol or 0.0
         gp.index_tie_tol = self.index_tie_tol
         g = self.stream.execute(self.gold, rd)
@@ -218,12 +245,28 @@ class RealLockstep:
                 "metrics": f.to_dict()["metrics"], "bad_rows": f.bad_rows[:8]}
 
     # ---- a run -------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        """First call of `run` with a run directory: resume from its report and records, or start both."""
+        self._opened = True
+        self.dir.mkdir(parents=True, exist_ok=True)
+        entries = ReportWriter(self.dir).entries()
+        if not entries:
+            if self.recorder is not None:
+                self.recorder.start(self)
+            return
+        if self.recorder is None:
+            raise AbiError("run_dir", str(self.dir), "a run with records to resume (record=True), or a fresh directory",
+                           where="hw.real lockstep")
+        from .replay import restore
+
+        restore(self, entries)
+
     def run(self, steps: int, progress=None) -> dict:
         if steps < 1:
             raise AbiError("steps", steps, ">= 1", where="hw.real lockstep")
         t0 = time.perf_counter()
-        if self.dir:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        if self.dir is not None and not self._opened:
+            self._open()
         report = ReportWriter(self.dir) if self.dir else None
         while len(self.entries) < steps:
             if self.mode == "strict" and any(e["verdict"] == "fail" for e in self.entries):
@@ -232,16 +275,23 @@ class RealLockstep:
             if rd is None:
                 break
             e = self.check(rd)
+            if self.recorder is not None:
+                self.recorder.record(self, rd, e)
+            if self.crash_after is not None and len(self.entries) == self.crash_after:
+                raise KeyboardInterrupt("simulated kill between the record and its report line")
             self.entries.append(e)
             if report:
                 report.append(e)
             if progress:
                 progress(e)
-        self.config["wall_s"] = round(time.perf_counter() - t0, 3)
+        wall = round(time.perf_counter() - t0, 3)
         if self.dir:
+            # timings stay out of the report and summary, so a resumed run writes the same bytes
+            (self.dir / "run.json").write_text(json.dumps({"wall_s_this_session": wall, "config": self.config},
+                                                          indent=2, sort_keys=True) + "\n")
             return write_summary(self.dir, self.entries, self.config)
         from ..report import summarize
-        return summarize(self.entries, self.config)
+        return summarize(self.entries, {**self.config, "wall_s": wall})
 
 
 def rows_tied(dtaps, gtaps) -> list:
@@ -272,7 +322,7 @@ def parse_real_fault(spec: str):
 def build_real(*, preset: str = "tiny", device: str = "cpu", mode: str = "strict", seed: int = 0,
                golden_mode: str = "device", k: int = 7, n_requests: int = 4, max_new: int = 24, slots: int = 2,
                chunk: int = 64, fault=None, policy: Policy | None = None, run_dir=None,
-               carry: str = "device") -> RealLockstep:
+               carry: str = "device", record: bool = True) -> RealLockstep:
     """A real-golden lockstep over `n_requests` seeded prompts on a small preset's deployment (TP4,
     EP8: two cache partitions).  The device side is `TorchNumerics(golden_mode, device)`."""
     from golden.checkpoint import SyntheticCheckpoint
@@ -301,5 +351,9 @@ def build_real(*, preset: str = "tiny", device: str = "cpu", mode: str = "strict
     config = {"preset": cfg.name, "seed": seed, "k": k, "requests": n_requests, "max_new": max_new,
               "golden_mode": golden_mode,
               "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer}}
+    # what rebuilds this run (records/config.json): resume checks it, replay rebuilds the golden from it
+    build = {"preset": preset, "device": device, "mode": mode, "seed": seed, "golden_mode": golden_mode, "k": k,
+             "n_requests": n_requests, "max_new": max_new, "slots": slots, "chunk": chunk, "carry": carry,
+             "fault": config["fault"]}
     return RealLockstep(stream, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config,
-                        carry=carry)
+                        carry=carry, record=record, build=build)

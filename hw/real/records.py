@@ -1,0 +1,261 @@
+"""Dispatch records of the real-golden lockstep: what a run writes so that any dispatch can be
+replayed against golden offline and a killed run resumes to the same report.
+
+One `hw.records.Record` per dispatch, content-addressed in `<run>/records/` (`RecordStore`):
+
+    inputs              the lowered dispatch's arguments (name -> hash)
+    meta                the dispatch's meta, plus `real`: the dispatch kind, its rows, the scheduler
+                        items, the stream's counters after it and each side's per-request bookkeeping
+                        after it (anchor, tokens, lease; the captured hidden tail as hashes)
+    outputs             the device's outputs and what the golden re-syncs from: the taps `moe_indices`,
+                        `idx_topk` of every layer and the head logits (`tap:LAYER/STAGE`), the sampled
+                        tokens of each target forward (`sampled:I`), the drafter's routes (`route:N`);
+                        a failing dispatch keeps every tap, so a replay localizes it the same way
+    state_delta         the device's touched state, rows changed since the previous record: target pools
+                        (`LAYER/POOL`), drafter pools (`draft/GROUP`), the K=7 state (`dspark/tokens|meta`)
+    golden_state_delta  the same for the golden (after its re-syncs and carry)
+
+`records/config.json` holds the `build_real` arguments of the run.  A pool neither side wrote keeps
+its identity from one record to the next (copy-on-write), as in a live run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from golden.dspark.state import DeviceState
+from twin.abi.batches import DecodeItem, Dispatch, DrafterItem, PrefillItem
+from twin.abi.errors import AbiError
+
+from ..records import Record, RecordStore, changed_rows, content_hash
+
+DECISION_STAGES = ("moe_indices", "idx_topk")
+ITEM = {"prefill": PrefillItem, "decode": DecodeItem, "seed": DrafterItem}
+TUPLES = ("chunk_tokens", "pending_drafts", "context_positions")
+SEQ_KEYS = ("anchor", "current", "draft_anchor", "released", "lease", "generation")
+
+
+# ---- a side's state as named arrays ------------------------------------------------------------------
+def side_state(side) -> dict:
+    run = side.run
+    out = {f"{layer}/{pool}": a for layer, pools in enumerate(run.caches) for pool, a in pools.items()}
+    if run.pools is not None:
+        out.update({f"draft/{g}": a for g, a in enumerate(run.pools)})
+    if run.state is not None:
+        out["dspark/tokens"], out["dspark/meta"] = run.state.tokens, run.state.meta
+    return out
+
+
+def install_state(side, arrays: dict) -> None:
+    run = side.run
+    run.caches = [{pool: arrays[f"{layer}/{pool}"] for pool in pools} for layer, pools in enumerate(run.caches)]
+    if run.pools is not None:
+        run.pools = [arrays[f"draft/{g}"] for g in range(len(run.pools))]
+    if run.state is not None:
+        run.state = DeviceState(arrays["dspark/tokens"], arrays["dspark/meta"], run.state.noise_token)
+
+
+def seqs_state(store: RecordStore, seqs) -> list[dict]:
+    out = []
+    for s in seqs:
+        d = {k: getattr(s, k) for k in SEQ_KEYS}
+        d["generated"] = [int(t) for t in s.generated]
+        d["seeded"] = bool(getattr(s, "_seeded", False))
+        pos = sorted(s.tail)
+        d["tail"] = [store.put(np.asarray(pos, np.int64)),
+                     store.put(np.stack([np.asarray(s.tail[p]) for p in pos]) if pos else np.zeros((0, 0)))]
+        d["confidence"] = None if s.confidence is None else store.put(np.asarray(s.confidence))
+        out.append(d)
+    return out
+
+
+def install_seqs(store: RecordStore, seqs, states: list[dict]) -> None:
+    for s, d in zip(seqs, states, strict=True):
+        for k in SEQ_KEYS:
+            setattr(s, k, d[k])
+        s.generated = list(d["generated"])
+        if d["seeded"]:
+            s._seeded = True
+        elif hasattr(s, "_seeded"):
+            del s._seeded
+        pos, rows = store.get(d["tail"][0]), store.get(d["tail"][1])
+        s.tail = {int(p): rows[i] for i, p in enumerate(pos)}
+        s.confidence = None if d["confidence"] is None else store.get(d["confidence"])
+
+
+def stream_state(stream) -> dict:
+    return {"computed": list(stream.computed), "seeded": bool(stream.seeded), "index": stream.index}
+
+
+def install_stream(stream, d: dict) -> None:
+    stream.computed, stream.seeded, stream.index = list(d["computed"]), d["seeded"], d["index"]
+
+
+def _put_outputs(store, step, *, all_taps: bool) -> dict:
+    out = {name: store.put(v) for name, v in step.outputs.items()}
+    for (layer, stage), v in step.taps.items():
+        if all_taps or stage in DECISION_STAGES or (layer, stage) == ("head", "logits"):
+            if isinstance(v, (tuple, list)):
+                out.update({f"tap:{layer}/{stage}#{i}": store.put(x) for i, x in enumerate(v)})
+            else:
+                out[f"tap:{layer}/{stage}"] = store.put(v)
+    out.update({f"sampled:{i}": store.put(v) for i, v in enumerate(step.sampled)})
+    out.update({f"route:{i}": store.put(v) for i, v in enumerate(step.draft_routes)})
+    return out
+
+
+def outputs_step(arrays: dict):
+    """The recorded outputs back as a `DeviceStep`."""
+    from .lockstep import DeviceStep
+
+    outs, taps, parts, sampled, routes = {}, {}, {}, {}, {}
+    for name, v in arrays.items():
+        kind, _, rest = name.partition(":")
+        if not rest:
+            outs[name] = v
+        elif kind == "sampled":
+            sampled[int(rest)] = v
+        elif kind == "route":
+            routes[int(rest)] = v
+        else:
+            site, _, part = rest.partition("#")
+            layer, _, stage = site.rpartition("/")
+            key = (int(layer) if layer.isdigit() else layer, stage)
+            if part:
+                parts.setdefault(key, {})[int(part)] = v
+            else:
+                taps[key] = v
+    taps.update({k: tuple(p[i] for i in sorted(p)) for k, p in parts.items()})
+    return DeviceStep(outs, taps, [sampled[i] for i in sorted(sampled)], [routes[i] for i in sorted(routes)])
+
+
+def _items_json(items) -> list:
+    return [asdict(it) for it in items]
+
+
+def _items(kind: str, rows: list) -> list:
+    out = []
+    for d in rows:
+        d = dict(d)
+        for k in TUPLES:
+            if k in d:
+                d[k] = tuple(d[k])
+        if "block_ids" in d:
+            d["block_ids"] = {f: tuple(v) for f, v in d["block_ids"].items()}
+        out.append(ITEM[kind](**d))
+    return out
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+class RealRecorder:
+    """Appends one record per dispatch; each side's state is a delta against that side's previous record."""
+
+    def __init__(self, root, build: dict):
+        self.store = RecordStore(root)
+        self.build = build
+        self.last: dict[str, dict] = {}
+        self._deltas: dict[tuple[int, int], dict] = {}
+
+    def start(self, lockstep) -> None:
+        """A fresh run: the initial state (both sides allocate the same pools) and the config."""
+        dev, gold = side_state(lockstep.dev), side_state(lockstep.gold)
+        bad = [k for k in dev if content_hash(np.asarray(dev[k])) != content_hash(np.asarray(gold[k]))]
+        if bad:
+            raise AbiError("initial state", bad[:4], "the same pools on both sides", where="hw.real records")
+        self.store.truncate(0)
+        (self.store.root / "initial.json").unlink(missing_ok=True)
+        self.store.put_initial(dev)
+        (self.store.root / "config.json").write_text(json.dumps(self.build, sort_keys=True) + "\n")
+        self.last = {"dev": dict(dev), "gold": dict(gold)}
+
+    def _delta(self, side: str, now: dict) -> dict:
+        out, last = {}, self.last[side]
+        for k, a in now.items():
+            b = last[k]
+            if a is b:
+                continue
+            key = (id(b), id(a))
+            hit = self._deltas.get(key)
+            if hit is None or hit[0] is not b or hit[1] is not a:
+                a_np, b_np = np.asarray(a), np.asarray(b)
+                rows = changed_rows(b_np, a_np)
+                delta = {"rows": self.store.put(rows), "values": self.store.put(a_np.reshape(-1, a_np.shape[-1])[rows])}
+                hit = self._deltas[key] = (b, a, delta, bool(rows.size))
+            if hit[3]:
+                out[k] = hit[2]
+        self.last[side] = dict(now)
+        return out
+
+    def record(self, lockstep, rd, entry: dict) -> None:
+        s, step = self.store, lockstep.last_step
+        self._deltas.clear()
+        real = {"kind": rd.kind, "rows": list(rd.rows), "items": _items_json(rd.items),
+                "stream": stream_state(lockstep.stream),
+                "dev_seqs": seqs_state(s, lockstep.dev.run.seqs), "gold_seqs": seqs_state(s, lockstep.gold.run.seqs)}
+        rec = Record(index=rd.index, program=rd.dispatch.program, meta={**rd.dispatch.meta, "real": real},
+                     inputs=s.put_all(dict(rd.dispatch.args)),
+                     outputs=_put_outputs(s, step, all_taps=entry["verdict"] == "fail"),
+                     state_delta=self._delta("dev", side_state(lockstep.dev)),
+                     golden_state_delta=self._delta("gold", side_state(lockstep.gold)),
+                     weights=self.build_fingerprint())
+        s.append(rec)
+
+    def build_fingerprint(self) -> str:
+        b = self.build
+        return f"synthetic:{b['preset']}:seed{b['seed']}:k{b['k']}"
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+def read_config(run_dir) -> dict:
+    path = Path(run_dir) / "records" / "config.json"
+    if not path.exists():
+        raise AbiError("run_dir", str(run_dir), "a real-golden run directory with records/config.json",
+                       where="hw.real records")
+    return json.loads(path.read_text())
+
+
+def checked_get(store: RecordStore, h: str, where: str) -> np.ndarray:
+    """A blob, re-hashed: bytes that no longer match their address are a tampered or corrupt record."""
+    a = store.get(h)
+    if content_hash(a) != h:
+        raise AbiError("record", where, f"a blob whose bytes match its content hash {h}", where="hw.real replay")
+    return a
+
+
+def apply_deltas(store: RecordStore, arrays: dict, deltas: dict, *, verify: bool = False, where: str = "") -> dict:
+    """Copy-on-write: the keys a record changed get new arrays, every other key keeps its object."""
+    get = (lambda h, k: checked_get(store, h, f"{where} {k}")) if verify else (lambda h, k: store.get(h))
+    out = dict(arrays)
+    for k, d in deltas.items():
+        a = np.array(arrays[k])
+        a.reshape(-1, a.shape[-1])[get(d["rows"], k)] = get(d["values"], k)
+        out[k] = a
+    return out
+
+
+def dispatch_of(store: RecordStore, rec: Record, *, verify: bool = False):
+    """The recorded dispatch as the stream's `RealDispatch`."""
+    from .stream import RealDispatch
+
+    meta = dict(rec.meta)
+    real = meta.pop("real")
+    get = (lambda k, h: checked_get(store, h, f"dispatch {rec.index} input {k}")) if verify else \
+        (lambda k, h: store.get(h))
+    args = {k: get(k, h) for k, h in rec.inputs.items()}
+    return RealDispatch(rec.index, real["kind"], Dispatch(rec.program, args, meta), list(real["rows"]),
+                        _items(real["kind"], real["items"]))
+
+
+def share_equal(dev: dict, gold: dict) -> dict:
+    """The golden's arrays that equal the device's become the device's objects (a live run with
+    carry="device" shares them, and the lockstep skips pools neither side wrote by identity)."""
+    out = dict(gold)
+    for k, a in gold.items():
+        b = dev.get(k)
+        if b is not None and a is not b and a.dtype == b.dtype and a.shape == b.shape \
+                and np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)):
+            out[k] = b
+    return out
