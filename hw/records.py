@@ -72,13 +72,19 @@ class RecordStore:
         if self._index is None:
             self._index = {}
             if self.index_path.exists():
-                for line in self.index_path.read_text().splitlines():
+                raw, good = self.index_path.read_bytes(), 0
+                for line in raw.split(b"\n"):
                     try:
                         e = json.loads(line)
                     except json.JSONDecodeError:
                         break
+                    good += len(line) + 1
                     if (self.root / "packs" / e["pack"]).exists():
                         self._index.update({h: (e["pack"], *loc) for h, loc in e["blobs"].items()})
+                if good < len(raw):
+                    # a line torn by a killed writer goes, so the next append starts a line of its own
+                    with open(self.index_path, "r+b") as fh:
+                        fh.truncate(good)
         return self._index
 
     def _hash(self, a: np.ndarray) -> str:

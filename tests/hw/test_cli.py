@@ -9,25 +9,30 @@ from twin.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
+REF = ["lockstep", "--golden", "reference"]
+
+
 def test_lockstep_command_prints_the_verdict(tmp_path, capsys):
-    rc = main(["lockstep", "--preset", "tiny", "--device", "cpu", "--steps", "8", "--run-dir", str(tmp_path)])
+    rc = main([*REF, "--preset", "tiny", "--device", "cpu", "--steps", "8", "--run-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "PASS: 8 dispatches" in out and "summary.md" in out
     assert (tmp_path / "summary.html").exists()
 
 
 def test_lockstep_command_reports_an_injected_fault(tmp_path, capsys):
-    rc = main(["lockstep", "--steps", "12", "--run-dir", str(tmp_path), "--inject", "ring_alias@3"])
+    rc = main([*REF, "--steps", "12", "--run-dir", str(tmp_path), "--inject", "ring_alias@3"])
     out = capsys.readouterr().out.replace("\n", " ")
     assert rc == 1 and "FAIL" in out and "first divergence" in out and "compress_state" in out
 
 
 def test_lockstep_command_errors_name_what_is_allowed(tmp_path, capsys):
-    assert main(["lockstep", "--preset", "flash", "--steps", "2", "--run-dir", str(tmp_path / "a")]) == 2
-    assert "preset='flash'" in capsys.readouterr().err
-    assert main(["lockstep", "--inject", "melted@2", "--run-dir", str(tmp_path / "b")]) == 2
+    for golden in ("real", "reference"):
+        assert main(["lockstep", "--golden", golden, "--preset", "flash", "--steps", "2",
+                     "--run-dir", str(tmp_path / golden / "a")]) == 2
+        assert "preset='flash'" in capsys.readouterr().err
+    assert main([*REF, "--inject", "melted@2", "--run-dir", str(tmp_path / "b")]) == 2
     assert "fault='melted'" in capsys.readouterr().err
-    assert main(["lockstep", "--device", "tpu", "--run-dir", str(tmp_path / "c")]) == 2
+    assert main([*REF, "--device", "tpu", "--run-dir", str(tmp_path / "c")]) == 2
     assert "device='tpu'" in capsys.readouterr().err
 
 

@@ -4,6 +4,8 @@ with every GEMM on torch (FP32 accumulation).  A clean run has no false alarm; i
 detected at the dispatch they break and localized to the stage they corrupt."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -125,17 +127,26 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_cli_golden_real(tmp_path, capsys):
+    """The real golden is the CLI's default: records on, a run directory resumes, --no-records opts out."""
     from twin.cli import main
 
-    assert main(["lockstep", "--golden", "real", "--steps", "6", "--run-dir", str(tmp_path / "a")]) == 0
+    assert main(["lockstep", "--steps", "6", "--run-dir", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out.replace("\n", " ")
-    assert "PASS: 6 dispatches" in out and "re-syncs:" in out
+    assert "PASS: 6 dispatches" in out and "re-syncs:" in out and "records/" in out
     assert (tmp_path / "a" / "summary.md").exists() and (tmp_path / "a" / "report.jsonl").exists()
-    rc = main(["lockstep", "--golden", "real", "--steps", "8", "--run-dir", str(tmp_path / "b"), "--inject", "kv_row@5:3"])
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["config"]["golden"] == "real"
+    assert (tmp_path / "a" / "records" / "manifest.jsonl").read_text().count("\n") == 6
+    rc = main(["lockstep", "--steps", "8", "--run-dir", str(tmp_path / "b"), "--inject", "kv_row@5:3"])
     out = capsys.readouterr().out.replace("\n", " ")
     assert rc == 1 and "dispatch 5" in out and "layer 3" in out and "stage kv" in out
-    # the real path starts fresh: an existing run directory is refused unless --fresh
-    assert main(["lockstep", "--golden", "real", "--steps", "2", "--run-dir", str(tmp_path / "a")]) == 2
-    assert "run-dir=" in capsys.readouterr().err
-    assert main(["lockstep", "--golden", "real", "--inject", "melt@1", "--run-dir", str(tmp_path / "c")]) == 2
+    # the same directory again resumes: 6 done, 2 more
+    assert main(["lockstep", "--steps", "8", "--run-dir", str(tmp_path / "a")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "6 dispatches already checked" in out and "PASS: 8 dispatches" in out
+    # without records a run directory cannot resume
+    assert main(["lockstep", "--steps", "2", "--no-records", "--run-dir", str(tmp_path / "c")]) == 0
+    assert not (tmp_path / "c" / "records").exists() and "records/" not in capsys.readouterr().out
+    assert main(["lockstep", "--steps", "3", "--no-records", "--run-dir", str(tmp_path / "c")]) == 2
+    assert "run_dir=" in capsys.readouterr().err
+    assert main(["lockstep", "--inject", "melt@1", "--run-dir", str(tmp_path / "d")]) == 2
     assert "kind='melt'" in capsys.readouterr().err

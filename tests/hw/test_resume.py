@@ -41,8 +41,8 @@ def test_crash_between_record_and_report_line_resumes_identically(reference, tmp
 
 
 def test_sigkilled_cli_run_resumes_identically(reference, tmp_path):
-    cmd = [sys.executable, "-m", "twin.cli", "lockstep", "--preset", "tiny", "--device", "cpu", "--steps", str(N),
-           "--run-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "twin.cli", "lockstep", "--golden", "reference", "--preset", "tiny", "--device", "cpu",
+           "--steps", str(N), "--run-dir", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     report = tmp_path / "report.jsonl"

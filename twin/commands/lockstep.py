@@ -3,8 +3,10 @@
 Every dispatch (packed prefill, K=0 decode, fused K=7 verify+redraft, drafter seeding) runs on the
 device backend, then on the golden re-synced from the device's decisions; outputs, routing and
 touched pools are compared under the tolerance policy and the first divergence is localized to
-(dispatch, layer, stage).  Records, report.jsonl and summary.{md,html} go to --run-dir; running
-again on the same directory resumes where a killed run stopped.
+(dispatch, layer, stage).  The golden is golden's real compositions (`hw.real`, default) or the
+compact reference step (`--golden reference`, `hw.model`).  Records, report.jsonl and
+summary.{md,html} go to --run-dir; running again on the same directory resumes where a killed run
+stopped.
 """
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
     p.add_argument("--seed", type=int, default=0, help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
-    p.add_argument("--golden", default="reference", choices=("reference", "real"),
-                   help="reference: hw.model's compact reference step (default; records, resume, replay); "
-                        "real: golden.compose/golden.dspark through twin.abi.lowering (hw.real; no records)")
+    p.add_argument("--golden", default="real", choices=("real", "reference"),
+                   help="real: golden.compose/golden.dspark through twin.abi.lowering (hw.real, default); "
+                        "reference: hw.model's compact reference step")
 
 
 def run(args) -> int:
@@ -34,6 +36,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from hw.report import ReportWriter
     from hw.runs import build_run, parse_fault
     from hw.threads import limit_cpu_threads
     from hw.tolerance import Policy
@@ -47,18 +50,21 @@ def run(args) -> int:
         shutil.rmtree(run_dir)
     resumed = (run_dir / "report.jsonl").exists()
     policy = Policy.from_json(args.policy) if args.policy else None
-    if getattr(args, "golden", "reference") == "real":
+    if args.golden == "real":
+        import json
+
         from hw.real.lockstep import build_real, parse_real_fault
 
-        if resumed:
-            from twin.abi.errors import AbiError
-            raise AbiError("run-dir", str(run_dir), "a new directory or --fresh (the real-golden path does not resume)",
-                           where="lockstep --golden real")
         fault = parse_real_fault(args.inject) if args.inject else None
-        # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions)
+        # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions);
+        # a resumed run keeps the token budget it started with
+        max_new = min(400, max(8, args.steps))
+        recorded = run_dir / "records" / "config.json"
+        if resumed and recorded.exists():
+            max_new = json.loads(recorded.read_text()).get("max_new", max_new)
         lr = build_real(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
-                        policy=policy, run_dir=run_dir, max_new=min(400, max(8, args.steps)))
-        done = 0
+                        policy=policy, run_dir=run_dir, max_new=max_new, record=not args.no_records)
+        done = len(ReportWriter(run_dir).entries())
     else:
         fault = parse_fault(args.inject) if args.inject else None
         lr = build_run(run_dir, preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
@@ -86,6 +92,5 @@ def run(args) -> int:
         con.print(f"injected: {fault.fired}")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
-    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl"
-              + (", records/)" if getattr(args, "golden", "reference") != "real" else ")"))
+    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl" + (")" if args.no_records else ", records/)"))
     return 0 if s["verdict"] == "PASS" else 1
