@@ -1,28 +1,83 @@
 """Device-side faults for the real-golden lockstep, each with the site it must be localized to.
 
-    weight   layer L's o_proj output scales (wo_b_scale) doubled during dispatch AT (an exponent bit flip
+Only the device side is broken; the golden runs the staged dispatch.  L is a layer index
+(0..num_hidden_layers-1); kinds marked "(any L)" ignore it.
+
+Weight and store faults (fire at dispatch AT exactly; nothing happens if AT cannot host them):
+    weight   layer L's o_proj output scales (wo_b_scale) doubled during AT (an exponent bit flip
              in HBM)                                                   -> (L, "attn_out")
     route    layer L's router weights (gate_w) perturbed during AT    -> (L, "moe_indices"/"moe_weights")
     kv_row   after AT, one mapped kv_cache row of layer L is off by 0.5 (a bad store)  -> (L, "kv")
     stray    after AT, a kv_cache row of layer L that AT does not map is overwritten (a wild write)
                                                                       -> (L, "kv"), unmapped rows modified
-    token    after AT, the first sampled token is replaced (a bad sampler)            -> ("head", "sample")
+    token    after AT, the first sampled token is replaced (a bad sampler; any L)  -> ("head", "sample")
 
-L is the index of a layer (0..num_hidden_layers-1).  A fault fires once, at dispatch AT.
+Kernel and lowering faults (issue 8; each fires once, at the first dispatch >= AT that can host it,
+inside the device's own computation, so everything the device reads afterwards in that dispatch
+reads the fault, as on a device):
+    bitflip              one bit (the exponent MSB) of one positive logits element flips in the
+                         target forward's output; the device samples from it (any L) -> ("head", "logits")
+    wrong_slot           layer L's raw-KV store puts one token's row one slot past its mapping; the
+                         mapped slot keeps its old row, which that dispatch's attention then reads
+                                                                      -> (L, "kv")
+    dropped_boundary     at a ratio-4 (CSA) or ratio-128 (HCA) boundary of layer L the compressed row
+                         is not written; attention reads the old row  -> (L, "cmp_kv")
+    off_by_one_position  the device runs a target dispatch with every position one higher (the anchor
+                         it derives positions from is off by one): RoPE, compressor boundaries, slots
+                         and windows all follow (any L)               -> (0, "q"/"kv")
+    flipped_route        one token's last expert in layer L is replaced by the expert its router
+                         scores least (never a near-tie the golden could adopt) -> (L, "moe_indices")
+    ring_alias           one request's ring page maps to the physical page of another request of the
+                         same cache partition: layer L's kind names the ring (SWA: ori, CSA: csa_state,
+                         HCA: hca_state); block tables are shared by all layers, so it shows at the first
+                         layer of that kind                           -> (first, "kv") or (first, "cmp_kv")
+    stale_draft_kv       in a fused K=7 dispatch, the drafter does not rewrite one committed context
+                         row of one request (all draft layers): it keeps the query-block KV the previous
+                         drafter call wrote there before the verify rejected it, and the drafter's
+                         attention reads that stale row (any L)       -> ("drafter", "ctx_kv")
+    uncommitted_publish  in a fused K=7 dispatch, one request publishes the verify row just past its
+                         accepted length into the drafter's committed context (its count is one too
+                         high: the rejected row's hidden at its position, the drafter anchor one later;
+                         any L)                                       -> ("drafter", "ctx_kv")
+
+The drafter is a fused dispatch's last stage and reads only the pools the dispatch started with,
+the dispatch's target hidden and its acceptance, so the two drafter faults re-run that stage for the
+affected group from exactly those inputs with the faulty rows (golden's own `_draft`); the target
+faults hook the device's forward (`TapPar.fault`) and its stores (`TorchNumerics.on_write`).
+
+A fault that fired holds `fired` (what it did), `fired_at` (the dispatch) and `expected`
+((layer, stages) a correct localization names).  Note what is NOT a fault on this path: the
+eager publication of every verify row into the target pools (serving-contract.md 7.5), and an
+uncommitted row written into the drafter ring at its own position, which the same drafter call's
+query block overwrites before any read (the publication above moves the anchor, as a wrong count
+does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from golden.compose import target_hidden
+from golden.dspark import step as S
+from golden.dspark.drafter import DraftRow
+from golden.dspark.state import commit_drafts
+from golden.paged import Span, families, lower
 from twin.abi.errors import AbiError
 
 from .stream import mapped_rows
 
-REAL_KINDS = ("weight", "route", "kv_row", "stray", "token")
+ISSUE8_KINDS = ("bitflip", "stale_draft_kv", "wrong_slot", "dropped_boundary", "off_by_one_position",
+                "flipped_route", "uncommitted_publish", "ring_alias")
+REAL_KINDS = ("weight", "route", "kv_row", "stray", "token") + ISSUE8_KINDS
 EXPECTED_STAGES = {"weight": ("attn_out",), "route": ("moe_indices", "moe_weights"), "kv_row": ("kv",),
-                   "stray": ("kv",), "token": ("sample",)}
+                   "stray": ("kv",), "token": ("sample",), "bitflip": ("logits",), "stale_draft_kv": ("ctx_kv",),
+                   "wrong_slot": ("kv",), "dropped_boundary": ("cmp_kv",), "off_by_one_position": ("q", "kv"),
+                   "flipped_route": ("moe_indices",), "uncommitted_publish": ("ctx_kv",),
+                   "ring_alias": ("kv", "cmp_kv")}
+LAYERLESS = ("token", "bitflip", "off_by_one_position", "stale_draft_kv", "uncommitted_publish")
+DRAFTER_KINDS = ("stale_draft_kv", "uncommitted_publish")
+RING_OF_KIND = {"swa": ("ori", "kv"), "csa": ("csa_state", "cmp_kv"), "hca": ("hca_state", "cmp_kv")}
 
 
 class _FaultyCheckpoint:
@@ -44,7 +99,7 @@ class _FaultyCheckpoint:
             rng = np.random.default_rng(f.seed)
             g = np.asarray(w["gate_w"], np.float32)
             w["gate_w"] = (g + rng.standard_normal(g.shape).astype(np.float32) * np.abs(g).max()).astype(g.dtype)
-        f.fired = f.fired or f"{f.kind} at dispatch {f.at}, layer {layer}"
+        f._fire(f"{f.kind} at dispatch {f.at}, layer {layer}", str(layer))
         return w
 
 
@@ -56,26 +111,181 @@ class RealFault:
     seed: int = 0
     armed: bool = False
     fired: str | None = None
+    fired_at: int | None = None
+    expected: tuple | None = None      # (layer, stages) of a correct localization, once fired
+    _side: object = field(default=None, repr=False)
+    _index: int = field(default=-1, repr=False)
+    _sites: dict = field(default_factory=dict, repr=False)
+    _pools: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if self.kind not in REAL_KINDS:
             raise AbiError("kind", self.kind, f"one of {REAL_KINDS}", where="hw.real fault")
         if self.at < 0 or self.layer < 0:
             raise AbiError("at/layer", (self.at, self.layer), "non-negative", where="hw.real fault")
+        self.rng = np.random.default_rng(self.seed)
 
+    # ---- wiring ------------------------------------------------------------------------------------
     def attach(self, side) -> None:
-        n = side.g.cfg.num_hidden_layers
+        cfg = side.g.cfg
+        n = cfg.num_hidden_layers
         if self.layer >= n:
             raise AbiError("layer", self.layer, f"0..{n - 1}", where="hw.real fault")
+        if self.kind == "dropped_boundary" and cfg.compress_ratios[self.layer] not in (4, 128):
+            ok = [l for l in range(n) if cfg.compress_ratios[l] in (4, 128)]
+            raise AbiError("layer", self.layer, f"a compressed layer (ratio 4 or 128): one of {ok}",
+                           where="hw.real fault dropped_boundary")
+        if self.kind in ("wrong_slot", "dropped_boundary"):
+            if not hasattr(side.g.nm, "on_write"):
+                raise AbiError("device numerics", type(side.g.nm).__name__,
+                               "hw.real.TorchNumerics (its store hook)", where=f"hw.real fault {self.kind}")
+            side.g.nm.on_write.append(self._on_write)
+        self._side = side
         side.g.ckpt = _FaultyCheckpoint(side.g.ckpt, self)
+        side.par.fault = self
 
     def arm(self, index: int) -> None:
-        self.armed = index == self.at
+        self._index = index
+        if self.kind in ISSUE8_KINDS:
+            self.armed = self.fired is None and index >= self.at
+        else:
+            self.armed = index == self.at
+        if self.armed and self.kind in DRAFTER_KINDS and self._side.run.pools is not None:
+            self._pools = list(self._side.run.pools)     # pools are replaced, never mutated: references suffice
 
+    def _fire(self, what: str, layer: str, stages=None) -> None:
+        if self.fired is None:
+            self.fired, self.fired_at = what, self._index
+            self.expected = (layer, tuple(stages or EXPECTED_STAGES[self.kind]))
+
+    def _live(self, kind) -> bool:
+        return self.armed and self.kind == kind and self.fired is None
+
+    # ---- hooks inside the device's target forward (TapPar.target_forward) -----------------------------
+    def on_forward(self, meta, caches):
+        """The meta the device runs instead of the staged one; remembers which pool is which."""
+        self._sites = {id(arr): (l, name) for l, pools in enumerate(caches) for name, arr in pools.items()}
+        if self._live("off_by_one_position"):
+            cfg = self._side.g.cfg
+            spans = self._spans(meta, shift=1)
+            if max(s.start + s.n for s in spans) <= cfg.max_position_embeddings:
+                self._fire(f"off_by_one_position at dispatch {self._index}: {len(spans)} requests at +1", "0")
+                return lower(cfg, spans, form=meta.form)
+        if self._live("ring_alias"):
+            return self._ring_alias(meta)
+        return meta
+
+    def _spans(self, meta, shift=0, blocks=None):
+        blocks = blocks or self._side.run.blocks
+        _, first = np.unique(meta.req, return_index=True)
+        out = []
+        for b in meta.req[np.sort(first)]:
+            rows = np.flatnonzero(meta.req == b)
+            out.append(Span(int(b), int(meta.first_pos[b]) + shift, tuple(int(t) for t in meta.input_ids[rows]),
+                            blocks[int(b)]))
+        return out
+
+    def _ring_alias(self, meta):
+        side, cfg = self._side, self._side.g.cfg
+        kind = cfg.layer_kind(self.layer)
+        fam, stage = RING_OF_KIND[kind]
+        first = min(l for l in range(cfg.num_hidden_layers) if cfg.layer_kind(l) == kind)
+        seqs = side.run.seqs
+        here = [int(b) for b in np.unique(meta.req)]
+        pairs = [(a, b) for a in here for b in range(len(seqs)) if b != a and seqs[b].group == seqs[a].group]
+        if not pairs:
+            return meta
+        a, b = pairs[int(self.rng.integers(len(pairs)))]
+        page = families(cfg)[fam].page_tokens
+        mine = list(side.run.blocks[a][fam])
+        j = (int(meta.first_pos[a]) // page) % len(mine)
+        other = side.run.blocks[b][fam][j]
+        mine[j] = other
+        blocks = list(side.run.blocks)
+        blocks[a] = {**blocks[a], fam: mine}
+        self._fire(f"ring_alias at dispatch {self._index}: request {a}'s {fam} ring entry {j} -> page {other} "
+                   f"of request {b}", str(first), (stage,))
+        return lower(cfg, self._spans(meta, blocks=blocks), form=meta.form)
+
+    def moe_hook(self, taps, ckpt, *, cfg):
+        if not self._live("flipped_route"):
+            return None
+        from golden.kernels.moe import moe_experts
+
+        def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
+            if taps.layer == self.layer and self.fired is None:
+                idx = self._flip(np.array(idx), taps[(self.layer, "ffn_x_mixed")], ckpt.layer(self.layer), cfg)
+                taps.put(self.layer, "moe_indices", idx)
+            return moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
+        return moe
+
+    def _flip(self, idx, x_mixed, lw, cfg):
+        t = int(self.rng.integers(idx.shape[0]))
+        x = np.asarray(x_mixed, np.float64)[t]
+        inv_rms = 1.0 / np.sqrt(np.mean(x * x) + cfg.rms_norm_eps)
+        logits = inv_rms * ((x * np.asarray(lw["norm_w"], np.float64)) @ np.asarray(lw["gate_w"], np.float64).T)
+        score = np.sqrt(np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits))))
+        if lw.get("gate_bias") is not None:
+            score = score + np.asarray(lw["gate_bias"], np.float64)
+        score[idx[t].astype(np.int64)] = np.inf
+        old, new = int(idx[t, -1]), int(np.argmin(score))
+        idx[t, -1] = new
+        self._fire(f"flipped_route at dispatch {self._index}: layer {self.layer} token row {t} expert {old} -> {new}",
+                   str(self.layer))
+        return idx
+
+    def on_output(self, out, taps):
+        if not self._live("bitflip"):
+            return out
+        logits = np.array(out.logits)
+        v32 = logits.astype(np.float32)
+        ok = (v32 > 0) & (v32 < 2) & (np.arange(v32.shape[1])[None, :] != v32.argmax(-1)[:, None])
+        rows = np.flatnonzero(ok.any(-1))
+        if not rows.size:
+            return out
+        r = int(rows[self.rng.integers(rows.size)])
+        c = int(np.flatnonzero(ok[r])[np.argmin(v32[r][ok[r]])])     # the smallest: far below the row's best
+        bits = v32[r:r + 1, c:c + 1].copy().view(np.uint32)
+        bits ^= np.uint32(1 << 30)
+        logits[r, c] = bits.view(np.float32)[0, 0]
+        out.logits = logits
+        out.sampled = logits.argmax(-1).astype(np.asarray(out.sampled).dtype)
+        taps.put("head", "logits", logits)
+        self._fire(f"bitflip at dispatch {self._index}: logits[{r}, {c}] {float(v32[r, c]):.4g} -> "
+                   f"{float(logits[r, c]):.4g}", "head")
+        return out
+
+    def _on_write(self, pool, slots):
+        """TorchNumerics.on_write: the device's stores of layer L's raw KV or compressed rows."""
+        if not self.armed or self.fired is not None or self.kind not in ("wrong_slot", "dropped_boundary"):
+            return slots
+        site = self._sites.get(id(pool))
+        want = ("kv_cache",) if self.kind == "wrong_slot" else ("csa_cmp_kv", "hca_cmp_kv")
+        if site is None or site[0] != self.layer or site[1] not in want:
+            return slots
+        slots = np.array(slots, np.int64)
+        live = np.flatnonzero(slots >= 0)
+        if self.kind == "wrong_slot":
+            nrows = pool.shape[0] * pool.shape[1]
+            taken = set(slots[live].tolist())
+            live = np.array([t for t in live if slots[t] + 1 < nrows and slots[t] + 1 not in taken], np.int64)
+        if not live.size:
+            return slots
+        t = int(live[self.rng.integers(live.size)])
+        s = int(slots[t])
+        slots[t] = s + 1 if self.kind == "wrong_slot" else -1
+        what = f"row -> slot {s + 1}" if self.kind == "wrong_slot" else "not written"
+        self._fire(f"{self.kind} at dispatch {self._index}: layer {self.layer} {site[1]} slot {s} {what}",
+                   str(self.layer))
+        return slots
+
+    # ---- after the device's dispatch ------------------------------------------------------------------
     def after(self, side, rd, out: dict) -> dict:
         if not self.armed:
             return out
         self.armed = False
+        if self.kind in DRAFTER_KINDS:
+            return self._redraft(side, rd, out) if self.fired is None else out
         if self.kind == "token":
             name = next(k for k in ("sampled_ids", "accepted_ids") if k in out) if rd.kind != "seed" else None
             if name is None:
@@ -84,7 +294,7 @@ class RealFault:
             v = np.array(out[name])
             v.reshape(-1)[0] = (v.reshape(-1)[0] + 1) % side.g.cfg.vocab_size
             out[name] = v
-            self.fired = f"token at dispatch {self.at}: {name}[0]"
+            self._fire(f"token at dispatch {self.at}: {name}[0]", "head")
         elif self.kind in ("kv_row", "stray"):
             pools = dict(side.run.caches[self.layer])
             kv = np.array(pools["kv_cache"])
@@ -100,5 +310,54 @@ class RealFault:
                 flat[row] = np.asarray(np.full(flat.shape[1], 3.0, np.float32)).astype(flat.dtype)
             pools["kv_cache"] = kv
             side.run.caches[self.layer] = pools
-            self.fired = f"{self.kind} at dispatch {self.at}: layer {self.layer} kv_cache row {row}"
+            self._fire(f"{self.kind} at dispatch {self.at}: layer {self.layer} kv_cache row {row}", str(self.layer))
+        return out
+
+    def _redraft(self, side, rd, out: dict) -> dict:
+        """Re-run one group's drafter stage of fused dispatch `rd` from the pools it started with, one
+        request's drafter row faulty (see the module docstring)."""
+        if rd.kind != "decode" or "accepted_counts" not in out or not self._pools:
+            return out
+        g, run = side.g, side.run
+        meta, taps, sampled = side.par.calls[-1]
+        seqs = [run.seqs[i] for i in rd.rows]
+        groups: dict[int, list] = {}
+        for s, c in zip(seqs, np.asarray(out["accepted_counts"]).tolist()):
+            if s.draft_anchor == s.anchor - 1:          # it redrafted this step
+                groups.setdefault(s.group, []).append((s, int(c), s.anchor - int(c), np.flatnonzero(meta.req == s.index)))
+        stale = self.kind == "stale_draft_kv"
+        cands = [(grp, k) for grp, items in sorted(groups.items()) for k, (s, c, old, rows) in enumerate(items)
+                 if stale or (c < rows.size and old + c + S.QW < g.max_model_len)]
+        if not cands:
+            return out
+        grp, pick = cands[int(self.rng.integers(len(cands)))]
+        mh = np.asarray(target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.tap))
+        rows_, hidden = [], []
+        for k, (s, c, old, rows) in enumerate(groups[grp]):
+            keep, anchor, tau = list(range(c)), old + c - 1, s.current
+            if k == pick and stale:
+                drop = int(self.rng.integers(c))
+                keep.pop(drop)
+                what = f"request {s.req.request_id} context row at position {old + drop} not rewritten (stale)"
+            elif k == pick:
+                keep, anchor, tau = list(range(c + 1)), old + c, int(np.asarray(sampled)[rows[c]])
+                what = f"request {s.req.request_id} verify row at position {old + c} (beyond {c} accepted) published"
+            rows_.append(DraftRow(s.lease, anchor, tau, tuple(old + i for i in keep), owner_rank=S.owner_rank(s, g.tp)))
+            hidden.append(mh[rows[keep]] if keep else mh[:0])
+        dr = side.par.draft_routes
+        n0, at = len(dr), sorted(groups).index(grp) * g.cfg.dspark_num_layers
+        run.pools[grp] = self._pools[grp]
+        drafts, conf = S._draft(g, run, grp, rows_, np.concatenate(hidden), num_sampled=1)
+        # the re-run's drafter routes replace the first run's (the golden adopts drafter ties call by call)
+        new = dr[n0:]
+        del dr[n0:]
+        dr[at:at + len(new)] = new
+        items = groups[grp]
+        run.state = commit_drafts(run.state, [s.ref for s, *_ in items], drafts)
+        for (s, *_), cf in zip(items, conf):
+            s.confidence = cf
+        out = dict(out)
+        out["drafts"] = np.stack([run.state.tokens[s.group, s.lease] for s in seqs])
+        out["state_meta"] = np.stack([run.state.meta[s.group, s.lease] for s in seqs])
+        self._fire(f"{self.kind} at dispatch {self._index}: group {grp} {what}", "drafter")
         return out

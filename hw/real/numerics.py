@@ -7,10 +7,14 @@ torch FP32 matmuls on the chosen device, so the lockstep sees real accumulation-
 amplified through quantization, routing and sampling, exactly what its tolerances must absorb.
 Integer GEMMs (W8A8) are exact integer sums on a device (int32 accumulator), so they run as exact
 float64 torch matmuls.  In exact mode both stay float64.
+
+`on_write` lets a device fault (hw.real.faults) change where a paged store lands: every pool write
+of the compositions goes through `set_rows`, so a hook sees (pool, slots) and returns the slots
+the faulty device uses (one row one slot off, a compressed row never written).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +27,7 @@ from ..backend import check_device
 @dataclass(frozen=True)
 class TorchNumerics(Numerics):
     device: str = "cpu"
+    on_write: list = field(default_factory=list, compare=False, hash=False, repr=False)   # hook(pool, slots) -> slots
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,3 +53,8 @@ class TorchNumerics(Numerics):
         # integer-valued operands: a float64 product of int8 values is the exact int32 sum
         t = self._torch
         return (self._t(a, t.float64) @ self._t(b, t.float64)).cpu().numpy()
+
+    def set_rows(self, pool, slots, rows):
+        for hook in self.on_write:
+            slots = hook(pool, slots)
+        return super().set_rows(pool, slots, rows)

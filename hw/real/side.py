@@ -44,7 +44,7 @@ class TapPar:
         self.base = base
         self.calls: list = []          # (StepMeta, Taps, sampled) per target forward since the last clear
         self.route_from: dict | None = None
-        self.tie_tol = 0.0
+        self.tie_tol = 0.0             # a float, or layer -> float (the policy's depth-scaled margin)
         self.resyncs: list = []
         self.draft_routes: list = []   # expert indices of each drafter MoE call, in call order
         self.draft_from: list | None = None
@@ -52,6 +52,8 @@ class TapPar:
         self.tie_samples = 0.0
         self.index_tie_tol = 0.0
         self.index_gaps: list = []     # measured: golden-score gap of each top-k row the device chose differently
+        self.route_gaps: list = []     # measured: (layer, relative gap) of each routed row the device chose differently
+        self.fault = None              # device side only: a hw.real.faults.RealFault that hooks the forward
 
     def reset(self) -> None:
         self.calls.clear()
@@ -64,7 +66,8 @@ class TapPar:
                                        input_ids, layer=layer, cfg=cfg, nm=nm)
         n = len(self.draft_routes)
         if self.draft_from is not None and n < len(self.draft_from) and layer >= cfg.num_hash_layers:
-            idx, wts = self._tie_adopt(x_mixed, lw, idx, wts, self.draft_from[n], ("drafter", f"moe{n}"), cfg=cfg, nm=nm)
+            idx, wts = self._tie_adopt(x_mixed, lw, idx, wts, self.draft_from[n], ("drafter", f"moe{n}", layer),
+                                       cfg=cfg, nm=nm)
         self.draft_routes.append(np.asarray(idx))
         return moe_experts(x_i8, x_scale, idx, wts, expert, lw, cfg=cfg, nm=nm)
 
@@ -73,7 +76,14 @@ class TapPar:
 
     def target_forward(self, ckpt, meta, caches, owners, *, cfg, nm, taps=None):
         full = LayerTaps()
-        if self.route_from is None:
+        staged, f = meta, self.fault
+        if f is not None and f.armed:
+            # a device fault: the forward runs what the fault makes of the staged dispatch (positions,
+            # tables), with its route and output hooks; the calls keep the staged meta
+            meta = f.on_forward(meta, caches)
+            out = forward(ckpt, meta, caches, cfg=cfg, nm=nm, taps=full, moe=f.moe_hook(full, ckpt, cfg=cfg))
+            out = f.on_output(out, full)
+        elif self.route_from is None:
             out = self.base.target_forward(ckpt, meta, caches, owners, cfg=cfg, nm=nm, taps=full)
         else:
             def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
@@ -88,7 +98,7 @@ class TapPar:
         if taps is not None:
             for (layer, stage), v in full.items():
                 taps.put(layer, stage, v)
-        self.calls.append((meta, full, np.asarray(out.sampled)))
+        self.calls.append((staged, full, np.asarray(out.sampled)))
         return out
 
     def _adopt_topk(self, layer, score, topk):
@@ -159,7 +169,11 @@ class TapPar:
         biased = score + np.asarray(lw["gate_bias"], np.float64)
         kth = np.sort(biased, -1)[:, -cfg.num_experts_per_tok]
         chosen = np.take_along_axis(biased, dev[rows].astype(np.int64), -1).min(-1)
-        tie = chosen >= kth - self.tie_tol * np.maximum(1.0, np.abs(biased).max(-1))
+        scale = np.maximum(1.0, np.abs(biased).max(-1))
+        layer = site[0] if isinstance(site[0], int) else layer_of_draft(site, cfg)
+        self.route_gaps += [(layer, float(g)) for g in (kth - chosen) / scale]
+        tol = self.tie_tol(layer) if callable(self.tie_tol) else self.tie_tol
+        tie = chosen >= kth - tol * scale
         if not tie.any():
             return idx, wts
         idx, wts = np.array(idx), np.array(wts)
@@ -167,9 +181,14 @@ class TapPar:
             sel = s_row[d_row.astype(np.int64)]
             idx[r] = d_row
             wts[r] = nm.r32(sel / sel.sum() * cfg.routed_scaling_factor)
-        self.resyncs.append({"kind": "route", "site": list(site), "row": int(rows[tie][0]),
+        self.resyncs.append({"kind": "route", "site": list(site[:2]), "row": int(rows[tie][0]),
                              "golden": f"{int(tie.sum())} near-tie rows", "device": rows[tie][:8].tolist()})
         return idx, wts
+
+
+def layer_of_draft(site, cfg) -> int:
+    """A drafter MoE call's depth: the target layer id its routing carries (sites ("drafter", "moeN", id))."""
+    return int(site[2]) if len(site) > 2 else cfg.num_hidden_layers
 
 
 class Side:
