@@ -6,7 +6,8 @@ stream, and golden's own slot mappings are checked against the dispatch's staged
 partition-local to golden page shift), so a run cannot pass while the dispatch is wrong.
 
 Pages: the scheduler's ids are partition-local; golden keeps one pool per family holding every
-partition, page `p * num_blocks + id` (twin.functional.pages does the same; shared glue to dedupe).
+partition, page `p * num_blocks + id` (`golden.staging.PageMap`, which the functional twin uses
+too, as it does `golden.staging`'s dispatch/golden cross-checks).
 """
 from __future__ import annotations
 
@@ -17,15 +18,13 @@ import numpy as np
 from golden.dspark import step as S
 from golden.dspark.state import release
 from golden.paged import PREFILL
+from golden.staging import PageMap, check_decode, check_prefill, prefill_stream
 from twin.abi import constants as C
 from twin.abi.batches import DecodeBatch, DecodeItem, Dispatch, DrafterBatch, DrafterItem, PrefillBatch, PrefillItem
 from twin.abi.errors import AbiError
 from twin.abi.lowering import LoweringContext, lower, seeding_waves, validate
 
-# golden slot key -> (cache family, slot unit), and the pools each key writes
-SLOTS = {"ori": ("ori", "page"), "hca_state": ("hca_state", "page"), "csa_state": ("csa_state", "page"),
-         "csa_inner_state": ("csa_inner_state", "page"), "hca_cmp": ("cmp_c128", "rows"),
-         "csa_cmp": ("cmp_c4", "rows"), "csa_idx": ("idx", "rows")}
+# the golden slot key (golden.staging.SLOTS) that writes each pool
 POOL_SLOTS = {"kv_cache": "ori", "hca_compress_state": "hca_state", "csa_compress_state": "csa_state",
               "csa_inner_compress_state": "csa_inner_state", "hca_cmp_kv": "hca_cmp", "csa_cmp_kv": "csa_cmp",
               "idx_kv_cache": "csa_idx", "idx_kv_scale": "csa_idx"}
@@ -49,9 +48,9 @@ class Stream:
             raise AbiError("prompts", len(prompts), f"at most partitions x slots = {G * slots}", where="hw.real stream")
         if chunk < 1:
             raise AbiError("chunk", chunk, ">= 1", where="hw.real stream")
-        self.nb = dict(self.ctx.num_blocks)
-        self.per = {f: n // slots for f, n in self.nb.items()}
-        self.pool_pages = {f: G * n for f, n in self.nb.items()}
+        self.pages = PageMap(self.ctx)
+        self.per = {f: n // slots for f, n in self.pages.num_blocks.items()}
+        self.pool_pages = self.pages.pool_pages
         self.prompts = [tuple(int(t) for t in p) for p in prompts]
         self.max_new, self.chunk = max_new, chunk
         self.place = [(i % G, i // G) for i in range(len(prompts))]       # (partition, slot)
@@ -65,8 +64,7 @@ class Stream:
         return {f: tuple(range(slot * n, (slot + 1) * n)) for f, n in self.per.items()}
 
     def golden_blocks(self, i: int) -> dict:
-        p, _ = self.place[i]
-        return {f: [p * self.nb[f] + b for b in ids] for f, ids in self.local_blocks(i).items()}
+        return self.pages.to_golden(self.place[i][0], self.local_blocks(i))
 
     def setup(self, side) -> None:
         """The requests' bookkeeping on one side: block-table rows, drafter slots (lease = slot)."""
@@ -136,7 +134,7 @@ class Stream:
         if rd.kind == "prefill":
             spans = self._spans_from_dispatch(rd, run)
             sampled, mh = S._forward(g, run, spans, PREFILL)
-            self._check_slots(rd, side.par.calls[-1][0], spans)
+            check_prefill(rd.dispatch, side.par.calls[-1][0], rd.items, self.pages)
             row = 0
             for i, (s, it) in enumerate(zip(seqs, rd.items)):
                 a, b = it.num_computed, it.end
@@ -152,7 +150,7 @@ class Stream:
             S.seed_wave(g, run, seqs)
             return {"drafts": np.stack([run.state.tokens[s.group, s.lease] for s in seqs]),
                     "state_meta": np.stack([run.state.meta[s.group, s.lease] for s in seqs])}
-        self._check_decode(rd, seqs)
+        check_decode(rd.dispatch, rd.items, seqs, self.k)
         if not self.k:
             S.plain_step(g, run, seqs)
             return {"sampled_ids": np.array([s.current for s in seqs], np.int64)}
@@ -168,44 +166,12 @@ class Stream:
     def _spans_from_dispatch(self, rd, run) -> list:
         """Golden's spans from the staged dispatch: each request's tokens and first position read
         from its placement in the packed stream."""
-        d = rd.dispatch
         spans = []
         for it in rd.items:
-            pl = d.meta["placement"][it.request_id]
-            r0, o, n = C.TP_SIZE * pl["group"], pl["offset"], pl["len"]
-            toks = np.asarray(d.args["input_ids"][r0:r0 + C.TP_SIZE]).reshape(-1)[o:o + n]
-            start = int(d.args["position_ids_full"][r0, o])
+            toks, pos, _, _ = prefill_stream(rd.dispatch, it.request_id)
             i = int(it.request_id[1:])
-            spans.append(S.Span(i, start, tuple(int(t) for t in toks), run.blocks[i]))
+            spans.append(S.Span(i, int(pos[0]), tuple(int(t) for t in toks), run.blocks[i]))
         return spans
-
-    def _check_slots(self, rd, meta, spans) -> None:
-        d, fams, base = rd.dispatch, self.ctx.families, 0
-        for span, it in zip(spans, rd.items):
-            pl = d.meta["placement"][it.request_id]
-            r0, o, n = C.TP_SIZE * pl["group"], pl["offset"], pl["len"]
-            for key, (fam, unit) in SLOTS.items():
-                u = fams[fam].page_tokens if unit == "page" else fams[fam].rows_per_page
-                staged = np.asarray(d.args[f"{key}_slot_mapping_full"][r0, o:o + n], np.int64)
-                got = np.where(staged >= 0, staged + it.partition * self.nb[fam] * u, -1)
-                want = meta.slots[key][base:base + n]
-                if not np.array_equal(got, want):
-                    raise AbiError(f"{key}_slot_mapping_full", got[:8].tolist(),
-                                   f"golden's slots {want[:8].tolist()}", where=f"{d.program} {it.request_id}")
-            base += n
-
-    def _check_decode(self, rd, seqs) -> None:
-        if not self.k:
-            return
-        d = rd.dispatch
-        for it, s in zip(rd.items, seqs):
-            pl = d.meta["placement"][it.request_id]
-            r0 = C.TP_SIZE * pl["group"]
-            got = (int(d.args["group_state_slot_ids"][r0, pl["stream_slot"]]),
-                   int(d.args["group_state_generations"][r0, pl["stream_slot"]]))
-            if got != (s.lease, s.generation):
-                raise AbiError("group_state_slot_ids", got, f"drafter slot {(s.lease, s.generation)}",
-                               where=f"{d.program} {it.request_id}")
 
 
 def mapped_rows(calls) -> dict:

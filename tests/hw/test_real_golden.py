@@ -150,3 +150,21 @@ def test_cli_golden_real(tmp_path, capsys):
     assert "run_dir=" in capsys.readouterr().err
     assert main(["lockstep", "--inject", "melt@1", "--run-dir", str(tmp_path / "d")]) == 2
     assert "kind='melt'" in capsys.readouterr().err
+
+
+def test_golden_checks_every_staged_position():
+    """The shared cross-check (golden.staging) also holds the dispatch's positions to golden's: a
+    position staged out of order inside a chunk is refused, naming position_ids_full."""
+    lr = build_real(k=7, max_new=4)
+    nxt = lr.stream.next
+
+    def bad_next(dev):
+        rd = nxt(dev)
+        pos = np.array(rd.dispatch.args["position_ids_full"])
+        pos[0, 5] += 1
+        rd.dispatch.args["position_ids_full"] = pos
+        return rd
+
+    lr.stream.next = bad_next
+    with pytest.raises(AbiError, match="position_ids_full"):
+        lr.run(1)
