@@ -154,6 +154,7 @@ class CostModel:
         # the preset derives layer lists on every access; attention asks per dispatch
         self._layer_counts = (m.num_hidden_layers, len(m.csa_layers), len(m.hca_layers))
         self._moe_cache: dict[tuple, float] = {}
+        self._decode_static: dict[tuple, dict] = {}     # decode_arrays: the parts set by the batch shape
         d = self.device
         self.bw = d.hbm_bw * d.hbm_efficiency
         self.f16 = d.bf16_flops * d.compute_efficiency
@@ -301,6 +302,55 @@ class CostModel:
             parts["drafter_moe"] = self.moe_time(self.R * qrows, "draft")
             parts["drafter_comm"] = self._comm(qrows, self.m.dspark_num_layers)
         return self.cal.decode * sum(parts.values()), parts
+
+    # ---- struct-of-arrays forms (the fleet fidelity): the same math over request arrays -------
+    def decode_arrays(self, ctx: np.ndarray, group: np.ndarray, owner: np.ndarray) -> tuple[float, dict]:
+        """`decode` for requests given as arrays (context, TP group, owner rank): one bincount
+        over (group, owner) instead of a Python list per group."""
+        q = 1 + self.dep.k
+        active = len(ctx)
+        cell = group * self.tp + owner
+        if self.fixed_tile:
+            rows_rank = C.LOCAL_ROWS
+        else:
+            rows_rank = int(np.bincount(cell, minlength=self.G * self.tp).max()) * q if active else 0
+        w = self.w[self.decode_program]
+        parts = self._decode_static.get((active, rows_rank))
+        if parts is None:
+            tile = self.R * C.LOCAL_ROWS if self.fixed_tile else active * q
+            parts = {"dense": self._dense(w, rows_rank, active * q // max(1, self.R)), "attention": 0.0,
+                     "moe": self.moe_time(tile, "target"), "comm": self._comm(rows_rank, self.m.num_hidden_layers),
+                     "overhead": self.device.dispatch_overhead}
+            if self.dep.k:
+                qrows = C.LOCAL_REQUESTS * self.dep.k if self.fixed_tile else rows_rank
+                parts["drafter_moe"] = self.moe_time(self.R * qrows, "draft")
+                parts["drafter_comm"] = self._comm(qrows, self.m.dspark_num_layers)
+            self._decode_static[(active, rows_rank)] = parts
+        parts = dict(parts)
+        if active:
+            kb, fl = self._attn(q, ctx.astype(float))
+            wrow = q * sum(self.tok_bytes.values())
+            parts["attention"] = float(np.bincount(cell, weights=(kb + wrow) / self.bw + fl / self.f16).max())
+        return self.cal.decode * sum(parts.values()), parts
+
+    def prefill_arrays(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
+        """`prefill` for one packed dispatch given as arrays (chunk tokens, start, TP group)."""
+        w = self.w["l3_prefill_fwd"]
+        per_group = np.bincount(group, weights=tokens, minlength=self.G)
+        P = int(per_group.max()) if len(tokens) else 0
+        P = -(-P // self.tp) * self.tp
+        L = P // self.tp
+        dense = self._dense(w, L, len(tokens))
+        attn = 0.0
+        if len(tokens):
+            n = tokens.astype(float)
+            kb, fl = self._attn(n, start + n / 2)
+            b = np.bincount(group, weights=kb + n * sum(self.tok_bytes.values()), minlength=self.G)
+            f = np.bincount(group, weights=fl, minlength=self.G)
+            attn = float(np.maximum(b / self.bw, f / self.tp / self.f16).max())
+        parts = {"dense": dense, "attention": attn, "moe": self.moe_time(self.R * L, "target", "l3_prefill_fwd"),
+                 "comm": self._comm(L, self.m.num_hidden_layers), "overhead": self.device.dispatch_overhead}
+        return self.cal.prefill * sum(parts.values()), parts
 
     def seed(self, rows: int) -> tuple[float, dict]:
         """One bootstrap drafter wave (a seed row per group, its tail context of `rows` rows)."""

@@ -32,6 +32,9 @@ from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
 
 
+FIDELITIES = ("exact", "fleet")
+
+
 @dataclass
 class SimConfig:
     dep: object                                   # twin.abi.Deployment
@@ -56,8 +59,16 @@ class SimConfig:
     # variants: executor(cost_model, slots) -> Executor; scheduler: a Scheduler subclass
     executor: Callable | None = None
     scheduler: type = Scheduler
+    # "exact": page identities, every request an object (the default, pinned by fingerprints);
+    # "fleet": struct-of-arrays requests and page counts, for sweeps (docs/simulation.md, "Fidelity")
+    fidelity: str = "exact"
 
     def __post_init__(self):
+        if self.fidelity not in FIDELITIES:
+            raise ConfigError("fidelity", self.fidelity, f"one of {FIDELITIES}")
+        if self.fidelity == "fleet" and (self.executor is not None or self.scheduler is not Scheduler):
+            raise ConfigError("fidelity", self.fidelity,
+                              "'exact' when an executor or a scheduler subclass is injected (fleet runs its own)")
         if not 0.0 <= self.prefill_hang_probability <= 1.0:
             raise ConfigError("prefill_hang_probability", self.prefill_hang_probability, "in [0, 1]")
         if not self.step_timeout > 0:
@@ -137,6 +148,8 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
 
 def simulate(cfg: SimConfig, progress: Callable[[float, int, int], None] | None = None,
              progress_every: float = 1.0) -> SimResult:
+    if cfg.fidelity == "fleet":
+        return _simulate_fleet(cfg, progress)
     env, eng, sched, rec, slots = build(cfg)
     eng.submit(cfg.requests)
     total = len(cfg.requests)
@@ -166,6 +179,38 @@ def simulate(cfg: SimConfig, progress: Callable[[float, int, int], None] | None 
     summ.update({"slots_per_partition": slots, "simulated_s": env.now, "wall_s": wall,
                  "sim_s_per_wall_s": env.now / wall if wall else None, "steps": len(rec.steps),
                  "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
-                 "kv_stats": dict(sched.kv.stats)})
+                 "kv_stats": dict(sched.kv.stats), "fidelity": cfg.fidelity})
     return SimResult(cfg, slots, sched, rec, wall, env.now, req_df, steps, metrics.dispatches_frame(rec),
+                     metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ)
+
+
+def _simulate_fleet(cfg: SimConfig, progress=None) -> SimResult:
+    """The fleet fidelity (twin/sim/fleet.py): same inputs, same result frames and summary."""
+    from .fleet import FleetSim
+    from .fleet_record import FleetRecorder
+
+    dep = cfg.dep
+    device = cfg.device or DeviceLimits.load()
+    slots = startup_slots(cfg, device)
+    cost = CostModel(dep, slots, device, cfg.routing, cfg.calibration, seed=cfg.seed, fixed_tile=cfg.fixed_tile)
+    rec = FleetRecorder(partitions=dep.partitions, k=dep.k,
+                        families=tuple(f.name for f in KvCacheManager.from_deployment(dep, 1).families))
+    sim = FleetSim(cfg, slots, cost, device, rec)
+    rec.sim = sim
+    t0 = time.perf_counter()
+    sim.run(cfg.until)
+    wall = time.perf_counter() - t0
+    if progress:
+        progress(sim.now, sim.finished, sim.N)
+    sim.write_back()
+    rec.finalize(sim)
+    req_df = metrics.requests_frame(cfg.requests, rec)
+    steps = metrics.steps_frame(rec)
+    flags = risk.scan(rec, dep.topology.ep)
+    summ = metrics.summary(req_df, rec, cfg.slo_ms)
+    summ.update({"slots_per_partition": slots, "simulated_s": sim.now, "wall_s": wall,
+                 "sim_s_per_wall_s": sim.now / wall if wall else None, "steps": len(rec.steps),
+                 "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
+                 "kv_stats": dict(sim.kv.stats), "fidelity": "fleet"})
+    return SimResult(cfg, slots, sim, rec, wall, sim.now, req_df, steps, metrics.dispatches_frame(rec),
                      metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ)

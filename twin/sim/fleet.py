@@ -1,0 +1,752 @@
+"""The fleet fidelity: the same scheduler, pipeline and cost model over struct-of-arrays state.
+
+`SimConfig(fidelity="fleet")` runs here instead of the exact engine (docs/simulation.md,
+"Fidelity").  Running requests are numpy arrays indexed by request; one step is a fixed number
+of array operations whatever the batch size:
+
+- phase 1 (running, in order, global token budget, K=7 costing 8, chunked prefill) and the
+  table growth are vectorised; a growth that does not fit is found by per-partition cumulative
+  sums, and only there does Python act (preempt the latest arrival, same partition first; retry);
+- phase 2 (waiting FIFO, prefix lookup, partition choice, head-of-line blocking), finishes,
+  preemptions and publication are per-event Python (each happens O(1) times per request);
+- acceptance is sampled for the whole decode batch at once, token accounting, EOS / length /
+  stop detection are vectorised over the planted script positions (tokens are not generated);
+- the cost model prices each dispatch from arrays (`CostModel.decode_arrays` / `prefill_arrays`);
+- virtual time: the engine's depth-2 pipeline (schedule, prepare with ping-pong slots, serial
+  device, reclaim) as closed-form lane times, not SimPy processes.
+
+KV pages are counts (`fleet_pool.PagePools`).  Leases use the exact `LeaseManager`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from time import perf_counter
+
+import numpy as np
+
+from twin.abi import constants as C
+from twin.abi.errors import ConfigError
+
+from .fleet_pool import PagePools
+from .kvcache import chained_hashes
+from .leases import LeaseManager, LeasesExhausted
+from .request import Finish, Status
+
+WAITING, RUNNING, FINISHED = 1, 2, 3
+FINISH_CODES = (None, Finish.EOS, Finish.LENGTH, Finish.STOP, Finish.ABORTED, Finish.ERROR, Finish.REJECTED)
+EOS, LENGTH, STOP, ABORTED, ERROR, REJECTED = range(1, 7)
+NEVER = 1 << 40
+
+
+class Command:
+    """One step command as arrays over its scheduled rows (request index order = dispatch order)."""
+
+    __slots__ = ("step_id", "idx", "num_new", "spec", "start", "prefill", "samples", "inc", "counts",
+                 "drafts", "dispatches", "error", "t_result", "decode_only", "new")
+
+    def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, inc, new):
+        self.step_id, self.idx, self.num_new, self.spec, self.start = step_id, idx, num_new, spec, start
+        self.prefill, self.samples, self.inc, self.new = prefill, samples, inc, new
+        self.counts = self.drafts = None
+        self.dispatches: list = []
+        self.error: str | None = None
+        self.t_result = 0.0
+        self.decode_only = False
+
+
+class FleetSim:
+    """Scheduler + executor + engine timing of one fleet run (plain object, no SimPy)."""
+
+    def __init__(self, cfg, slots: int, cost, device, recorder):
+        dep = self.dep = cfg.dep
+        lim = dep.limits
+        self.cfg, self.cost, self.dev, self.rec = cfg, cost, device, recorder
+        self.k = dep.k
+        self.max_seq, self.chunk, self.budget = lim.max_model_len, lim.max_prefill_tokens_per_request, lim.max_num_batched_tokens
+        self.max_running = lim.max_num_seqs
+        self.prefix = lim.enable_prefix_caching
+        self.max_hit_offset = max(1, lim.speculative_prefix_cache_replay_tokens)
+        self.max_preemptions = cfg.max_preemptions
+        self.stop_token_mode = cfg.stop_check == "token"
+        self.depth = cfg.async_depth
+        self.kv = PagePools.from_deployment(dep, slots)
+        self.leases = LeaseManager(dep.partitions) if self.k else None
+        self.acceptance = cfg.acceptance
+        self.rng = np.random.default_rng(cfg.seed)
+        self._fault_rng = np.random.default_rng(cfg.seed + 1213)
+        self.hang_p = cfg.prefill_hang_probability if dep.topology.ep == 16 else 0.0
+        self.G = dep.partitions
+        self._load_requests(cfg.requests)
+        self.waiting: deque[int] = deque()
+        self.running = np.zeros(0, dtype=np.int64)
+        self._pending_ids: list[int] = []
+        self._pass = 0
+        self._step = 0
+        self.now = 0.0
+        self.finished = 0
+
+    # ---- request arrays --------------------------------------------------------------------------
+    def _load_requests(self, reqs) -> None:
+        self.reqs = list(reqs)
+        n = self.N = len(self.reqs)
+        F = self.kv.F
+        self.rid = [r.request_id for r in self.reqs]
+        if len(set(self.rid)) != n:
+            dup = next(x for x in self.rid if self.rid.count(x) > 1)
+            raise ConfigError("request_id", dup, "an id not already submitted")
+        self.arrival = np.array([r.arrival for r in self.reqs], dtype=float)
+        self.plen = np.array([r.prompt_len for r in self.reqs], dtype=np.int64)
+        self.max_new = np.array([r.sampling.max_new_tokens for r in self.reqs], dtype=np.int64)
+        self.eos_at = np.full(n, NEVER, dtype=np.int64)
+        self.stop_end = np.full(n, NEVER, dtype=np.int64)
+        self._more_stops: dict[int, list[int]] = {}
+        for i, r in enumerate(self.reqs):
+            sp = r.sampling
+            if r.script and sp.eos_token_id is not None and not sp.ignore_eos:
+                at = [j for j, t in r.script.items() if t == sp.eos_token_id]
+                if at:
+                    self.eos_at[i] = min(at)
+            if r.script and sp.stop:
+                ends = sorted({j + len(st) for st in sp.stop for j in r.script
+                               if all(r.script.get(j + m) == x for m, x in enumerate(st))})
+                if ends:
+                    self.stop_end[i] = ends[0]
+                    self._more_stops[i] = ends[1:]
+        order = sorted(range(n), key=lambda i: (self.reqs[i].arrival, self.rid[i]))
+        self.rank = np.empty(n, dtype=np.int64)
+        self.rank[order] = np.arange(n)                        # victim key: latest (arrival, id)
+        self.hashes: list = [None] * n
+        z = lambda dt=np.int64: np.zeros(n, dtype=dt)          # noqa: E731
+        self.status, self.computed, self.n_out, self.ph = z(np.int8), z(), z(), z()
+        self.part = np.full(n, -1, dtype=np.int64)
+        self.tpif = z(bool)
+        self.inc, self.pins, self.preempts, self.dropped, self.discarded, self.cached = z(), z(), z(), z(), z(), z()
+        self.lease = np.full(n, -1, dtype=np.int64)
+        self.gen = np.full(n, -1, dtype=np.int64)
+        self.committed, self.chunks, self.finish = z(), z(), z(np.int8)
+        self.pub = z()                                         # prompt blocks published (or attached)
+        self.in_pass = np.full(n, -1, dtype=np.int64)
+        self.detail: dict[int, str] = {}
+        nan = lambda: np.full(n, np.nan)                       # noqa: E731
+        self.first, self.last, self.end, self.admitted = nan(), nan(), nan(), nan()
+        self.L, self.S = np.zeros((n, F), dtype=np.int64), np.zeros((n, F), dtype=np.int64)
+        self.own, self.pinned = np.zeros((n, F), dtype=np.int64), np.zeros((n, F), dtype=np.int64)
+        self.entries: list[list] = [[] for _ in range(n)]
+        self.prefix_stats = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0, "fallbacks": 0}
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def add_request(self, i: int) -> None:
+        L = self.max_seq
+        pl = int(self.plen[i])
+        self.rec.arrived(i)
+        if pl == 0 or pl >= L:
+            why = "empty prompt" if pl == 0 else (
+                f"prompt_len {pl} leaves nothing to generate under max_seq_len {L}" if pl == L
+                else f"prompt_len {pl} > max_seq_len {L}")
+            return self._finish(i, REJECTED, why)
+        if self.max_new[i] < 1:
+            return self._finish(i, REJECTED, f"max_new_tokens {self.max_new[i]} < 1")
+        self.max_new[i] = min(self.max_new[i], L - pl)
+        if self.prefix and self.hashes[i] is None:
+            self.hashes[i] = chained_hashes(self.reqs[i].prompt, self.kv.align)
+        self.status[i] = WAITING
+        self.waiting.append(i)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or len(self.running) > 0
+
+    # ---- schedule ----------------------------------------------------------------------------------
+    def schedule(self) -> Command | None:
+        self._pass += 1
+        if self.leases:
+            for i in self._pending_ids:
+                self.leases.release(i)
+        finished_ids, self._pending_ids = self._pending_ids, []
+        budget = self.budget
+        rows = self._phase1(budget)
+        budget -= int((rows[1] + rows[2]).sum()) if len(rows[0]) else 0
+        new = self._phase2(budget)
+        if len(rows[0]) == 0 and not new:
+            self._pending_ids[:0] = finished_ids
+            return None
+        if new:
+            cols = [np.concatenate([r, np.asarray(c, dtype=r.dtype)]) for r, c in zip(rows, zip(*new))]
+        else:
+            cols = rows
+        idx, num_new, spec, start, pre = cols
+        self._step += 1
+        samples = ~pre | (start + num_new >= self.plen[idx])
+        cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.inc[idx].copy(), len(new))
+        self.pins[idx] += 1
+        if self.leases is not None:
+            for i in idx[pre & (self.lease[idx] < 0)].tolist():
+                try:
+                    self.lease[i], self.gen[i] = self.leases.reserve(i, int(self.part[i]))
+                except LeasesExhausted as e:
+                    cmd.error = cmd.error or str(e)
+        # advance_after_schedule
+        self.computed[idx] += num_new
+        s_idx = idx[samples]
+        sp = spec[samples]
+        self.ph[s_idx] += 1 + sp
+        self.computed[s_idx] += sp
+        if self.k:
+            self.tpif[idx[samples & pre]] = True
+        return cmd
+
+    def _phase1(self, budget: int):
+        run = self.running
+        empty = np.zeros(0, dtype=np.int64)
+        if not len(run):
+            return empty, empty, empty, empty, np.zeros(0, dtype=bool)
+        act = run[~self.tpif[run]]
+        c = self.computed[act]
+        pl = self.plen[act]
+        pre = c < pl
+        nn = np.minimum(np.minimum(pl + self.n_out[act] + self.ph[act] - c, budget), self.max_seq - c)
+        nn = np.where(pre, np.minimum(nn, self.chunk), nn)
+        ok = nn > 0
+        if not ok.all():
+            act, c, pre, nn = act[ok], c[ok], pre[ok], nn[ok]
+        spec = np.where(pre, 0, np.clip(np.minimum(self.k, self.max_seq - c - nn), 0, None))
+        cost = nn + spec
+        if int(cost.sum()) > budget:
+            act, c, pre, nn, spec, cost = self._budget_scan(act, c, pre, nn, spec, cost, budget)
+        keep = self._grow_all(act, c + cost, cost)
+        act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
+        return act, nn, spec, c, pre
+
+    def _budget_scan(self, act, c, pre, nn, spec, cost, budget):
+        """The sequential budget walk, from the first request that does not fit in full."""
+        cs = np.cumsum(cost)
+        i = int(np.searchsorted(cs, budget, side="right"))
+        keep = np.zeros(len(act), dtype=bool)
+        keep[:i] = True
+        left = budget - (int(cs[i - 1]) if i else 0)
+        nn = nn.copy()
+        for j in range(i, len(act)):
+            if left <= 0:
+                break
+            cj = int(c[j])
+            if pre[j]:
+                n = min(int(nn[j]), left)
+                s = 0
+            else:
+                n = min(int(nn[j]), left)
+                s = max(0, min(self.k, self.max_seq - cj - n))
+            if n <= 0 or n + s > left:
+                continue
+            nn[j] = n
+            spec[j] = s
+            keep[j] = True
+            left -= n + s
+        cost = nn + spec
+        return act[keep], c[keep], pre[keep], nn[keep], spec[keep], cost[keep]
+
+    def _grow_all(self, act, tokens, cost) -> np.ndarray:
+        """Grow every row's tables in order.  Per-partition cumulative needs find the first row a
+        partition cannot hold; there (only) the latest arrival is preempted, same partition first,
+        and the row retried once.  Returns the mask of rows that were scheduled."""
+        kv = self.kv
+        n = len(act)
+        keep = np.ones(n, dtype=bool)
+        if not n:
+            return keep
+        need, own, taken, L2, S2 = kv.growth(tokens, self.L[act], self.S[act], self.pins[act] > 0)
+        part = self.part[act]
+        free = kv.free - 0                                   # what is left for the rows not yet decided
+        if (need.sum(axis=0) > free.min(axis=0)).any():      # else no partition can run out
+            oh = part[:, None] == np.arange(self.G)
+            per = oh[:, :, None] * need[:, None, :]          # row x partition x family
+            base = 0
+            while base < n:
+                cs = np.cumsum(per[base:] * keep[base:, None, None], axis=0)
+                bad = (cs > free).any(axis=(1, 2))
+                if not bad.any():
+                    break
+                j = base + int(np.argmax(bad))
+                if j > base:
+                    free -= cs[j - 1 - base]
+                keep[j] = False
+                r = int(act[j])
+                victim = self._victim(r)
+                if victim is not None:
+                    vrow = np.flatnonzero(act == victim)
+                    if len(vrow):
+                        v = int(vrow[0])
+                        if v < j and keep[v]:
+                            free[part[v]] += need[v]          # its growth in this step is undone
+                        keep[v] = False
+                    pv = int(self.part[victim])
+                    free[pv] += self.own[victim] + self.pinned[victim]
+                    self._preempt(victim, r)
+                    pj = part[j]
+                    if (need[j] <= free[pj]).all():
+                        keep[j] = True
+                        free[pj] -= need[j]
+                base = j + 1
+        if keep.all():
+            self._commit(act, need, own, taken, L2, S2)
+        else:
+            self._commit(act[keep], need[keep], own[keep], taken[keep], L2[keep], S2[keep])
+        return keep
+
+    def _commit(self, idx, need, own, taken, L2, S2) -> None:
+        if not len(idx):
+            return
+        kv = self.kv
+        p = self.part[idx]
+        G, F = self.G, kv.F
+        flat = (p[:, None] * F + np.arange(F)).ravel()
+        kv.free -= np.bincount(flat, weights=need.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+        kv.takes += np.bincount(flat, weights=taken.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+        det = need - own
+        self.own[idx] += own
+        self.pinned[idx] += det
+        self.L[idx] = L2
+        self.S[idx] = S2
+        d = int(det.sum())
+        kv.stats["detaches"] += d
+        kv.stats["rotations"] += int((taken - own).sum()) - d
+
+    def _victim(self, r: int) -> int | None:
+        run = self.running
+        cand = run[run != r]
+        if not len(cand):
+            return None
+        same = cand[self.part[cand] == self.part[r]]
+        pool = same if len(same) else cand
+        return int(pool[np.argmax(self.rank[pool])])
+
+    def _phase2(self, budget: int) -> list:
+        new = []
+        kv = self.kv
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            i = self.waiting[0]
+            if self.in_pass[i] == self._pass:
+                break
+            pl = int(self.plen[i])
+            hit, p, fallback = 0, None, False
+            if self.prefix:
+                hit, p = kv.lookup(self.hashes[i], pl - self.max_hit_offset)
+            if hit:
+                L, S, own = kv.attach(self.hashes[i], hit, p, self.entries[i])
+                self.L[i], self.S[i], self.own[i] = L, S, own
+                self.part[i] = p
+                kv.load[p] += 1
+                nn = self._first_chunk(i, hit, budget)
+                if not self._grow_one(i, hit + nn):
+                    self._release_kv(i)
+                    hit, fallback = 0, True
+            if not hit:
+                nn = self._first_chunk(i, 0, budget)
+                need, L, S = kv.first_rows(nn)
+                p = kv.choose_partition(need)
+                if p is None:
+                    break
+                self.part[i] = p
+                kv.load[p] += 1
+                kv.free[p] -= need
+                kv.takes[p] += need
+                self.own[i], self.L[i], self.S[i] = need, L, S
+            self.waiting.popleft()
+            self.status[i] = RUNNING
+            self.computed[i] = hit
+            self.cached[i] = hit
+            self.pub[i] = hit // kv.align
+            self.running = np.append(self.running, i)
+            self.rec.admitted(i, hit, fallback, self.now)
+            new.append((i, nn, 0, hit, True))
+            budget -= nn
+        return new
+
+    def _first_chunk(self, i: int, computed: int, budget: int) -> int:
+        return min(int(self.plen[i]) - computed, budget, self.max_seq - computed, self.chunk)
+
+    def _grow_one(self, i: int, tokens: int) -> bool:
+        idx = np.array([i])
+        need, own, taken, L2, S2 = self.kv.growth(np.array([tokens]), self.L[idx], self.S[idx], self.pins[idx] > 0)
+        if (need[0] > self.kv.free[self.part[i]]).any():
+            return False
+        self._commit(idx, need, own, taken, L2, S2)
+        return True
+
+    # ---- releasing ---------------------------------------------------------------------------------
+    def _release_kv(self, i: int) -> None:
+        p = int(self.part[i])
+        if p < 0:
+            return
+        kv = self.kv
+        kv.release_entries(self.entries[i], p)
+        kv.free[p] += self.own[i] + self.pinned[i]
+        self.own[i] = self.pinned[i] = self.L[i] = self.S[i] = 0
+        self.pins[i] = 0
+        kv.load[p] -= 1
+        self.part[i] = -1
+
+    def _remove_running(self, i: int) -> None:
+        self.running = self.running[self.running != i]
+
+    def _preempt(self, v: int, by: int) -> None:
+        self.rec.preempted(v, by, int(self.n_out[v]), int(self.part[v]), self.now)
+        self._release_kv(v)
+        self._pending_ids.append(v)
+        self._remove_running(v)
+        self.preempts[v] += 1
+        if self.max_preemptions is not None and self.preempts[v] >= self.max_preemptions:
+            return self._finish(v, ERROR, f"preempted {self.preempts[v]} times: preemption livelock")
+        self.computed[v] = self.ph[v] = 0
+        self.tpif[v] = False
+        self.lease[v] = self.gen[v] = -1
+        self.inc[v] += 1
+        self.status[v] = WAITING
+        self.in_pass[v] = self._pass
+        self.waiting.appendleft(v)
+
+    def _finish(self, i: int, code: int, detail: str = "") -> None:
+        was = self.status[i]
+        self.status[i] = FINISHED
+        self.finish[i] = code
+        if detail:
+            self.detail[i] = detail
+        self.ph[i] = 0
+        self.tpif[i] = False
+        self._release_kv(i)
+        if was == RUNNING:
+            self._remove_running(i)
+        elif was == WAITING and i in self.waiting:
+            self.waiting.remove(i)
+        self._pending_ids.append(i)
+        self.end[i] = self.now
+        self.finished += 1
+
+    # ---- execute: dispatch prices and accepted counts ----------------------------------------------
+    def execute(self, cmd: Command) -> None:
+        cm, idx = self.cost, cmd.idx
+        if cmd.error is None:
+            cmd.error = self._tile_error(cmd)
+        n = len(idx)
+        cmd.counts = np.zeros(n, dtype=np.int64)
+        cmd.drafts = np.zeros(n, dtype=bool)
+        pre = cmd.prefill
+        cmd.decode_only = not pre.any()
+        if cmd.error:
+            cmd.dispatches.append(("error", cm.device.dispatch_overhead, {}, {"error": cmd.error}))
+            return
+        if pre.any():
+            rows = np.flatnonzero(pre)
+            for batch in self._pack(rows, cmd):
+                b_idx = idx[batch]
+                part = self.part[b_idx]
+                secs, parts = cm.prefill_arrays(cmd.num_new[batch], cmd.start[batch].astype(float), part)
+                meta = {"requests_per_group": np.bincount(part, minlength=self.G).tolist(),
+                        "tokens_per_group": np.bincount(part, weights=cmd.num_new[batch], minlength=self.G).astype(int).tolist()}
+                if self.hang_p and self._fault_rng.random() < self.hang_p:
+                    cmd.error = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 fault model)"
+                    cmd.dispatches.append(("prefill", self.cfg.step_timeout, {"timeout": self.cfg.step_timeout},
+                                           {**meta, "hang": True}))
+                    return
+                cmd.dispatches.append(("prefill", secs, parts, meta))
+            term = rows[cmd.samples[rows]]
+            self.committed[idx[term]] = self.plen[idx[term]]
+            cmd.counts[term] = 1
+            if self.k and len(term):
+                self._seed_waves(idx[term], cmd)
+        dec = np.flatnonzero(~pre)
+        if len(dec):
+            d_idx = idx[dec]
+            com = self.committed[d_idx]
+            part = self.part[d_idx]
+            k = self.k
+            if k:
+                owner = self.lease[d_idx] % C.TP_SIZE
+                anchor = cmd.start[dec] + cmd.num_new[dec] - 1
+                fits = (anchor + k < self.max_seq) & (com + C.DECODE_SEQ <= self.max_seq)
+                counts = self.acceptance.counts(len(dec), fits, self.rng)
+            else:
+                owner = np.zeros(len(dec), dtype=np.int64)   # K=0: ordinal % TP within the group
+                for g in range(self.G):
+                    m = part == g
+                    owner[m] = np.arange(int(m.sum())) % C.TP_SIZE
+                fits = np.zeros(len(dec), dtype=bool)
+                counts = np.ones(len(dec), dtype=np.int64)
+            secs, parts = cm.decode_arrays(com + 1, part, owner)
+            cmd.counts[dec] = counts
+            cmd.drafts[dec] = fits
+            self.committed[d_idx] = com + counts
+            cmd.dispatches.append(("decode", secs, parts,
+                                   {"requests_per_group": np.bincount(part, minlength=self.G).tolist()}))
+
+    def _tile_error(self, cmd: Command) -> str | None:
+        dec = cmd.idx[~cmd.prefill]
+        if not len(dec):
+            return None
+        per = np.bincount(self.part[dec], minlength=self.G)
+        if per.max() > C.DECODE_BATCH:
+            g = int(np.argmax(per > C.DECODE_BATCH))
+            return f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {per[g]})"
+        if self.k:
+            held = dec[self.lease[dec] >= 0]
+            own = np.bincount(self.part[held] * C.TP_SIZE + self.lease[held] % C.TP_SIZE,
+                              minlength=self.G * C.TP_SIZE).reshape(self.G, C.TP_SIZE)
+            if own.max() > C.LOCAL_REQUESTS:
+                return f"TP group {int(np.argmax(own.max(axis=1) > C.LOCAL_REQUESTS))} owner rank over {C.LOCAL_REQUESTS} requests"
+        return None
+
+    def _pack(self, rows: np.ndarray, cmd: Command) -> list[np.ndarray]:
+        """`split_prefill`: one dispatch when everything fits, else greedy first-fit in order."""
+        dep = self.dep
+        part = self.part[cmd.idx[rows]]
+        tok = cmd.num_new[rows]
+        per_part_cap, max_batch, tok_cap = dep.prefill_requests_per_partition, dep.prefill_batch, C.PREFILL_TOKENS_PER_GROUP
+        if tok.max() > tok_cap:
+            cmd.error = (f"prefill chunk of {self.rid[int(cmd.idx[rows[int(np.argmax(tok))]])]!r} has {int(tok.max())} "
+                         f"tokens > {tok_cap} per partition")
+            return []
+        if (len(rows) <= max_batch and np.bincount(part, minlength=self.G).max() <= per_part_cap
+                and np.bincount(part, weights=tok, minlength=self.G).max() <= tok_cap):
+            return [rows]
+        out, pending = [], list(range(len(rows)))
+        while pending:
+            cur, deferred, reqs, toks = [], [], {}, {}
+            for j in pending:
+                p, t = int(part[j]), int(tok[j])
+                if len(cur) < max_batch and reqs.get(p, 0) < per_part_cap and toks.get(p, 0) + t <= tok_cap:
+                    cur.append(j)
+                    reqs[p] = reqs.get(p, 0) + 1
+                    toks[p] = toks.get(p, 0) + t
+                else:
+                    deferred.append(j)
+            out.append(rows[cur])
+            pending = deferred
+        return out
+
+    def _seed_waves(self, term_idx: np.ndarray, cmd: Command) -> None:
+        tails = np.minimum(C.SLIDING_WINDOW, self.plen[term_idx])
+        part = self.part[term_idx]
+        waves: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for p, t in zip(part.tolist(), tails.tolist()):
+            w = seen.get(p, 0)
+            seen[p] = w + 1
+            waves[w] = max(waves.get(w, 0), t)
+        for w in range(len(waves)):
+            band = -(-waves[w] // C.TP_SIZE)
+            rows = next(b for b in C.DRAFTER_CONTEXT_BUCKETS if b >= band)
+            secs, parts = self.cost.seed(rows)
+            cmd.dispatches.append(("seed", secs, parts, {}))
+
+    # ---- apply (update_from_output + stop strings) -------------------------------------------------
+    def apply(self, cmd: Command) -> None:
+        idx = cmd.idx
+        now = self.now
+        stale = (self.status[idx] == FINISHED) | (self.inc[idx] != cmd.inc)
+        if stale.any():
+            s = idx[stale]
+            self.discarded[s] += cmd.counts[stale]
+            ok = ~stale
+            idx, rows = idx[ok], np.flatnonzero(ok)
+        else:
+            rows = None
+        take = (lambda a: a) if rows is None else (lambda a: a[rows])        # noqa: E731
+        start, num_new, spec, samples, counts, pre = (take(cmd.start), take(cmd.num_new), take(cmd.spec),
+                                                      take(cmd.samples), take(cmd.counts), take(cmd.prefill))
+        kv = self.kv
+        if self.prefix and pre.any():
+            conf = (start + num_new) // kv.align
+            pub = self.pub[idx]
+            nb = self.plen[idx] // kv.align
+            todo = np.flatnonzero(pre & (np.minimum(conf, nb) > pub))
+            for j in todo.tolist():
+                i = int(idx[j])
+                end = int(min(conf[j], nb[j]))
+                moved = kv.publish(self.hashes[i], int(pub[j]), end, int(self.part[i]), self.entries[i])
+                self.own[i] -= moved * kv.block_pages
+                self.pub[i] = end
+        # unpin: the pages detached into this step's snapshots go back to the pool
+        self.pins[idx] -= 1
+        held = self.pinned[idx]
+        if held.any():
+            G, F = self.G, kv.F
+            flat = (self.part[idx][:, None] * F + np.arange(F)).ravel()
+            kv.free += np.bincount(flat, weights=held.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+            self.pinned[idx] = 0
+        s_idx = idx[samples]
+        if not len(s_idx):
+            return
+        cnt = counts[samples]
+        sp = spec[samples]
+        self.tpif[s_idx] = False
+        n_out = self.n_out[s_idx]
+        room = self.max_new[s_idx] - n_out
+        eos_room = self.eos_at[s_idx] - n_out + 1                # tokens up to and including the EOS
+        retained = np.minimum(cnt, np.minimum(room, np.maximum(eos_room, 1)))
+        eos_hit = (eos_room >= 1) & (eos_room <= retained)
+        done = eos_hit | (n_out + retained >= self.max_new[s_idx])
+        self.n_out[s_idx] = n_out + retained
+        if done.any():
+            d = s_idx[done]
+            self.dropped[d] += cnt[done] - retained[done]
+        live = ~done
+        if live.any():
+            l_idx = s_idx[live]
+            self.ph[l_idx] -= 1 + sp[live]
+            self.computed[l_idx] += (retained[live] - 1) - sp[live]
+        # streamed chunks (every sampled row retains >= 1 token)
+        self.rec.applied(s_idx, now, self.first, self.last, self.chunks, cmd, rows)
+        for i, e in zip(s_idx[done].tolist(), eos_hit[done].tolist()):
+            self._finish(i, EOS if e else LENGTH)
+        # stop strings: the engine's check on the cumulative output after the step
+        if live.any():
+            l_idx = s_idx[live]
+            L = self.n_out[l_idx]
+            se = self.stop_end[l_idx]
+            got = (se > L - retained[live]) & (se <= L)
+            if got.any():
+                for i, end, Lx, n in zip(l_idx[got].tolist(), se[got].tolist(), L[got].tolist(),
+                                         retained[live][got].tolist()):
+                    self._stop(i, end, Lx, n)
+
+    def _stop(self, i: int, end: int, L: int, n: int) -> None:
+        if end < L:
+            self.rec.stop_in_chunk(i, end, n, self.now)
+            later = [e for e in self._more_stops.get(i, ()) if e > end]
+            if self.stop_token_mode:
+                self.dropped[i] += L - end
+                self.n_out[i] = end
+            elif L not in later:                  # upstream's endswith() misses it: generation goes on
+                nxt = [e for e in later if e > L]
+                self.stop_end[i] = nxt[0] if nxt else NEVER
+                return
+        self._finish(i, STOP)
+
+    def fail_inflight(self, cmds, detail: str) -> None:
+        for cmd in cmds:
+            for i, inc in zip(cmd.idx.tolist(), cmd.inc.tolist()):
+                if self.status[i] != FINISHED and self.inc[i] == inc:
+                    self._finish(i, ERROR, detail)
+
+    def break_stall(self) -> int:
+        if len(self.running):
+            i = int(self.running[0])
+            self._finish(i, ERROR, "stalled: KV tables cannot grow and no request can be preempted")
+        else:
+            i = self.waiting[0]
+            self._finish(i, REJECTED, "does not fit in any partition's KV pools")
+        self.rec.stall(i, self.detail.get(i, ""), self.now)
+        return i
+
+    # ---- the engine: arrivals, the depth-2 pipeline and its lanes in closed form --------------------
+    def run(self, until: float | None = None) -> None:
+        dev = self.dev
+        order = np.argsort(self.arrival, kind="stable")
+        arr = self.arrival[order]
+        ai, n = 0, len(order)
+        inflight: deque[Command] = deque()
+        discard: set[int] = set()
+        prep_free = dev_free = rec_free = 0.0
+        slot_free = [0.0, 0.0]
+        per_req, per_prep, lifecycle, reclaim = (dev.host_schedule_per_request, dev.host_prepare_per_request,
+                                                 dev.lifecycle, dev.host_reclaim)
+        split = bool(self.k)
+        while True:
+            while ai < n and arr[ai] <= self.now:
+                self.add_request(int(order[ai]))
+                ai += 1
+            if until is not None and self.now >= until:
+                return
+            if len(inflight) < self.depth and self.has_work:
+                cmd = self.schedule()
+                if cmd is not None:
+                    self.execute(cmd)
+                    self.rec.scheduled(cmd, self)
+                    m = len(cmd.idx)
+                    self.now += per_req * m
+                    t = max(self.now, prep_free)
+                    if cmd.decode_only:
+                        t = max(t, slot_free[cmd.step_id % 2])
+                    t += per_prep * m
+                    prep_free = t
+                    start = max(t, dev_free) + lifecycle
+                    t_end = start
+                    for kind, secs, parts, meta in cmd.dispatches:
+                        self.rec.dispatch(cmd.step_id, kind, t_end, secs, meta, parts)
+                        t_end += secs
+                    dev_free = t_end
+                    rec_free = max(rec_free, t_end) + reclaim
+                    if cmd.decode_only:
+                        slot_free[cmd.step_id % 2] = rec_free
+                    cmd.t_result = rec_free
+                    inflight.append(cmd)
+                    continue
+            if inflight:
+                cmd = inflight.popleft()
+                if cmd.t_result > self.now:
+                    if ai < n and arr[ai] < cmd.t_result:
+                        # arrivals while waiting join the queue at their own times (no scheduling)
+                        while ai < n and arr[ai] < cmd.t_result:
+                            self.now = max(self.now, float(arr[ai]))
+                            self.add_request(int(order[ai]))
+                            ai += 1
+                    self.now = cmd.t_result
+                if cmd.step_id in discard:
+                    discard.discard(cmd.step_id)
+                    continue
+                if cmd.error:
+                    discard.update(c.step_id for c in inflight)
+                    self.fail_inflight([cmd, *inflight], cmd.error)
+                    self.rec.worker_error(cmd.step_id, cmd.error, self.now)
+                    continue
+                self.apply(cmd)
+                continue
+            if not self.has_work:
+                if ai == n:
+                    return
+                self.now = max(self.now, float(arr[ai]))
+                continue
+            self.break_stall()
+
+    # ---- results -----------------------------------------------------------------------------------
+    def write_back(self) -> None:
+        """Final per-request state onto the `Request` objects (the metrics read them).  Output
+        token values are not generated: outputs hold the planted script tokens, 0 elsewhere."""
+        for i, r in enumerate(self.reqs):
+            n = int(self.n_out[i])
+            out = [0] * n
+            for j, t in r.script.items():
+                if j < n:
+                    out[j] = t
+            r.outputs = out
+            st = self.status[i]
+            r.status = Status.FINISHED if st == FINISHED else Status.RUNNING if st == RUNNING else Status.WAITING
+            r.finish = FINISH_CODES[int(self.finish[i])]
+            r.finish_detail = self.detail.get(i, "")
+            r.max_new_tokens = int(self.max_new[i])
+            r.num_preemptions = int(self.preempts[i])
+            r.dropped_tokens = int(self.dropped[i])
+            r.discarded_tokens = int(self.discarded[i])
+            r.cached_tokens = int(self.cached[i])
+            r.num_computed = int(self.computed[i])
+            r.incarnation = int(self.inc[i])
+            r.partition = None if self.part[i] < 0 else int(self.part[i])
+
+    def check(self) -> None:
+        """Pool invariants: free = capacity - own - pinned - referenced entry pages, never negative."""
+        kv = self.kv
+        used = np.zeros_like(kv.free)
+        live = self.part >= 0
+        np.add.at(used, self.part[live], self.own[live] + self.pinned[live])
+        used += kv.live_entry_pages()
+        assert (kv.free >= 0).all(), f"negative free pages {kv.free.tolist()}"
+        assert (used == kv.cap[None, :] - kv.free).all(), f"page counts drift: used {used.tolist()} free {kv.free.tolist()}"
+        assert (self.own >= 0).all() and (self.pinned >= 0).all()
+        assert int(kv.load.sum()) == int(live.sum())
+        assert len(self.running) <= self.max_running
+
+
+def simulate_fleet(cfg, slots: int, cost, device, recorder) -> FleetSim:
+    sim = FleetSim(cfg, slots, cost, device, recorder)
+    sim.run(cfg.until)
+    return sim
+

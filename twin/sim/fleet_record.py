@@ -1,0 +1,97 @@
+"""The fleet fidelity's recorder: per-step rows and array updates, turned at the end into the
+same raw rows as `probes.Recorder` so `metrics` and `risk` read either fidelity unchanged."""
+from __future__ import annotations
+
+from time import perf_counter
+
+import numpy as np
+
+
+class FleetRecorder:
+    def __init__(self, *, partitions: int, k: int, families: tuple[str, ...]):
+        self.partitions, self.k, self.families = partitions, k, families
+        self.wall: list[float] = []
+        self.steps: list[tuple] = []
+        self.dispatches: list[tuple] = []
+        self._free: list[tuple[float, np.ndarray]] = []
+        self._itl: list[np.ndarray] = []
+        self.accept_hist = np.zeros(k + 2 if k else 2, dtype=np.int64)
+        self.fallbacks = 0
+        self.events: list[tuple] = []
+        self.prefix = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0, "fallbacks": 0}
+        self.req: dict[str, dict] = {}
+        self.pages: list[tuple] = []
+        self.itl = np.zeros(0)
+        self.sim = None
+
+    # ---- hooks (the fleet engine calls them) -------------------------------------------------------
+    def arrived(self, i: int) -> None:
+        pass                                   # arrival times are the requests' own
+
+    def admitted(self, i: int, hit: int, fallback: bool, now: float) -> None:
+        sim = self.sim
+        if np.isnan(sim.admitted[i]):
+            sim.admitted[i] = now
+            p = self.prefix
+            p["queries"] += 1
+            p["query_tokens"] += int(sim.plen[i])
+            p["hits"] += hit > 0
+            p["hit_tokens"] += hit
+            p["fallbacks"] += fallback
+
+    def preempted(self, v: int, by: int, outputs: int, partition: int, now: float) -> None:
+        rid = self.sim.rid
+        self.events.append((now, "preempt", rid[v], {"outputs": outputs, "by": rid[by], "partition": partition}))
+
+    def stop_in_chunk(self, i: int, index: int, n_new: int, now: float) -> None:
+        self.events.append((now, "stop_in_chunk", self.sim.rid[i], {"at_output": index, "chunk": n_new}))
+
+    def stall(self, i: int, reason: str, now: float) -> None:
+        self.events.append((now, "stall", self.sim.rid[i], {"reason": reason}))
+
+    def worker_error(self, step: int, error: str, now: float) -> None:
+        self.events.append((now, "worker_error", None, {"step": step, "error": error}))
+
+    def scheduled(self, cmd, sim) -> None:
+        n_pre = int(cmd.prefill.sum())
+        self.steps.append((cmd.step_id, sim.now, n_pre, len(cmd.idx) - n_pre, int((cmd.num_new + cmd.spec).sum()),
+                           len(sim.waiting), len(sim.running), tuple(sim.kv.load.tolist())))
+        self.wall.append(perf_counter())
+        self._free.append((sim.now, sim.kv.free.copy()))
+
+    def dispatch(self, step: int, kind: str, start: float, secs: float, meta: dict, parts: dict) -> None:
+        self.dispatches.append((step, kind, start, secs, meta, parts))
+
+    def applied(self, s_idx, now, first, last, chunks, cmd, rows) -> None:
+        f = first[s_idx]
+        new = np.isnan(f)
+        if new.any():
+            first[s_idx[new]] = now
+        if not new.all():
+            old = s_idx[~new]
+            self._itl.append(now - last[old])
+        last[s_idx] = now
+        chunks[s_idx] += 1
+        dec = ~cmd.prefill
+        if self.k and dec.any():
+            d = cmd.drafts[dec]
+            self.accept_hist += np.bincount(cmd.counts[dec][d], minlength=len(self.accept_hist))
+            self.fallbacks += int((~d).sum())
+        elif dec.any():
+            self.fallbacks += int(dec.sum())
+
+    # ---- the raw rows `metrics` reads ---------------------------------------------------------------
+    def finalize(self, sim) -> None:
+        self.itl = np.concatenate(self._itl) if self._itl else np.zeros(0)
+        cap = sim.kv.cap
+        for t, free in self._free:
+            used = cap[None, :] - free
+            for p in range(self.partitions):
+                for f, name in enumerate(self.families):
+                    self.pages.append((t, p, name, int(used[p, f])))
+        self._free = []
+        nan = lambda x: None if np.isnan(x) else float(x)        # noqa: E731
+        for i, rid in enumerate(sim.rid):
+            self.req[rid] = {"arrival": float(sim.arrival[i]), "prompt_len": int(sim.plen[i]),
+                             "first": nan(sim.first[i]), "last": nan(sim.last[i]), "chunks": int(sim.chunks[i]),
+                             "admitted": nan(sim.admitted[i]), "cached": int(sim.cached[i]), "end": nan(sim.end[i])}
