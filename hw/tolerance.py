@@ -10,6 +10,14 @@ aggregate gates hold (cosine, rel-L2, KL for logits).  Integer tensors are exact
 compares sets along the last axis (routing); `tie_tol` is the near-tie margin under which the
 golden re-syncs a device decision (relative to the decision's score scale).
 
+Depth: FP32-vs-float64 noise grows with the number of layers a value has passed through, so an
+entry may carry `depth_ref` and `depth_growth`: looked up at depth d (a target layer index; the
+head is num_hidden_layers), its noise gates (atol, rtol, atol_rms, the rel-L2 gates, 1 - min_cosine
+and tie_tol) are multiplied by 1 + depth_growth * max(0, d - depth_ref); single-point caps, ULPs and
+budgets stay fixed, so a fault does not hide deeper down.  The route and sample margins use it
+(measured on the real path, docs/lockstep.md): their near-tie gaps grow with the residual stream's
+device-vs-golden divergence, which grows about linearly with depth.
+
 Numbers start from the published tables (anchors.md B.2: bf16 rtol 1.6e-2, msprobe cosine 0.99,
 double-thousandth budgets; kernel-math.md §2: hidden rtol 1e-2 / atol 5e-2 with 2 % outliers,
 logits cosine 0.99 and rel-L2 0.10) and are tightened to what a clean CPU run measures, so that
@@ -20,6 +28,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+
+import numpy as np
 
 from twin.abi.errors import AbiError
 
@@ -41,6 +51,8 @@ class Tolerance:
     exact: bool = False
     unordered: bool = False
     tie_tol: float | None = None
+    depth_ref: int | None = None      # the deepest layer the flat numbers were measured to hold at
+    depth_growth: float = 0.0         # noise gates grow by this fraction per layer beyond depth_ref
 
     def __post_init__(self):
         for f in ("atol", "rtol", "atol_rms", "bad_budget", "hard_atol", "hard_rtol", "hard_atol_rms"):
@@ -52,6 +64,22 @@ class Tolerance:
                 raise AbiError(f, getattr(self, f), "a fraction in [0, 1]", where="tolerance")
         if self.max_ulp < 0:
             raise AbiError("max_ulp", self.max_ulp, ">= 0", where="tolerance")
+        if not self.depth_growth >= 0:
+            raise AbiError("depth_growth", self.depth_growth, ">= 0", where="tolerance")
+        if self.depth_ref is not None and self.depth_ref < 0:
+            raise AbiError("depth_ref", self.depth_ref, "a layer index >= 0 (or None: no depth scaling)",
+                           where="tolerance")
+
+    def at_depth(self, depth: int) -> "Tolerance":
+        """This entry at layer depth `depth` (see the module docstring): itself when flat."""
+        if self.depth_ref is None or not self.depth_growth or depth <= self.depth_ref:
+            return self
+        m = 1.0 + self.depth_growth * (depth - self.depth_ref)
+        ch = {f: getattr(self, f) * m for f in ("atol", "rtol", "atol_rms", "max_row_rel_l2", "max_rel_l2", "tie_tol")
+              if getattr(self, f) is not None}
+        if self.min_cosine is not None:
+            ch["min_cosine"] = max(0.0, 1.0 - (1.0 - self.min_cosine) * m)
+        return replace(self, **ch)
 
 
 _BF16_ACT = dict(atol=6e-2, rtol=5e-2, atol_rms=0.1, max_ulp=8, bad_budget=0.05, hard_atol=0.75, hard_rtol=0.5,
@@ -86,10 +114,13 @@ class Policy:
     def __init__(self, table: dict[tuple[str, str, str], Tolerance] | None = None):
         self.table = dict(DEFAULT_TABLE if table is None else table)
 
-    def lookup(self, op: str, dtype: str, quant: str = "none") -> Tolerance:
+    def lookup(self, op: str, dtype: str, quant: str = "none", *, depth: int | None = None) -> Tolerance:
+        """The entry for (op, dtype, quant); at a layer `depth`, scaled for it (Tolerance.at_depth)."""
+        if depth is not None and not (isinstance(depth, (int, np.integer)) and depth >= 0):
+            raise AbiError("depth", depth, "a layer index >= 0 (or None)", where="policy")
         for k in ((op, dtype, quant), (op, dtype, "*"), ("*", dtype, "*")):
             if k in self.table:
-                return self.table[k]
+                return self.table[k] if depth is None else self.table[k].at_depth(int(depth))
         raise AbiError("tolerance key", _key_str((op, dtype, quant)),
                        f"one of {sorted(_key_str(k) for k in self.table)} (or a wildcard entry)", where="policy")
 

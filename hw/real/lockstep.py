@@ -122,7 +122,7 @@ class RealLockstep:
             return
         gl, dl = np.asarray(gtaps[("head", "logits")], np.float64), np.asarray(dtaps[("head", "logits")], np.float64)
         gs, ds = gl.argmax(-1), dl.argmax(-1)
-        tie = self.policy.lookup("sample", "i32").tie_tol or 0.0
+        tie = self.policy.lookup("sample", "i32", depth=self.dev.g.cfg.num_hidden_layers).tie_tol or 0.0
         rows = np.flatnonzero(gs != ds)
         hard = [int(r) for r in rows if gl[r, ds[r]] < gl[r].max() - tie * max(1.0, abs(gl[r].max()))]
         if hard:
@@ -151,10 +151,11 @@ class RealLockstep:
         step = self.last_step = self.device_step(rd)
         r, dtaps = step.outputs, step.taps
         gp = self.gold.par
-        gp.route_from, gp.tie_tol, gp.resyncs = dtaps, self.policy.lookup("route", "i32").tie_tol or 0.0, []
+        gp.route_from, gp.resyncs = dtaps, []
+        gp.tie_tol = lambda d: self.policy.lookup("route", "i32", depth=d).tie_tol or 0.0    # per layer depth
         gp.draft_from = list(step.draft_routes)
         gp.sample_from = list(step.sampled)
-        gp.tie_samples = self.policy.lookup("sample", "i32").tie_tol or 0.0
+        gp.tie_samples = self.policy.lookup("sample", "i32", depth=self.dev.g.cfg.num_hidden_layers).tie_tol or 0.0
         gp.index_tie_tol = self.index_tie_tol
         g = self.stream.execute(self.gold, rd)
         resyncs += gp.resyncs
