@@ -43,3 +43,6 @@ def test_overhead_benchmark_prints_a_ratio_as_json():
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["ratio"] == d["ratio_cpu"] > 1 and d["target_ratio"] == 2.5 and d["verdict"] == "PASS"
+    r = d["real"]                      # the real-golden path, side by side in the same run
+    assert r["ratio"] == r["ratio_cpu"] > 1 and r["verdict"] == "PASS" and r["dispatches"] == 6
+    assert r["cpu_s"]["lockstep"] > r["cpu_s"]["device_only"]
