@@ -155,6 +155,9 @@ class CostModel:
         self._layer_counts = (m.num_hidden_layers, len(m.csa_layers), len(m.hca_layers))
         self._moe_cache: dict[tuple, float] = {}
         self._decode_static: dict[tuple, dict] = {}     # decode_arrays: the parts set by the batch shape
+        self.vector_routing = False                      # fleet: draw all MoE layers' routing at once
+        self.moe_bucket = 64                             # token rows per routing draw (fleet: coarser)
+        self._probs_rows: dict[int, np.ndarray] = {}
         d = self.device
         self.bw = d.hbm_bw * d.hbm_efficiency
         self.f16 = d.bf16_flops * d.compute_efficiency
@@ -210,12 +213,16 @@ class CostModel:
         n_layers = w["moe_layers"].get(key, 0)
         if not n_layers or tokens <= 0:
             return 0.0
-        bucket = -(-tokens // 64) * 64
+        g = self.moe_bucket
+        bucket = -(-tokens // g) * g
         ck = (key, bucket, program)
         if ck not in self._moe_cache:
             ebytes = w["expert_bytes"][key]
             pairs = bucket * self.m.num_experts_per_tok
             E, R = self.m.n_routed_experts, self.R
+            if self.vector_routing:
+                self._moe_cache[ck] = self._moe_layers(n_layers, pairs, ebytes)
+                return self._moe_cache[ck]
             total = 0.0
             for layer in range(n_layers):
                 if self.routing.policy == "balanced" and layer >= self.m.num_hash_layers:
@@ -228,6 +235,20 @@ class CostModel:
                 total += float(t.max())
             self._moe_cache[ck] = total
         return self._moe_cache[ck]
+
+    def _moe_layers(self, n_layers: int, pairs: int, ebytes: float) -> float:
+        """`moe_time`'s sum with every layer's routing drawn in one call (the fleet fidelity: the
+        same distribution, a different draw order than the exact mode's layer loop)."""
+        E, R = self.m.n_routed_experts, self.R
+        probs = self._probs_rows.get(n_layers)
+        if probs is None:
+            probs = self._probs_rows[n_layers] = np.stack([self._probs(layer) for layer in range(n_layers)])
+        per = self._rng.multinomial(pairs, probs).astype(float)
+        if self.routing.policy == "balanced":
+            per[self.m.num_hash_layers:] = pairs / E
+        by_rank = per.reshape(n_layers, R, E // R)
+        t = np.maximum((by_rank > 0).sum(axis=2) * ebytes / self.bw, by_rank.sum(axis=2) * self.expert_flops / self.f8)
+        return float(t.max(axis=1).sum())
 
     # ---- pieces -----------------------------------------------------------------------------------
     def _dense(self, w: dict, rows: int, logit_rows: int) -> float:

@@ -76,6 +76,7 @@ class FleetSim:
         self._fault_rng = np.random.default_rng(cfg.seed + 1213)
         self.hang_p = cfg.prefill_hang_probability if dep.topology.ep == 16 else 0.0
         self.G = dep.partitions
+        self._groups = np.arange(self.G)
         self._load_requests(cfg.requests)
         self.waiting: deque[int] = deque()
         self.running = np.zeros(0, dtype=np.int64)
@@ -129,9 +130,14 @@ class FleetSim:
         self.detail: dict[int, str] = {}
         nan = lambda: np.full(n, np.nan)                       # noqa: E731
         self.first, self.last, self.end, self.admitted = nan(), nan(), nan(), nan()
-        self.L, self.S = np.zeros((n, F), dtype=np.int64), np.zeros((n, F), dtype=np.int64)
-        self.own, self.pinned = np.zeros((n, F), dtype=np.int64), np.zeros((n, F), dtype=np.int64)
+        # per request and family: logical pages, filled ring slots, own pages, pages held by an
+        # in-flight snapshot (one matrix, so a step gathers and scatters them once)
+        self.kvrows = np.zeros((n, 4 * F), dtype=np.int64)
+        self.L, self.S = self.kvrows[:, :F], self.kvrows[:, F:2 * F]
+        self.own, self.pinned = self.kvrows[:, 2 * F:3 * F], self.kvrows[:, 3 * F:]
         self.entries: list[list] = [[] for _ in range(n)]
+        self.drops: list[list] = [[] for _ in range(n)]        # (tokens, entry, family) tails held
+        self.next_drop = np.full(n, NEVER, dtype=np.int64)
         self.prefix_stats = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0, "fallbacks": 0}
 
     # ---- admission ---------------------------------------------------------------------------------
@@ -214,6 +220,12 @@ class FleetSim:
         if int(cost.sum()) > budget:
             act, c, pre, nn, spec, cost = self._budget_scan(act, c, pre, nn, spec, cost, budget)
         keep = self._grow_all(act, c + cost, cost)
+        if self.prefix:
+            due = np.flatnonzero(keep & (c + cost > self.next_drop[act]))
+            for j in due.tolist():
+                i = int(act[j])
+                self.kv.drop_tails(self.drops[i], int(c[j] + cost[j]), int(self.part[i]))
+                self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
         act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
         return act, nn, spec, c, pre
 
@@ -253,21 +265,28 @@ class FleetSim:
         keep = np.ones(n, dtype=bool)
         if not n:
             return keep
-        need, own, taken, L2, S2 = kv.growth(tokens, self.L[act], self.S[act], self.pins[act] > 0)
+        F = kv.F
+        rows = self.kvrows[act]
+        need, own, taken, L2, S2 = kv.growth(tokens, rows[:, :F], rows[:, F:2 * F], self.pins[act] > 0)
         part = self.part[act]
         free = kv.free - 0                                   # what is left for the rows not yet decided
-        if (need.sum(axis=0) > free.min(axis=0)).any():      # else no partition can run out
-            oh = part[:, None] == np.arange(self.G)
-            per = oh[:, :, None] * need[:, None, :]          # row x partition x family
+        oh = (part[:, None] == self._groups).astype(np.int64)
+        if (oh.T @ need > free).any():                       # else no partition runs out this step
             base = 0
             while base < n:
-                cs = np.cumsum(per[base:] * keep[base:, None, None], axis=0)
-                bad = (cs > free).any(axis=(1, 2))
-                if not bad.any():
+                # the first row, in order, at which its partition's cumulative need passes what is free
+                j = None
+                sub_oh, sub_need = oh[base:] * keep[base:, None], need[base:]
+                over = np.flatnonzero((sub_oh.T @ sub_need > free).any(axis=1))
+                for g in over.tolist():
+                    in_g = np.flatnonzero(sub_oh[:, g])
+                    bad = (np.cumsum(sub_need[in_g], axis=0) > free[g]).any(axis=1)
+                    first = base + int(in_g[int(np.argmax(bad))])
+                    j = first if j is None else min(j, first)
+                if j is None:
                     break
-                j = base + int(np.argmax(bad))
                 if j > base:
-                    free -= cs[j - 1 - base]
+                    free -= oh[base:j].T @ (need[base:j] * keep[base:j, None])
                 keep[j] = False
                 r = int(act[j])
                 victim = self._victim(r)
@@ -286,10 +305,16 @@ class FleetSim:
                         keep[j] = True
                         free[pj] -= need[j]
                 base = j + 1
-        if keep.all():
-            self._commit(act, need, own, taken, L2, S2)
-        else:
-            self._commit(act[keep], need[keep], own[keep], taken[keep], L2[keep], S2[keep])
+        if not keep.all():
+            act, rows, oh, need, own, taken, L2, S2 = (x[keep] for x in (act, rows, oh, need, own, taken, L2, S2))
+        if len(act):
+            det = need - own
+            kv.free -= oh.T @ need
+            kv.takes += oh.T @ taken
+            self.kvrows[act] = np.concatenate([L2, S2, rows[:, 2 * F:3 * F] + own, rows[:, 3 * F:] + det], axis=1)
+            d = int(det.sum())
+            kv.stats["detaches"] += d
+            kv.stats["rotations"] += int((taken - own).sum()) - d
         return keep
 
     def _commit(self, idx, need, own, taken, L2, S2) -> None:
@@ -331,7 +356,8 @@ class FleetSim:
             if self.prefix:
                 hit, p = kv.lookup(self.hashes[i], pl - self.max_hit_offset)
             if hit:
-                L, S, own = kv.attach(self.hashes[i], hit, p, self.entries[i])
+                L, S, own = kv.attach(self.hashes[i], hit, p, self.entries[i], self.drops[i])
+                self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
                 self.L[i], self.S[i], self.own[i] = L, S, own
                 self.part[i] = p
                 kv.load[p] += 1
@@ -379,6 +405,9 @@ class FleetSim:
             return
         kv = self.kv
         kv.release_entries(self.entries[i], p)
+        if self.drops[i]:
+            kv.drop_tails(self.drops[i], NEVER + 1, p)
+            self.next_drop[i] = NEVER
         kv.free[p] += self.own[i] + self.pinned[i]
         self.own[i] = self.pinned[i] = self.L[i] = self.S[i] = 0
         self.pins[i] = 0
@@ -561,7 +590,10 @@ class FleetSim:
             for j in todo.tolist():
                 i = int(idx[j])
                 end = int(min(conf[j], nb[j]))
-                moved = kv.publish(self.hashes[i], int(pub[j]), end, int(self.part[i]), self.entries[i])
+                moved = kv.publish(self.hashes[i], int(pub[j]), end, int(start[j] + num_new[j]), int(self.part[i]),
+                                   self.entries[i], self.drops[i])
+                if self.drops[i]:
+                    self.next_drop[i] = self.drops[i][0][0]
                 self.own[i] -= moved * kv.block_pages
                 self.pub[i] = end
         # unpin: the pages detached into this step's snapshots go back to the pool

@@ -26,13 +26,17 @@ from twin.abi.caches import page_alignment
 
 class Entry:
     """A published prompt block in one partition: its append-only pages, shared by `refs` live
-    requests; once unreferenced, alive while the pool has taken fewer than `evict_at` pages."""
+    requests (once unreferenced, alive while the pool has taken fewer than `evict_at` pages), and
+    the rolling families' tail at its end boundary, held by `tail_refs` requests whose rings still
+    cover it (once dropped, alive while fewer than `tail_evict` pages were taken; 0: never)."""
 
-    __slots__ = ("refs", "evict_at")
+    __slots__ = ("refs", "evict_at", "tail_refs", "tail_evict")
 
-    def __init__(self):
+    def __init__(self, F: int):
         self.refs = 1
         self.evict_at: np.ndarray | None = None
+        self.tail_refs = np.zeros(F, dtype=np.int64)
+        self.tail_evict = np.zeros(F, dtype=np.int64)
 
 
 class PagePools:
@@ -57,6 +61,9 @@ class PagePools:
         self.next_partition = 0
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
         self._first: dict[int, tuple] = {}
+        self._ring = np.where(self.rolling, self.maxb, 1 << 40)
+        # tokens past a boundary after which a ring no longer holds that boundary's tail pages
+        self.tail_span = np.where(self.rolling, (self.maxb - self.tail) * self.pt, 0)
 
     @classmethod
     def from_deployment(cls, dep, slots: int) -> "PagePools":
@@ -68,16 +75,15 @@ class PagePools:
     def growth(self, tokens: np.ndarray, L: np.ndarray, S: np.ndarray, pinned: np.ndarray):
         """Rows of requests growing to `tokens`: logical pages `L` and filled ring slots `S`
         (n x F), `pinned` whether a step is in flight.  Returns (need, own, taken, L', S'):
-        free pages needed, pages added to the request's own count, pages taken from the queue."""
+        free pages needed, pages added to the request's own count, pages taken from the queue.
+        An append-only family is a ring that never fills (`_ring` is huge there), so one formula
+        serves both kinds."""
         tgt = -(-tokens[:, None] // self.pt)
-        rolling, maxb = self.rolling, self.maxb
-        grow_full = np.where(rolling, 0, np.maximum(tgt - L, 0))
-        size = np.minimum(tgt, maxb)
-        fill = np.where(rolling, np.maximum(size - S, 0), 0)
-        wrap = np.where(rolling & (tgt > maxb), np.clip(tgt - np.maximum(L, maxb), 0, maxb), 0)
+        size = np.minimum(tgt, self._ring)
+        own = np.maximum(size - S, 0)
+        wrap = np.minimum(np.maximum(tgt - np.maximum(L, self._ring), 0), self.maxb)
         detach = wrap * pinned[:, None]
-        own = grow_full + fill
-        return own + detach, own, own + wrap, np.maximum(L, tgt), np.where(rolling, np.maximum(S, size), np.maximum(L, tgt))
+        return own + detach, own, own + wrap, np.maximum(L, tgt), np.maximum(S, size)
 
     def first_rows(self, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A request placed from nothing with `tokens`: (pages needed, logical pages, ring slots)."""
@@ -105,8 +111,13 @@ class PagePools:
     def _alive(self, e: Entry, p: int) -> bool:
         return e.refs > 0 or bool((self.takes[p][self._full] < e.evict_at[self._full]).all())
 
+    def _tail_valid(self, e: Entry, p: int) -> bool:
+        ok = (e.tail_refs > 0) | (self.takes[p] < e.tail_evict)
+        return bool(ok[self.rolling].all())
+
     def lookup(self, hashes: list[int], max_hit_tokens: int) -> tuple[int, int | None]:
-        """Longest aligned run of live blocks over partitions (ties to the lowest index)."""
+        """Longest aligned run of live blocks whose end boundary still has its rolling tails, over
+        partitions (ties to the lowest index)."""
         A = self.align
         if not self.prefix_caching or max_hit_tokens < A:
             return 0, None
@@ -114,24 +125,30 @@ class PagePools:
         best, best_p = 0, None
         for p in range(self.partitions):
             idx = self.index[p]
-            n = 0
-            while n < limit:
-                e = idx.get(hashes[n])
+            run = []
+            while len(run) < limit:
+                h = hashes[len(run)]
+                e = idx.get(h)
                 if e is None:
                     break
                 if not self._alive(e, p):
-                    del idx[hashes[n]]
+                    del idx[h]
                     self.stats["evictions"] += int(self.block_pages.sum())
                     break
-                n += 1
+                run.append(e)
+            n = len(run)
+            while n * A > best and not self._tail_valid(run[n - 1], p):
+                n -= 1
             if n * A > best:
                 best, best_p = n * A, p
         return best, best_p
 
-    def attach(self, hashes: list[int], hit: int, p: int, entries: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Reference the hit's blocks in `p`; returns the request's (L, S, own) rows.  The rolling
-        tails the hit needs are counted as the request's own pages (taken from the pool)."""
+    def attach(self, hashes: list[int], hit: int, p: int, entries: list, drops: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Reference the hit's blocks in `p` and hold its boundary's rolling tail; returns the
+        request's (L, S, own) rows.  The tail pages are counted as the request's own (a copy, not
+        a share: at most one window per family)."""
         idx, free = self.index[p], self.free[p]
+        e = None
         for j in range(hit // self.align):
             e = idx[hashes[j]]
             if e.refs == 0:
@@ -139,6 +156,8 @@ class PagePools:
                 e.evict_at = None
             e.refs += 1
             entries.append(e)
+        if e is not None:
+            self._hold_tail(e, hit, self.rolling, drops)
         L = hit // self.pt
         tail = np.where(self.rolling, np.minimum(self.tail, np.minimum(L, self.maxb)), 0)
         free -= tail
@@ -146,21 +165,46 @@ class PagePools:
         S = np.where(self.rolling, tail, L)
         return L, S, tail
 
-    def publish(self, hashes: list[int], start: int, end: int, p: int, entries: list) -> int:
-        """Index prompt blocks start..end-1 of a request in `p` (after the step is confirmed);
-        returns how many became entries (their pages leave the request's own count).  A block whose
-        content is already indexed stays the request's own (upstream keeps the first copy)."""
+    def _hold_tail(self, e: Entry, boundary: int, fams: np.ndarray, drops: list) -> None:
+        e.tail_refs[fams] += 1
+        for f in np.flatnonzero(fams).tolist():
+            drops.append((boundary + int(self.tail_span[f]), e, f))
+        drops.sort(key=lambda d: d[0])
+
+    def publish(self, hashes: list[int], start: int, end: int, confirmed: int, p: int, entries: list,
+                drops: list) -> int:
+        """Index prompt blocks start..end-1 of a request in `p` after a step confirmed `confirmed`
+        tokens; returns how many became entries (their pages leave the request's own count).  A
+        block whose content is already indexed stays the request's own (upstream keeps the first
+        copy).  A boundary's rolling tail is published when the ring still covered it, and
+        refreshes an entry whose tail was evicted."""
         idx = self.index[p]
         moved = 0
+        A = self.align
         for j in range(start, end):
             h = hashes[j]
             e = idx.get(h)
+            b = (j + 1) * A
+            covered = self.rolling & (confirmed <= b + self.tail_span)
             if e is not None and self._alive(e, p):
+                stale = covered & (e.tail_refs == 0) & (self.takes[p] >= e.tail_evict)
+                if stale.any():
+                    self._hold_tail(e, b, stale, drops)
                 continue
-            e = idx[h] = Entry()
+            e = idx[h] = Entry(self.F)
             entries.append(e)
             moved += 1
+            if covered.any():
+                self._hold_tail(e, b, covered, drops)
         return moved
+
+    def drop_tails(self, drops: list, tokens: int, p: int) -> None:
+        """The request's ring moved past these tails (or it left): their pages join the free queue."""
+        while drops and drops[0][0] < tokens:
+            _, e, f = drops.pop(0)
+            e.tail_refs[f] -= 1
+            if e.tail_refs[f] == 0:
+                e.tail_evict[f] = self.takes[p, f] + self.free[p, f]
 
     def release_entries(self, entries: list, p: int) -> None:
         free = self.free[p]
