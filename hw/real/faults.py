@@ -313,9 +313,10 @@ class RealFault:
             self._fire(f"{self.kind} at dispatch {self.at}: layer {self.layer} kv_cache row {row}", str(self.layer))
         return out
 
-    def _redraft(self, side, rd, out: dict) -> dict:
+    def _redraft(self, side, rd, out: dict, edit: str | None = "fault") -> dict:
         """Re-run one group's drafter stage of fused dispatch `rd` from the pools it started with, one
-        request's drafter row faulty (see the module docstring)."""
+        request's drafter row faulty (see the module docstring); edit=None re-runs it unchanged (the
+        tests check that this reproduces the device's own drafter stage bit for bit)."""
         if rd.kind != "decode" or "accepted_counts" not in out or not self._pools:
             return out
         g, run = side.g, side.run
@@ -325,7 +326,8 @@ class RealFault:
         for s, c in zip(seqs, np.asarray(out["accepted_counts"]).tolist()):
             if s.draft_anchor == s.anchor - 1:          # it redrafted this step
                 groups.setdefault(s.group, []).append((s, int(c), s.anchor - int(c), np.flatnonzero(meta.req == s.index)))
-        stale = self.kind == "stale_draft_kv"
+        edit = self.kind if edit == "fault" else edit
+        stale = edit == "stale_draft_kv"
         cands = [(grp, k) for grp, items in sorted(groups.items()) for k, (s, c, old, rows) in enumerate(items)
                  if stale or (c < rows.size and old + c + S.QW < g.max_model_len)]
         if not cands:
@@ -335,11 +337,13 @@ class RealFault:
         rows_, hidden = [], []
         for k, (s, c, old, rows) in enumerate(groups[grp]):
             keep, anchor, tau = list(range(c)), old + c - 1, s.current
-            if k == pick and stale:
+            if k != pick or edit is None:
+                pass
+            elif stale:
                 drop = int(self.rng.integers(c))
                 keep.pop(drop)
                 what = f"request {s.req.request_id} context row at position {old + drop} not rewritten (stale)"
-            elif k == pick:
+            else:
                 keep, anchor, tau = list(range(c + 1)), old + c, int(np.asarray(sampled)[rows[c]])
                 what = f"request {s.req.request_id} verify row at position {old + c} (beyond {c} accepted) published"
             rows_.append(DraftRow(s.lease, anchor, tau, tuple(old + i for i in keep), owner_rank=S.owner_rank(s, g.tp)))
@@ -359,5 +363,43 @@ class RealFault:
         out = dict(out)
         out["drafts"] = np.stack([run.state.tokens[s.group, s.lease] for s in seqs])
         out["state_meta"] = np.stack([run.state.meta[s.group, s.lease] for s in seqs])
-        self._fire(f"{self.kind} at dispatch {self._index}: group {grp} {what}", "drafter")
+        if edit is not None:
+            self._fire(f"{self.kind} at dispatch {self._index}: group {grp} {what}", "drafter")
         return out
+
+
+# ---- measuring detection and localization ------------------------------------------------------------
+def sweep_layers(cfg, kind: str) -> tuple[int, ...]:
+    """Layers a sweep injects `kind` at: first, middle and last layer; for dropped_boundary the first
+    CSA, first HCA and last compressed layer; for ring_alias one layer of each kind (one ring each)."""
+    n = cfg.num_hidden_layers
+    if kind in LAYERLESS:
+        return (0,)
+    if kind == "dropped_boundary":
+        cmp = [l for l in range(n) if cfg.compress_ratios[l] in (4, 128)]
+        first = [min(l for l in cmp if cfg.compress_ratios[l] == r) for r in (4, 128)]
+        return tuple(dict.fromkeys(first + cmp[-1:]))
+    if kind == "ring_alias":
+        return tuple(min(l for l in range(n) if cfg.layer_kind(l) == k) for k in ("swa", "csa", "hca"))
+    return tuple(dict.fromkeys((0, n // 2, n - 1)))
+
+
+def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny", max_new: int = 40,
+             horizon: int = 60, **build) -> dict:
+    """One injection: a strict real-golden lockstep with the fault, run until it stops (the first
+    failure) or `horizon` dispatches.  detected: the run failed at the dispatch the fault fired at and
+    not before; localized: the first divergence names the fault's expected (layer, stage)."""
+    from .lockstep import build_real
+
+    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer)
+    lr = build_real(preset=preset, seed=seed, k=7, max_new=max_new, fault=f, **build)
+    s = lr.run(horizon)
+    fd = s["first_divergence"]
+    fails = [e["index"] for e in lr.entries if e["verdict"] == "fail"]
+    out = {"kind": kind, "seed": seed, "at": at, "layer": layer, "fired_at": f.fired_at, "fired": f.fired,
+           "dispatches": s["dispatches"], "expected": None if f.expected is None else [f.expected[0], list(f.expected[1])],
+           "got": None if fd is None else [fd["dispatch"], fd["layer"], fd["stage"]]}
+    out["false_alarm"] = bool(fails) and (f.fired_at is None or fails[0] < f.fired_at)
+    out["detected"] = f.fired_at is not None and fails[:1] == [f.fired_at]
+    out["localized"] = bool(out["detected"] and fd["layer"] == f.expected[0] and fd["stage"] in f.expected[1])
+    return out

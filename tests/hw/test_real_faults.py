@@ -1,0 +1,97 @@
+"""Issue 8's fault kinds on the real-golden lockstep (hw.real.faults): each is injected inside the
+device side's own computation, detected at the dispatch it fires at (never before) and localized
+to the (layer, stage) it breaks; the emulation behind the faults is checked to be exact when the
+fault is absent.  The full sweep (seeds x dispatches x layers) is benchmarks/real_fault_sweep.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torch")
+
+from golden.paged import lower  # noqa: E402
+from hw.real.faults import EXPECTED_STAGES, ISSUE8_KINDS, REAL_KINDS, RealFault, run_case, sweep_layers  # noqa: E402
+from hw.real.lockstep import build_real, parse_real_fault  # noqa: E402
+from twin.abi.errors import AbiError  # noqa: E402
+from twin.abi.presets import get_preset  # noqa: E402
+
+TINY = get_preset("tiny")
+
+
+@pytest.mark.parametrize("kind,at,layer", [("bitflip", 5, 0), ("stale_draft_kv", 0, 0), ("wrong_slot", 0, 6),
+                                           ("dropped_boundary", 5, 4), ("off_by_one_position", 5, 0),
+                                           ("flipped_route", 0, 3), ("uncommitted_publish", 5, 0),
+                                           ("ring_alias", 0, 2), ("ring_alias", 5, 0)])
+def test_issue8_kind_detected_and_localized(kind, at, layer):
+    c = run_case(kind, seed=0, at=at, layer=layer, max_new=8, horizon=at + 8)
+    assert c["fired_at"] is not None and c["fired_at"] >= at, c
+    assert c["detected"] and not c["false_alarm"], c
+    assert c["localized"], c
+    assert c["got"][0] == c["fired_at"] and c["got"][2] in EXPECTED_STAGES[kind]
+
+
+@settings(max_examples=6, deadline=None)
+@given(kind=st.sampled_from(ISSUE8_KINDS), at=st.integers(0, 7), pick=st.integers(0, 2), seed=st.integers(0, 1))
+def test_any_issue8_fault_is_caught_where_it_fires(kind, at, pick, seed):
+    layers = sweep_layers(TINY, kind)
+    c = run_case(kind, seed=seed, at=at, layer=layers[pick % len(layers)], max_new=6, horizon=at + 6)
+    if c["fired_at"] is None:       # nothing to host it in the run (an HCA boundary needs position 127)
+        assert c["got"] is None and not c["false_alarm"]
+    else:
+        assert c["detected"] and c["localized"], c
+
+
+def test_drafter_rerun_is_exact_without_a_fault():
+    """The drafter faults re-run a fused dispatch's drafter stage; unchanged, that re-run gives the
+    device's own pools and drafts bit for bit, so the fault is the only difference it adds."""
+    f = RealFault("stale_draft_kv", at=10_000)
+    lr = build_real(k=7, max_new=6, fault=f)
+    checked = 0
+    while (rd := lr.stream.next(lr.dev)) is not None and checked < 2:
+        f._pools = list(lr.dev.run.pools)
+        lr.check(rd)
+        if rd.kind != "decode":
+            continue
+        pools, tokens = list(lr.dev.run.pools), lr.dev.run.state.tokens.copy()
+        routes = list(lr.dev.par.draft_routes)
+        out = f._redraft(lr.dev, rd, lr.last_step.outputs, edit=None)
+        for a, b in zip(pools, lr.dev.run.pools):
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        assert np.array_equal(tokens, lr.dev.run.state.tokens)
+        assert all(np.array_equal(x, y) for x, y in zip(routes, lr.dev.par.draft_routes))
+        assert np.array_equal(out["drafts"], lr.last_step.outputs["drafts"])
+        checked += 1
+    assert checked == 2 and f.fired is None
+
+
+def test_relowering_reproduces_the_staged_meta():
+    """off_by_one_position and ring_alias re-lower the staged dispatch with one change; with none,
+    the re-lowering is the staged meta array for array."""
+    f = RealFault("ring_alias", at=10_000)
+    lr = build_real(k=7, max_new=4, fault=f)
+    seen = set()
+    while (rd := lr.stream.next(lr.dev)) is not None and len(seen) < 2:
+        lr.check(rd)
+        if not lr.dev.par.calls:
+            continue
+        meta = lr.dev.par.calls[-1][0]
+        again = lower(TINY, f._spans(meta), form=meta.form).arrays()
+        for k, v in meta.arrays().items():
+            assert np.array_equal(v, again[k]), k
+        seen.add(meta.form)
+    assert seen == {"prefill", "decode"}
+
+
+def test_fault_definitions_and_bad_input():
+    assert set(EXPECTED_STAGES) == set(REAL_KINDS) and set(ISSUE8_KINDS) <= set(REAL_KINDS)
+    with pytest.raises(AbiError, match="layer.*compressed layer"):
+        build_real(fault=RealFault("dropped_boundary", layer=0))
+    with pytest.raises(AbiError, match="kind='bitrot'"):
+        parse_real_fault("bitrot@3")
+    f = parse_real_fault("wrong_slot@4:3")
+    assert (f.kind, f.at, f.layer) == ("wrong_slot", 4, 3)
+    lr = build_real(k=7, max_new=4)
+    with pytest.raises(AbiError, match="device numerics"):
+        RealFault("wrong_slot").attach(lr.gold)           # golden's NumPy numerics have no store hook
