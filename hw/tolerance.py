@@ -85,6 +85,7 @@ class Tolerance:
 _BF16_ACT = dict(atol=6e-2, rtol=5e-2, atol_rms=0.1, max_ulp=8, bad_budget=0.05, hard_atol=0.75, hard_rtol=0.5,
                  hard_atol_rms=0.5,
                  max_row_rel_l2=0.12, min_cosine=0.996, max_rel_l2=0.08)
+_DEPTH = dict(depth_ref=1, depth_growth=0.225)
 DEFAULT_TABLE: dict[tuple[str, str, str], Tolerance] = {
     ("norm", "bf16", "none"): Tolerance(**_BF16_ACT),
     ("matmul", "bf16", "none"): Tolerance(**_BF16_ACT),
@@ -98,8 +99,10 @@ DEFAULT_TABLE: dict[tuple[str, str, str], Tolerance] = {
     ("logits", "f32", "none"): Tolerance(atol=0.15, rtol=5e-2, atol_rms=0.1, bad_budget=0.05, hard_atol=1.5,
                                          hard_rtol=0.5, max_row_rel_l2=0.15, min_cosine=0.996, max_rel_l2=0.08,
                                          max_kl=2e-2),
-    ("route", "i32", "none"): Tolerance(exact=True, unordered=True, tie_tol=2e-2),
-    ("sample", "i32", "none"): Tolerance(exact=True, tie_tol=2e-2),
+    # near-tie margins: 0.02 through layer 1, then + 0.0045 per layer (0.02 x 0.225), the linear envelope
+    # of the residual stream's measured device-vs-golden row rel-L2 on the real path (docs/lockstep.md)
+    ("route", "i32", "none"): Tolerance(exact=True, unordered=True, tie_tol=2e-2, **_DEPTH),
+    ("sample", "i32", "none"): Tolerance(exact=True, tie_tol=2e-2, **_DEPTH),
     ("index", "i32", "none"): Tolerance(exact=True),
 }
 
