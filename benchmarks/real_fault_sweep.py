@@ -10,6 +10,15 @@ names the expected layer and stage), with every miss listed.  Issue 8 asks 100 %
 
     python benchmarks/real_fault_sweep.py                       # TINY: 3 seeds x 3 dispatch indices
     python benchmarks/real_fault_sweep.py --preset small --seeds 0 --ats 0,6
+
+`--clean` instead runs clean locksteps (continuous mode, the default policy, `--max-new` 100 gives
+103 dispatches: 2 packed prefills, 2 seeding waves, 99 fused K=7) per preset and seed and reports
+false alarms plus the measurement behind the policy's depth-scaled tie margins: per layer depth, the
+largest golden-score gap of a route the device chose differently, the residual stream's largest
+per-row rel-L2 divergence (the `attn_in` taps; the head's `hidden`), the largest greedy-sample gap,
+and the margin the policy gives at that depth.
+
+    python benchmarks/real_fault_sweep.py --clean --presets tiny,small --seeds 0,1,2 --max-new 100
 """
 from __future__ import annotations
 
@@ -23,6 +32,65 @@ import json  # noqa: E402
 import time  # noqa: E402
 
 
+def clean(presets, seeds, max_new: int) -> dict:
+    import numpy as np
+
+    from hw.real.lockstep import build_real
+    from hw.tolerance import Policy
+    from twin.abi.presets import get_preset
+
+    policy, runs = Policy(), []
+    gap, xrel, sample = {}, {}, {}
+    for preset in presets:
+        head = get_preset(preset).num_hidden_layers
+        for seed in seeds:
+            c0 = time.process_time()
+            lr = build_real(preset=preset, seed=seed, k=7, max_new=max_new, mode="continuous")
+            check = lr.check
+
+            def measured(rd, check=check, lr=lr, head=head):
+                e = check(rd)
+                dc, gc = lr.dev.par.calls, lr.gold.par.calls
+                if dc and gc:
+                    dt, gt = dc[-1][1], gc[-1][1]
+                    for site in gt:
+                        if site[1] == "attn_in" or site == ("head", "hidden"):
+                            a, b = (np.asarray(t[site], np.float64).reshape(len(gt[site]), -1) for t in (dt, gt))
+                            d = head if site[0] == "head" else site[0]
+                            n = np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+                            r = float((np.linalg.norm(a - b, axis=1) / n).max())
+                            xrel[d] = max(xrel.get(d, 0.0), r)
+                    gl, dl = (np.asarray(t[("head", "logits")], np.float64) for t in (gt, dt))
+                    for r in np.flatnonzero(gl.argmax(-1) != dl.argmax(-1)):
+                        g = (gl[r].max() - gl[r, dl[r].argmax()]) / max(1.0, abs(gl[r].max()))
+                        sample[head] = max(sample.get(head, 0.0), float(g))
+                return e
+            lr.check = measured
+            s = lr.run(10_000)
+            for d, g in lr.gold.par.route_gaps:
+                gap[d] = max(gap.get(d, 0.0), g)
+            runs.append({"preset": preset, "seed": seed, "verdict": s["verdict"], "dispatches": s["dispatches"],
+                         "programs": {k: v["dispatches"] for k, v in s["programs"].items()},
+                         "false_alarms": [[e["index"], e["first_divergence"]["layer"], e["first_divergence"]["stage"]]
+                                          for e in lr.entries if e["verdict"] == "fail"],
+                         "resyncs": s["resyncs"], "cpu_s": round(time.process_time() - c0, 1),
+                         "worst": {k: {m: v[m] for m in ("max_row_rel_l2", "min_cosine") if m in v}
+                                   for k, v in s["worst_metrics"].items() if "/i32/" not in k}})
+    depths = sorted(set(gap) | set(xrel) | set(sample))
+    d = np.array([x for x in depths if x in xrel and x > 0], float)
+    slope, icept = np.polyfit(d, [xrel[int(x)] for x in d], 1)
+    per = {str(x): {"route_gap": round(gap.get(x, 0.0), 5), "sample_gap": round(sample.get(x, 0.0), 5),
+                    "residual_row_rel_l2": round(xrel.get(x, 0.0), 5),
+                    "route_margin": round(policy.lookup("route", "i32", depth=x).tie_tol, 5),
+                    "sample_margin": round(policy.lookup("sample", "i32", depth=x).tie_tol, 5)} for x in depths}
+    worst = max([gap[x] / per[str(x)]["route_margin"] for x in gap] + [sample[x] / per[str(x)]["sample_margin"]
+                                                                       for x in sample])
+    return {"mode": "clean", "max_new": max_new, "runs": runs, "depth": per,
+            "residual_fit": {"intercept": round(float(icept), 5), "per_layer": round(float(slope), 5)},
+            "worst_gap_over_margin": round(float(worst), 3),
+            "all_clean": all(not r["false_alarms"] for r in runs)}
+
+
 def main(argv=None) -> dict:
     from hw.real.faults import REAL_KINDS, run_case, sweep_layers
     from twin.abi.presets import get_preset
@@ -34,7 +102,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--kinds", default=",".join(REAL_KINDS))
     ap.add_argument("--max-new", type=int, default=40, help="tokens per request (40 reach a ratio-128 boundary)")
     ap.add_argument("--horizon", type=int, default=60, help="dispatches a run may take to fire")
+    ap.add_argument("--clean", action="store_true", help="clean runs and the depth measurement instead")
+    ap.add_argument("--presets", default="tiny,small", help="with --clean")
     a = ap.parse_args(argv)
+    if a.clean:
+        out = clean(a.presets.split(","), [int(x) for x in a.seeds.split(",")], a.max_new)
+        print(json.dumps(out, indent=1))
+        return out
     cfg = get_preset(a.preset)
     seeds, ats = [int(x) for x in a.seeds.split(",")], [int(x) for x in a.ats.split(",")]
     t0, c0 = time.perf_counter(), time.process_time()

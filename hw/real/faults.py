@@ -325,7 +325,8 @@ class RealFault:
         groups: dict[int, list] = {}
         for s, c in zip(seqs, np.asarray(out["accepted_counts"]).tolist()):
             if s.draft_anchor == s.anchor - 1:          # it redrafted this step
-                groups.setdefault(s.group, []).append((s, int(c), s.anchor - int(c), np.flatnonzero(meta.req == s.index)))
+                rows = np.flatnonzero(meta.req == s.index)
+                groups.setdefault(s.group, []).append((s, int(c), s.anchor - int(c), rows))
         edit = self.kind if edit == "fault" else edit
         stale = edit == "stale_draft_kv"
         cands = [(grp, k) for grp, items in sorted(groups.items()) for k, (s, c, old, rows) in enumerate(items)
@@ -397,7 +398,8 @@ def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny",
     fd = s["first_divergence"]
     fails = [e["index"] for e in lr.entries if e["verdict"] == "fail"]
     out = {"kind": kind, "seed": seed, "at": at, "layer": layer, "fired_at": f.fired_at, "fired": f.fired,
-           "dispatches": s["dispatches"], "expected": None if f.expected is None else [f.expected[0], list(f.expected[1])],
+           "dispatches": s["dispatches"],
+           "expected": None if f.expected is None else [f.expected[0], list(f.expected[1])],
            "got": None if fd is None else [fd["dispatch"], fd["layer"], fd["stage"]]}
     out["false_alarm"] = bool(fails) and (f.fired_at is None or fails[0] < f.fired_at)
     out["detected"] = f.fired_at is not None and fails[:1] == [f.fired_at]
