@@ -16,7 +16,12 @@ Public API:
     RealFault, REAL_KINDS, EXPECTED_STAGES     hw.real.faults     device-side faults and where they must localize
     RealLockstep, build_real, parse_real_fault hw.real.lockstep   compare, localize, re-sync (route, index,
                                                                   sample, draft, tokens, hidden), report;
-                                                                  carry="device" | "golden"
+                                                                  carry="device" | "golden"; records and
+                                                                  resume with a run_dir (record=True)
+    RealRecorder                               hw.real.records    dispatch records (hw.records.RecordStore)
+    replay, restore                            hw.real.replay     offline replay of records; resume
+    DistPar, spawn_local                       hw.real.ranks      the target forward as processes, one per
+                                                                  rank, with real collectives (torchrun)
 
 Only twin.abi, golden and hw are imported (DESIGN.md); torch when a device side computes.
 """
