@@ -86,7 +86,8 @@ def write_summary(run_dir, entries: list[dict], config: dict) -> dict:
     md = [f"# Lockstep: {s['verdict']}", "", "## First divergence", "", *_fd_lines(s), ""]
     if s["first_divergence"]:
         md += ["| metric | value |", "|---|---|"]
-        md += [f"| {k} | {v} |" for k, v in s["first_divergence"]["metrics"].items()]
+        # sorted: a resumed run reads its entries back from report.jsonl (sorted keys) and must match
+        md += [f"| {k} | {v} |" for k, v in sorted(s["first_divergence"]["metrics"].items())]
         md.append("")
     md += ["## Dispatches", "", "| program | dispatches | failed |", "|---|---:|---:|"]
     md += [f"| {p} | {c['dispatches']} | {c['failed']} |" for p, c in sorted(s["programs"].items())]
@@ -110,7 +111,7 @@ def _html(s: dict) -> str:
     rows = "".join(f"<tr><td>{e(p)}</td><td>{c['dispatches']}</td><td>{c['failed']}</td></tr>"
                    for p, c in sorted(s["programs"].items()))
     if fd:
-        met = "".join(f"<tr><td>{e(str(k))}</td><td>{e(str(v))}</td></tr>" for k, v in fd["metrics"].items())
+        met = "".join(f"<tr><td>{e(str(k))}</td><td>{e(str(v))}</td></tr>" for k, v in sorted(fd["metrics"].items()))
         lead = (f"<p>Dispatch <b>{fd['dispatch']}</b> (<code>{e(fd['program'])}</code>), "
                 f"layer <b>{e(fd['layer'])}</b>, stage <b>{e(fd['stage'])}</b>, "
                 f"tensor <code>{e(fd['tensor'])}</code>: {e('; '.join(fd['reasons']))}</p>"

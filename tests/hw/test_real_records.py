@@ -146,3 +146,23 @@ def test_sigkilled_cli_run_resumes_identically(recorded, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stdout and "PASS" in out.stdout
     _same_run(recorded, tmp_path)
+
+
+def test_a_failing_continuous_run_replays_and_resumes_identically(tmp_path):
+    """After a fault the golden adopts the device's whole run (continuous mode): replay and resume
+    reproduce that too, including the failing dispatch's localization from its recorded taps."""
+    from hw.real.faults import RealFault
+
+    def run(d, crash=None):
+        lr = build_real(max_new=10, run_dir=d, mode="continuous", fault=RealFault("kv_row", at=5, layer=3))
+        lr.crash_after = crash
+        return lr.run(10)
+
+    s = run(tmp_path / "a")
+    assert s["failed_dispatches"] == 1 and s["first_divergence"]["dispatch"] == 5
+    assert [json.dumps(e, sort_keys=True) for e in replay(tmp_path / "a")] == _lines(tmp_path / "a")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b", crash=7)
+    run(tmp_path / "b")
+    for name in ("report.jsonl", "summary.md", "summary.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

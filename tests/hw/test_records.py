@@ -66,3 +66,16 @@ def test_torn_manifest_line_and_unindexed_pack_are_ignored(tmp_path):
     assert np.array_equal(fresh.get(recs[0].inputs["a"]), np.ones(3))
     fresh.truncate(1)
     assert fresh.manifest.read_text().count("\n") == 1 and json.loads(fresh.manifest.read_text())["index"] == 0
+
+
+def test_a_torn_index_line_is_dropped_before_the_next_append(tmp_path):
+    s = RecordStore(tmp_path)
+    h0 = s.put(np.arange(3))
+    s.flush_pack("p0")
+    with open(s.index_path, "a") as fh:
+        fh.write('{"pack": "p1.bin", "blo')              # killed mid-line
+    fresh = RecordStore(tmp_path)
+    h1 = fresh.put(np.arange(4))                          # loads the index, drops the torn tail
+    fresh.flush_pack("p2")
+    again = RecordStore(tmp_path)
+    assert np.array_equal(again.get(h0), np.arange(3)) and np.array_equal(again.get(h1), np.arange(4))
