@@ -64,9 +64,13 @@ def test_records_hold_inputs_outputs_and_state_deltas(recorded):
     assert 0 < rows.size < 0.25 * np.prod(shape[:-1])
 
 
-def test_replay_gives_the_recorded_entries(recorded):
+def test_replay_gives_the_recorded_entries(recorded, capsys):
+    from twin.cli import main
+
     entries = replay(recorded)
     assert [json.dumps(e, sort_keys=True) for e in entries] == _lines(recorded)
+    assert main(["lockstep", "--replay", "--run-dir", str(recorded)]) == 0
+    assert f"{N} identical to the report" in " ".join(capsys.readouterr().out.split())
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -106,6 +110,9 @@ def test_replay_flags_a_consistently_rewritten_record(recorded, tmp_path):
     assert [e["verdict"] for e in entries] == ["pass"] * 8 + ["fail"]
     fd = entries[8]["first_divergence"]
     assert (fd["layer"], fd["stage"]) == (key.split("/")[0], "kv")
+    from twin.cli import main
+
+    assert main(["lockstep", "--replay", "--run-dir", str(d)]) == 1
 
 
 def test_crash_between_record_and_report_line_resumes_identically(recorded, tmp_path):

@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
     p.add_argument("--seed", type=int, default=0, help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
+    p.add_argument("--replay", action="store_true",
+                   help="no device: re-judge the records in --run-dir against the golden offline (real golden) and "
+                        "compare with its report")
     p.add_argument("--golden", default="real", choices=("real", "reference"),
                    help="real: golden.compose/golden.dspark through twin.abi.lowering (hw.real, default); "
                         "reference: hw.model's compact reference step")
@@ -46,6 +49,8 @@ def run(args) -> int:
 
     con = Console()
     run_dir = Path(args.run_dir)
+    if args.replay:
+        return _replay(args, run_dir, con, Policy.from_json(args.policy) if args.policy else None)
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     resumed = (run_dir / "report.jsonl").exists()
@@ -94,3 +99,24 @@ def run(args) -> int:
     con.print(f"re-syncs: {rs}")
     con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl" + (")" if args.no_records else ", records/)"))
     return 0 if s["verdict"] == "PASS" else 1
+
+
+def _replay(args, run_dir, con, policy) -> int:
+    """Exit 0 when every recorded dispatch replays to its report line, 1 when any differs."""
+    import json
+
+    from hw.real.replay import replay
+    from hw.report import ReportWriter
+    from twin.abi.errors import AbiError
+
+    if args.golden != "real":
+        raise AbiError("golden", args.golden, "real (--replay re-judges hw.real records; for the reference golden "
+                       "use hw.lockstep.replay)", where="lockstep --replay")
+    entries = replay(run_dir, policy=policy)
+    report = ReportWriter(run_dir).entries()
+    differ = [e["index"] for e, r in zip(entries, report) if json.dumps(e, sort_keys=True) != json.dumps(r, sort_keys=True)]
+    failed = sum(e["verdict"] == "fail" for e in entries)
+    con.print(f"replayed {len(entries)} recorded dispatches offline: {failed} failed, "
+              f"{len(entries) - len(differ)} identical to the report"
+              + (f"; differ at {differ[:8]}" if differ else ""))
+    return 1 if differ or len(entries) != len(report) else 0
