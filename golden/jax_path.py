@@ -1,80 +1,95 @@
-"""The JAX path: the golden layer compositions on jax.numpy, each layer kind jit-compiled once,
-equal to NumPy within FP32 tolerance (the same greedy tokens).
+"""The JAX path: the golden compositions on jax.numpy, the whole step (embedding, every layer,
+head) compiled as one function, equal to NumPy within kernel-math's FP32 tolerances.
 
-Compute is float64 as in NumPy (kernel-math rounding points are explicit), so every call runs
-under `jax.enable_x64(True)` — a scoped setting, restored on exit; nothing global is changed.
+Numerics: device (and official) mode carry sums in float32, the device contract's accumulator
+(`golden.jax_numerics.Fp32Numerics`: kernel-math's rounding points, INT8 GEMMs exact); exact mode
+is float64 as in NumPy.  Calls run under `jax.enable_x64(True)`, a scoped setting restored on
+exit; nothing global is changed.
+
 What NumPy decides from data, JAX takes as static shapes computed on the host from the call's
-metadata (`golden.jax_kernels.Layout`: the token grid, window unions, boundary tokens; candidate
-counts), all part of the jit cache key.  Attention and the indexer gather candidates per request,
-routed experts run in expert blocks (`golden.jax_kernels`): on a CPU, XLA's small-M batched
-GEMMs over per-token candidates and dense all-expert MoE were 3-5x slower than NumPy.
+metadata (`golden.jax_kernels.Layout`: token grid, window unions, boundary tokens; candidate
+counts rounded up to powers of two), all part of the jit key: a decode loop compiles once per
+bucket.  Layers are unrolled in one jit (no host round trip between them); pools may be donated
+so that the cache writes happen in place.
 
     jg = JaxGolden(ckpt, cfg, "device")
-    out = jg.forward(meta, caches)            # same signature and result as compose.forward
+    out = jg.forward(meta, caches)                # same signature and result as compose.forward
+    out = jg.forward(meta, out.caches, donate=True)   # a decode loop: pools updated in place
+    out = jg.forward(meta, caches, taps=("moe_indices", "ffn_x_mixed"))   # out.taps: Taps
 """
 from __future__ import annotations
+
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .compose import ForwardOut, _check_contiguous, final_head, moe_sublayer, rope_inputs
+from twin.abi.errors import AbiError
+
+from .compose import ForwardOut, Taps, _check_contiguous, final_head, moe_sublayer, rope_inputs
 from .jax_kernels import attention_sublayer_grouped, layout, moe_blocked
+from .jax_numerics import Fp32Numerics
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
 from .numerics import Numerics
 from .paged import PREFILL, StepMeta
 
 EXPERT_KEYS = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
+# stages the jitted step can hand back (compose.Taps names; the others exist only inside XLA fusions)
+JAX_TAP_STAGES = ("attn_in", "attn_x_hc", "ffn_x_mixed", "moe_indices", "moe_weights", "ffn_out", "x_hc")
 
 
 class JaxGolden:
     def __init__(self, ckpt, cfg, mode: str = "device", compiler_options: dict | None = None):
-        """compiler_options go to every jax.jit (e.g. {"xla_backend_optimization_level": 0} trades
-        step speed for less compile time in tests)."""
+        """compiler_options go to jax.jit (e.g. {"xla_backend_optimization_level": 0} trades step
+        speed for less compile time in tests)."""
         self.cfg = cfg
         self.compiler_options = compiler_options
-        self.nm = Numerics(mode, jnp)
+        self.nm = Fp32Numerics(mode, jnp)
         self.host_nm = Numerics(mode)
         L = cfg.num_hidden_layers
+        # weights widened once to the compute dtype (exact: int8, bf16 and f32 values are f32 values);
+        # XLA would otherwise convert every weight on every step.  Index tables stay integers.
+        wide = lambda v: v if v.dtype.kind in "iu" and v.dtype.itemsize > 1 else v.astype(self.nm.f)
         with jax.enable_x64(True):
-            put = lambda d: {k: jnp.asarray(v) for k, v in d.items() if v is not None}
+            put = lambda d: {k: jnp.asarray(wide(np.asarray(v))) for k, v in d.items() if v is not None}
             self.layers = [put(ckpt.layer(l)) for l in range(L)]
             # a layer's routed experts stacked on a leading expert axis (one block reads one expert)
-            self.experts = [{k: jnp.asarray(np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)]))
+            self.experts = [{k: jnp.asarray(wide(np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)])))
                              for k in EXPERT_KEYS} for l in range(L)]
             self.model = put(ckpt.model())
         self._fns = {}
+        self.compile_s = {}          # jit key -> seconds of its first call (trace + compile + run)
 
-    def _layer_fn(self, layer, form, n_idx, n_hca, lay):
-        cfg = self.cfg
-        ratio = cfg.compress_ratios[layer]
-        key = (ratio, layer < cfg.num_hash_layers, form, n_idx, n_hca, lay.key())
-        if key not in self._fns:
-            n_win_tiles = lay.n_win_tiles
+    def _step_fn(self, form, n_idx, n_hca, lay, donate, stages):
+        key = (form, n_idx, n_hca, lay.key(), donate, stages)
+        if key in self._fns:
+            return self._fns[key], key
+        cfg, nm, n_win_tiles = self.cfg, self.nm, lay.n_win_tiles
 
-            def step(x_hc, w, ex, pools, m, g, rope, layer_id):
-                g = dict(g, n_win_tiles=n_win_tiles)
-                x_hc, pools = attention_sublayer_grouped(x_hc, layer_id, w, pools, m, rope, g, cfg=cfg, nm=self.nm,
-                                                         form=form, ratio=ratio, n_idx=n_idx, n_hca=n_hca)
-                x_hc = moe_sublayer(x_hc, layer_id, w, ex, m["input_ids"], cfg=cfg, nm=self.nm, moe=moe_blocked)
-                return x_hc, pools
-            # the layer id only selects routing (hash or scored): part of the key
-            self._fns[key] = jax.jit(step, static_argnums=(7,), compiler_options=self.compiler_options)
-        return self._fns[key], self._canonical_layer(key)
+        def step(model, layers, experts, pools, m, g, rope):
+            if hasattr(nm, "reads"):
+                nm.reads.clear()
+            taps = Taps(stages)
+            g = dict(g, n_win_tiles=n_win_tiles)
+            ids = m["input_ids"]
+            x_hc = lookup_embedding(ids, model["embed_weight"], cfg=cfg, nm=nm)[1]
+            out = []
+            for layer in range(cfg.num_hidden_layers):
+                taps.put(layer, "attn_in", x_hc)
+                x_hc, p = attention_sublayer_grouped(x_hc, layer, layers[layer], pools[layer], m, rope, g, cfg=cfg,
+                                                     nm=nm, form=form, ratio=cfg.compress_ratios[layer],
+                                                     n_idx=n_idx, n_hca=n_hca)
+                taps.put(layer, "attn_x_hc", x_hc)
+                x_hc = moe_sublayer(x_hc, layer, layers[layer], experts[layer], ids, cfg=cfg, nm=nm, taps=taps,
+                                    moe=moe_blocked)
+                out.append(p)
+            logits, sampled = final_head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
+            return logits, sampled, out, x_hc, {f"{l}:{s}": v for (l, s), v in taps.items()}
 
-    def _embed_fn(self):
-        if "embed" not in self._fns:     # eager, its gather and broadcast cost ~5 ms of dispatch per call
-            self._fns["embed"] = jax.jit(lambda ids, w: lookup_embedding(ids, w, cfg=self.cfg, nm=self.nm)[1],
-                                         compiler_options=self.compiler_options)
-        return self._fns["embed"]
-
-    def _head_fn(self):
-        if "head" not in self._fns:
-            self._fns["head"] = jax.jit(lambda x_hc, model, rows: final_head(x_hc, model, rows, cfg=self.cfg,
-                                                                           nm=self.nm),
-                                        compiler_options=self.compiler_options)
-        return self._fns["head"]
+        self._fns[key] = jax.jit(step, donate_argnums=(3,) if donate else (), compiler_options=self.compiler_options)
+        return self._fns[key], key
 
     def static_extents(self, meta: StepMeta):
         """The candidate counts of a call (max indexer visibility, max HCA rows), rounded up to a
@@ -87,34 +102,58 @@ class JaxGolden:
         n_hca = int(np.minimum((pos + 1) // 128, lens // 128).max(initial=0))
         return _bucket(n_idx, 16), (_bucket(n_hca, 1) if n_hca else 0)
 
-    def forward(self, meta: StepMeta, caches) -> ForwardOut:
+    def forward(self, meta: StepMeta, caches, *, donate: bool = False, taps=None, extents=None) -> ForwardOut:
+        """compose.forward on JAX.  donate=True hands the pools over (JAX arrays the caller does not
+        use again, e.g. the previous step's out.caches): writes then happen in place.  taps: stage
+        names from JAX_TAP_STAGES; out.taps is a Taps keyed (layer, stage).  extents: (indexer
+        candidates, HCA rows) at least static_extents(meta), to share one compiled step across
+        calls that need different extents (a decode loop pinned to its largest)."""
         cfg = self.cfg
+        if len(caches) != cfg.num_hidden_layers:
+            raise AbiError("caches", len(caches), f"one pool dict per layer ({cfg.num_hidden_layers})",
+                           where="JaxGolden.forward")
+        stages = tuple(sorted(taps or ()))
+        bad = [s for s in stages if s not in JAX_TAP_STAGES]
+        if bad:
+            raise AbiError("taps", bad[0], f"stages of {JAX_TAP_STAGES}", where="JaxGolden.forward")
         _check_contiguous(meta)
-        n_idx, n_hca = self.static_extents(meta)
+        n_idx, n_hca = need = self.static_extents(meta)
+        if extents is not None:
+            n_idx, n_hca = (int(e) for e in extents)
+            if n_idx < need[0] or n_hca < need[1]:
+                raise AbiError("extents", tuple(extents), f"at least static_extents(meta) = {need}",
+                               where="JaxGolden.forward")
         lay = layout(meta)
         with jax.enable_x64(True):
             m = {k: jnp.asarray(v) for k, v in meta.arrays().items()}
             g = {k: jnp.asarray(v) for k, v in lay.arrays().items()}
-            rope = {k: tuple(jnp.asarray(np.asarray(a)) for a in v)
+            rope = {k: tuple(jnp.asarray(np.asarray(a), self.nm.f) for a in v)
                     for k, v in rope_inputs(cfg, meta.position_ids, self.host_nm).items()}
-            x_hc = self._embed_fn()(m["input_ids"], self.model["embed_weight"])
-            out = []
-            for layer in range(cfg.num_hidden_layers):
-                fn, layer_id = self._layer_fn(layer, meta.form, n_idx, n_hca, lay)
-                pools = {k: jnp.asarray(v) for k, v in caches[layer].items()}
-                x_hc, pools = fn(x_hc, self.layers[layer], self.experts[layer], pools, m, g, rope, layer_id)
-                out.append(pools)
-            logits, sampled = self._head_fn()(x_hc, self.model, m["logit_row_indices"])
+            # a donated NumPy pool is copied first (jnp.asarray may alias host memory, which XLA
+            # would then overwrite)
+            put = (lambda v: jnp.array(v, copy=True) if isinstance(v, np.ndarray) else v) if donate else jnp.asarray
+            pools = [{k: put(v) for k, v in c.items()} for c in caches]
+            fn, key = self._step_fn(meta.form, n_idx, n_hca, lay, donate, stages)
+            args = (self.model, self.layers, self.experts, pools, m, g, rope)
+            self._last = (fn, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args))
+            t0 = time.perf_counter()
+            logits, sampled, out, x_hc, tapped = fn(*args)
             logits.block_until_ready()
-        return ForwardOut(logits, sampled, out, x_hc, None, meta)
+            self.compile_s.setdefault(key, time.perf_counter() - t0)
+        got = None
+        if taps is not None:
+            got = Taps()
+            for k, v in tapped.items():
+                layer, stage = k.split(":")
+                got[(int(layer), stage)] = v
+        return ForwardOut(logits, sampled, out, x_hc, got, meta)
 
-    def _canonical_layer(self, key):
-        """A representative layer id of a jit key (the first layer with that ratio and routing)."""
-        cfg = self.cfg
-        for l in range(cfg.num_hidden_layers):
-            if (cfg.compress_ratios[l], l < cfg.num_hash_layers) == key[:2]:
-                return l
-        raise AssertionError(key)
+
+    def stablehlo(self) -> str:
+        """The StableHLO text of the last step (what XLA compiled for it), e.g. to check dtypes."""
+        fn, shapes = self._last
+        with jax.enable_x64(True):
+            return fn.lower(*shapes).as_text()
 
 
 def _bucket(n: int, least: int) -> int:

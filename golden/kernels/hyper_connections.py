@@ -22,9 +22,14 @@ def sinkhorn(logits, iters: int, hc_eps: float, nm):
     c = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
     c = c / xp.sum(c, axis=-1, keepdims=True) + hc_eps
     c = c / (xp.sum(c, axis=-2, keepdims=True) + hc_eps)
-    for _ in range(iters - 1):
+    def rounds(_, c):
         c = c / (xp.sum(c, axis=-1, keepdims=True) + hc_eps)
-        c = c / (xp.sum(c, axis=-2, keepdims=True) + hc_eps)
+        return c / (xp.sum(c, axis=-2, keepdims=True) + hc_eps)
+    if not nm.is_numpy:    # one loop body: unrolled, XLA fuses the chain quadratically (compile time)
+        from jax import lax
+        return lax.fori_loop(0, iters - 1, rounds, c)
+    for i in range(iters - 1):
+        c = rounds(i, c)
     return c
 
 
