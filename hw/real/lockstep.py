@@ -11,6 +11,12 @@ golden's best is a tie (re-sync), anything else a failure at ("head", "sample").
 differ are adopted as a "draft" re-sync (a draft never changes an output token; the drafter's
 pools are compared numerically).  In continuous mode a failing dispatch re-syncs the golden's
 whole run from the device.
+
+With a run directory, `run` writes `report.jsonl`, `summary.{json,md,html}`, `run.json` and (unless
+record=False) one dispatch record per dispatch (`hw.real.records`), the record before its report
+line; a run directory that already has a report resumes after its last line (`hw.real.replay`).
+`device_step` is the one place the device side runs, so an offline replay substitutes the recorded
+step and the same `check` judges it.
 """
 from __future__ import annotations
 
@@ -87,6 +93,7 @@ class RealLockstep:
             from .records import RealRecorder
             self.recorder = RealRecorder(self.dir / "records", build)
         self.crash_after: int | None = None        # tests: die after this many records, before the report line
+        self.last_step: DeviceStep | None = None    # the device's step of the dispatch just checked (recorded)
         self._opened = False
         stream.setup(device)
         stream.setup(golden)
