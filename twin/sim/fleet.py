@@ -85,6 +85,8 @@ class FleetSim:
         self._step = 0
         self.now = 0.0
         self.finished = 0
+        self.generated = 0            # tokens the executor accepted (for the conservation check)
+        self.lost = 0                 # of those, in results dropped after a worker error
 
     # ---- request arrays --------------------------------------------------------------------------
     def _load_requests(self, reqs) -> None:
@@ -506,6 +508,7 @@ class FleetSim:
             self.committed[d_idx] = com + counts
             cmd.dispatches.append(("decode", secs, parts,
                                    {"requests_per_group": np.bincount(part, minlength=self.G).tolist()}))
+        self.generated += int(cmd.counts.sum())
 
     def _tile_error(self, cmd: Command) -> str | None:
         dec = cmd.idx[~cmd.prefill]
@@ -724,6 +727,7 @@ class FleetSim:
                     self.now = cmd.t_result
                 if cmd.step_id in discard:
                     discard.discard(cmd.step_id)
+                    self.lost += int(cmd.counts.sum())
                     continue
                 if cmd.error:
                     discard.update(c.step_id for c in inflight)
