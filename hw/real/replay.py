@@ -8,7 +8,8 @@ replay   no device: a fresh golden (rebuilt from `records/config.json`) runs eve
          dispatch from the device's recorded state and is judged against the device's recorded
          outputs and state by the same lockstep; every blob read is re-hashed, so bytes that no
          longer match their address stop the replay with an error naming dispatch and tensor.
-         A clean recorded run replays to the same report entries.
+         A recorded run replays to the same report entries; a range of dispatches replays on its
+         own from the recorded state before it (fan a long run out over workers).
 """
 from __future__ import annotations
 
@@ -31,6 +32,25 @@ def _check_initial(store: RecordStore, side, where: str) -> None:
         raise AbiError("initial state", bad[:4], "the recorded pools before dispatch 0", where=where)
 
 
+def _install_after(lr, store: RecordStore, recs) -> dict:
+    """Both sides and the stream as they were after the last of `recs` (the records from dispatch 0 on);
+    returns the device's arrays."""
+    dev, gold = side_state(lr.dev), side_state(lr.gold)
+    for r in recs:
+        dev = apply_deltas(store, dev, r.state_delta)
+        gold = apply_deltas(store, gold, r.golden_state_delta)
+    if not recs:
+        return dev
+    gold = share_equal(dev, gold)
+    install_state(lr.dev, dev)
+    install_state(lr.gold, gold)
+    real = recs[-1].meta["real"]
+    install_seqs(store, lr.dev.run.seqs, real["dev_seqs"])
+    install_seqs(store, lr.gold.run.seqs, real["gold_seqs"])
+    install_stream(lr.stream, real["stream"])
+    return dev
+
+
 def restore(lr, entries: list[dict]) -> None:
     """Bring a freshly built `RealLockstep` to the state after its report's last line."""
     rec, where = lr.recorder, f"hw.real resume {lr.dir}"
@@ -46,23 +66,15 @@ def restore(lr, entries: list[dict]) -> None:
     store.truncate(len(entries))          # a record written after the last report line is redone
     recs = recs[:len(entries)]
     _check_initial(store, lr.dev, where)
-    dev, gold = side_state(lr.dev), side_state(lr.gold)
-    for r in recs:
-        dev = apply_deltas(store, dev, r.state_delta)
-        gold = apply_deltas(store, gold, r.golden_state_delta)
-    gold = share_equal(dev, gold)
-    install_state(lr.dev, dev)
-    install_state(lr.gold, gold)
-    real = recs[-1].meta["real"]
-    install_seqs(store, lr.dev.run.seqs, real["dev_seqs"])
-    install_seqs(store, lr.gold.run.seqs, real["gold_seqs"])
-    install_stream(lr.stream, real["stream"])
-    rec.last = {"dev": dict(dev), "gold": dict(gold)}
+    _install_after(lr, store, recs)
+    rec.last = {"dev": side_state(lr.dev), "gold": side_state(lr.gold)}
     lr.entries = list(entries)
 
 
-def replay(run_dir, *, policy: Policy | None = None, limit: int | None = None) -> list[dict]:
-    """Report entries of the recorded dispatches (the first `limit`, or all), re-judged offline."""
+def replay(run_dir, *, policy: Policy | None = None, start: int = 0, limit: int | None = None) -> list[dict]:
+    """Report entries of the recorded dispatches `start` .. `start + limit - 1` (or to the end),
+    re-judged offline.  A range starts from both sides' recorded state after dispatch `start - 1`, so
+    ranges replay independently: fan a long run out over workers (processes, Ray tasks), one range each."""
     from .lockstep import build_real
 
     run_dir = Path(run_dir)
@@ -71,8 +83,13 @@ def replay(run_dir, *, policy: Policy | None = None, limit: int | None = None) -
     store = RecordStore(run_dir / "records")
     lr = build_real(**build, policy=policy, record=False)
     _check_initial(store, lr.dev, f"hw.real replay {run_dir}")
-    dev, prev, out = side_state(lr.dev), None, []
-    for rec in store.records()[:limit]:
+    recs = store.records()
+    if not 0 <= start <= len(recs):
+        raise AbiError("start", start, f"0..{len(recs)} (the run has {len(recs)} records)", where="hw.real replay")
+    dev = _install_after(lr, store, recs[:start])
+    prev = recs[start - 1].meta["real"] if start else None
+    out = []
+    for rec in recs[start:None if limit is None else start + limit]:
         where = f"dispatch {rec.index}"
         if prev is not None:              # the device as it was before this dispatch
             install_state(lr.dev, dev)
