@@ -45,6 +45,9 @@ def add_arguments(p) -> None:
     m.add_argument("--routing-trace", help="JSON per-layer expert histograms for --routing trace")
     m.add_argument("--device", default="ascend-a3-die", help="device limits row (twin/sim/data/devices.json)")
     m.add_argument("--profile", help="measured profile JSON to calibrate the cost model")
+    m.add_argument("--fidelity", default="exact", choices=("exact", "fleet"),
+                   help="exact (page ids, the default) or fleet (page counts, ~10x+ faster, for sweeps; "
+                        "docs/simulation.md#fidelity)")
     m.add_argument("--slots", type=int, help="override slots per partition (default: startup admission)")
     m.add_argument("--sync", action="store_true", help="synchronous scheduling (batch queue depth 1)")
     m.add_argument("--stop-check", default="end", choices=("end", "token"),
@@ -107,7 +110,7 @@ def run(args) -> int:
     cfg = SimConfig(dep, reqs, device=device, routing=routing, acceptance=acceptance,
                     slots=args.slots, async_depth=1 if args.sync else 2, stop_check=args.stop_check,
                     slo_ms=slo or None, seed=args.seed, prefill_hang_probability=args.prefill_hang_prob,
-                    step_timeout=args.step_timeout)
+                    step_timeout=args.step_timeout, fidelity=args.fidelity)
     if args.recompute == "replay":
         from twin.functional.replay import ReplayScheduler
         cfg.scheduler = ReplayScheduler

@@ -189,6 +189,8 @@ def _simulate_fleet(cfg: SimConfig, progress=None) -> SimResult:
     from .fleet import FleetSim
     from .fleet_record import FleetRecorder
 
+    if cfg.executor is not None or cfg.scheduler is not Scheduler:
+        raise ConfigError("fidelity", cfg.fidelity, "'exact' when an executor or a scheduler subclass is injected")
     dep = cfg.dep
     device = cfg.device or DeviceLimits.load()
     slots = startup_slots(cfg, device)
