@@ -254,7 +254,7 @@ def first_prefill(preset: str, world: int, seed: int, mode: str):
     side = _Bookkeeping(run)
     stream.setup(side)
     rd = stream.next(side)
-    meta = lower(cfg, stream._spans_from_dispatch(rd, run), form=PREFILL)
+    meta = lower(cfg, stream.spans_from_dispatch(rd, run), form=PREFILL)
     owners = cp_owners(meta, {s.index: s.group for s in run.seqs}, layout.tp)
     return cfg, ckpt, meta, run.caches, owners, layout, nm
 

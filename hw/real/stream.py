@@ -132,7 +132,7 @@ class Stream:
         run, g = side.run, side.g
         seqs = [run.seqs[i] for i in rd.rows]
         if rd.kind == "prefill":
-            spans = self._spans_from_dispatch(rd, run)
+            spans = self.spans_from_dispatch(rd, run)
             sampled, mh = S._forward(g, run, spans, PREFILL)
             check_prefill(rd.dispatch, side.par.calls[-1][0], rd.items, self.pages)
             row = 0
@@ -163,7 +163,7 @@ class Stream:
                 "drafts": np.stack([run.state.tokens[s.group, s.lease] for s in seqs]),
                 "state_meta": np.stack([run.state.meta[s.group, s.lease] for s in seqs])}
 
-    def _spans_from_dispatch(self, rd, run) -> list:
+    def spans_from_dispatch(self, rd, run) -> list:
         """Golden's spans from the staged dispatch: each request's tokens and first position read
         from its placement in the packed stream."""
         spans = []
