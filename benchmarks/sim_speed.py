@@ -1,16 +1,19 @@
-"""Simulator speed, printed as JSON (docs/simulation.md explains the fields).
+"""Simulator speed, both fidelities side by side, printed as JSON (docs/simulation.md, "Speed").
 
 1. Saturated 16-NPU load: FLASH, EP16, K=7, max_model_len 1024, 128-token chunks, 256 running
-   requests allowed (64 per TP group); a burst, so the queue keeps the engine full.  Reports
-   simulated seconds per wall second over the saturated steps (>= 240 running; preemptions keep
-   the running set just under 256, see the report) and overall (target >= 250 on one core).
-2. Growth of wall time from 1,000 to 10,000 requests at the same load shape (target linear:
-   a 10x request count costs ~10x wall time).
-3. With `--baseline REF`: the same measurement of the `twin` package as committed at git REF,
-   side by side with the working tree, in alternating subprocesses (`--repeat` rounds), so a
+   requests allowed (64 per TP group); a burst, so the queue keeps the engine full.  Reports, per
+   fidelity (`exact`, the default, and `fleet`), simulated seconds per wall second and per CPU
+   second over the saturated steps (>= 240 running; preemptions keep the running set just under
+   256) and overall, and microseconds per request-step (target >= 250 sim s per s on one core).
+2. Growth of wall and CPU time from 1,000 to 10,000 requests at the same load shape (target
+   linear: a 10x request count costs ~10x).
+3. Agreement: the fleet fidelity's summary metrics relative to the exact one's on the same
+   1,000-request workload (throughputs, TTFT / TPOT / E2EL mean, p50, p99, preemptions).
+4. With `--baseline REF`: the exact fidelity of the `twin` package as committed at git REF, side
+   by side with the working tree, in alternating subprocesses (`--repeat` rounds), so a
    before/after ratio comes from one run on one machine under the same load.
 
-    python benchmarks/sim_speed.py [--quick] [--baseline f938e96 [--repeat 3]]
+    python benchmarks/sim_speed.py [--quick] [--fidelity exact|fleet|both] [--baseline f938e96 [--repeat 3]]
 """
 from __future__ import annotations
 
@@ -44,41 +47,81 @@ def workload(n: int, seed: int = 0):
                                  output=LengthDist("uniform", 320, 160, 160, 400), eos_fraction=0.2, seed=seed))
 
 
-def run(n: int) -> dict:
+def run(n: int, fidelity: str = "exact") -> dict:
     import numpy as np
 
     from twin.sim.run import SimConfig, simulate
 
-    cfg = SimConfig(dep(), workload(n))
+    # older refs (--baseline) have no fidelity field: pass it only when it is not the default
+    cfg = SimConfig(dep(), workload(n), **({"fidelity": fidelity} if fidelity != "exact" else {}))
     c0 = time.process_time()
     res = simulate(cfg)
     cpu = time.process_time() - c0
     st = res.steps
     wall = np.asarray(res.recorder.wall)
+    cpu_steps = np.asarray(getattr(res.recorder, "cpu", []))
     busy = np.flatnonzero(st.running.to_numpy() >= SATURATED)
-    out = {"requests": n, "engine_wall_s": res.wall_s, "cpu_s": cpu, "simulated_s": res.sim_s,
-           "sim_s_per_wall_s": res.sim_s / res.wall_s, "steps": len(st),
+    out = {"fidelity": fidelity, "requests": n, "engine_wall_s": res.wall_s, "cpu_s": cpu, "simulated_s": res.sim_s,
+           "sim_s_per_wall_s": res.sim_s / res.wall_s, "sim_s_per_cpu_s": res.sim_s / cpu, "steps": len(st),
            "mean_running": float(st.running.mean()), "max_running": int(st.running.max()),
            "completed": res.summary["completed"], "failed": res.summary["failed"],
            "preemptions": res.summary["preemptions"], "risks": res.summary["risks"],
-           "kv_stats": res.summary["kv_stats"]}
+           "kv_stats": res.summary["kv_stats"], "summary": _metrics(res.summary)}
     if len(busy) > 1:
-        # speed over the saturated steps only: simulated and wall time between their schedule calls
+        # speed over the saturated steps only: simulated, wall and CPU time between their schedule calls
         t = st.t.to_numpy()
-        spans = [(t[i + 1] - t[i], wall[i + 1] - wall[i]) for i in busy if i + 1 < len(st)]
-        sim_s, wall_s = float(sum(x for x, _ in spans)), float(sum(y for _, y in spans))
-        out["saturated"] = {"threshold_running": SATURATED, "steps": len(spans),
-                            "mean_running": float(st.running.to_numpy()[busy].mean()),
-                            "mean_live_in_system": float((st.running + st.waiting).to_numpy()[busy].mean()),
-                            "simulated_s": sim_s, "wall_s": wall_s, "sim_s_per_wall_s": sim_s / wall_s,
-                            "wall_us_per_request_step": 1e6 * wall_s / (len(spans) * float(st.running.to_numpy()[busy].mean()))}
+        nxt = busy[busy + 1 < len(st)]
+        sim_s = float((t[nxt + 1] - t[nxt]).sum())
+        wall_s = float((wall[nxt + 1] - wall[nxt]).sum())
+        mean_run = float(st.running.to_numpy()[busy].mean())
+        sat = {"threshold_running": SATURATED, "steps": len(nxt), "mean_running": mean_run,
+               "mean_live_in_system": float((st.running + st.waiting).to_numpy()[busy].mean()),
+               "simulated_s": sim_s, "wall_s": wall_s, "sim_s_per_wall_s": sim_s / wall_s,
+               "wall_us_per_request_step": 1e6 * wall_s / (len(nxt) * mean_run)}
+        if len(cpu_steps) == len(st):
+            cpu_s = float((cpu_steps[nxt + 1] - cpu_steps[nxt]).sum())
+            sat.update({"cpu_s": cpu_s, "sim_s_per_cpu_s": sim_s / cpu_s if cpu_s else None,
+                        "cpu_us_per_request_step": 1e6 * cpu_s / (len(nxt) * mean_run)})
+        out["saturated"] = sat
+    return out
+
+
+AGREE = ("request_throughput", "output_token_throughput", "preemptions", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
+         "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "e2el_mean_ms", "e2el_p50_ms", "e2el_p99_ms")
+
+
+def _metrics(s: dict) -> dict:
+    out = {k: s[k] for k in ("completed", "failed", "request_throughput", "output_token_throughput", "preemptions")}
+    out.update({f"{k}_{q}": s[k][q] for k in ("ttft", "tpot", "e2el") for q in ("mean_ms", "p50_ms", "p99_ms")})
+    return out
+
+
+def scaling(a: dict, b: dict) -> dict:
+    out = {"requests": [a["requests"], b["requests"]], "request_ratio": b["requests"] / a["requests"],
+           "wall_ratio": b["engine_wall_s"] / a["engine_wall_s"], "cpu_ratio": b["cpu_s"] / a["cpu_s"],
+           "engine_wall_s": [a["engine_wall_s"], b["engine_wall_s"]], "cpu_s": [a["cpu_s"], b["cpu_s"]],
+           "target": "wall_ratio ~= cpu_ratio ~= request_ratio (linear)"}
+    sa, sb = a.get("saturated"), b.get("saturated")
+    if sa and sb:
+        out["wall_per_request_step_ratio"] = sb["wall_us_per_request_step"] / sa["wall_us_per_request_step"]
+        if "cpu_us_per_request_step" in sa and "cpu_us_per_request_step" in sb:
+            out["cpu_per_request_step_ratio"] = sb["cpu_us_per_request_step"] / sa["cpu_us_per_request_step"]
+    return out
+
+
+def agreement(exact: dict, fleet: dict) -> dict:
+    """fleet / exact - 1 per summary metric (tests/sim/test_fleet.py states the tolerances)."""
+    a, b = exact["summary"], fleet["summary"]
+    out = {"same_completed_failed": (a["completed"], a["failed"]) == (b["completed"], b["failed"])}
+    out.update({k: (b[k] / a[k] - 1.0) if a[k] else None for k in AGREE})
     return out
 
 
 def in_subprocess(root: str, n: int) -> dict:
     """`run(n)` with the `twin` package found first under `root` (a checkout or an extracted ref)."""
     env = {**os.environ, "PYTHONPATH": root}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(n), "--root", root],
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(n), "--root", root,
+                          "--fidelity", "exact"],
                          env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -124,6 +167,7 @@ def compare(ref: str, sizes: tuple[int, ...], repeat: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run, not the measurement)")
+    ap.add_argument("--fidelity", default="both", choices=("exact", "fleet", "both"))
     ap.add_argument("--baseline", metavar="REF", help="also measure the twin package at this git ref, side by side")
     ap.add_argument("--repeat", type=int, default=1, help="alternating rounds for --baseline (best of each side)")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -133,23 +177,36 @@ def main() -> None:
     if args.worker:
         import twin
 
-        print(json.dumps({**run(args.worker), "package": os.path.dirname(twin.__file__)}))
+        print(json.dumps({**run(args.worker, args.fidelity), "package": os.path.dirname(twin.__file__)}))
         return
     small, big = (200, 2000) if args.quick else (1000, 10000)
     if args.baseline:
         print(json.dumps({"benchmark": "sim_speed", "cpu_count": os.cpu_count(),
                           "comparison": compare(args.baseline, (small, big), args.repeat)}, indent=2))
         return
-    a, b = run(small), run(big)
+    fids = ("exact", "fleet") if args.fidelity == "both" else (args.fidelity,)
+    res = {f: (run(small, f), run(big, f)) for f in fids}
     out = {"benchmark": "sim_speed", "cpu_count": os.cpu_count(), "target_sim_s_per_wall_s": 250,
-           "saturated": b.get("saturated")}
-    out["scaling"] = {"small": a, "large": b, "request_ratio": big / small,
-                      "wall_ratio": b["engine_wall_s"] / a["engine_wall_s"],
-                      "wall_per_request_ratio": (b["engine_wall_s"] / big) / (a["engine_wall_s"] / small),
-                      "wall_per_request_step_ratio": (b["saturated"]["wall_us_per_request_step"]
-                                                      / a["saturated"]["wall_us_per_request_step"])
-                      if a.get("saturated") and b.get("saturated") else None,
-                      "target": "wall_ratio ~= request_ratio (linear)"}
+           "fidelities": {}}
+    for f, (a, b) in res.items():
+        sat = b.get("saturated") or {}
+        out["fidelities"][f] = {
+            "saturated_sim_s_per_wall_s": sat.get("sim_s_per_wall_s"),
+            "saturated_sim_s_per_cpu_s": sat.get("sim_s_per_cpu_s"),
+            "wall_us_per_request_step": sat.get("wall_us_per_request_step"),
+            "cpu_us_per_request_step": sat.get("cpu_us_per_request_step"),
+            "overall_sim_s_per_cpu_s": [a["sim_s_per_cpu_s"], b["sim_s_per_cpu_s"]],
+            "scaling": scaling(a, b), "saturated": sat, "runs": [
+                {k: v for k, v in x.items() if k not in ("saturated", "summary")} for x in (a, b)]}
+    if len(res) == 2:
+        ex, fl = out["fidelities"]["exact"], out["fidelities"]["fleet"]
+        out["fleet_over_exact"] = {
+            "saturated_speedup_wall": fl["saturated_sim_s_per_wall_s"] / ex["saturated_sim_s_per_wall_s"],
+            "saturated_speedup_cpu": (fl["saturated_sim_s_per_cpu_s"] / ex["saturated_sim_s_per_cpu_s"]
+                                      if fl["saturated_sim_s_per_cpu_s"] and ex["saturated_sim_s_per_cpu_s"] else None),
+            "cpu_speedup": [x["cpu_s"] / y["cpu_s"] for x, y in zip(res["exact"], res["fleet"])],
+            "agreement": {str(small): agreement(res["exact"][0], res["fleet"][0]),
+                          str(big): agreement(res["exact"][1], res["fleet"][1])}}
     print(json.dumps(out, indent=2))
 
 

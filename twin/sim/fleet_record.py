@@ -2,7 +2,7 @@
 same raw rows as `probes.Recorder` so `metrics` and `risk` read either fidelity unchanged."""
 from __future__ import annotations
 
-from time import perf_counter
+from time import perf_counter, process_time
 
 import numpy as np
 
@@ -11,6 +11,7 @@ class FleetRecorder:
     def __init__(self, *, partitions: int, k: int, families: tuple[str, ...]):
         self.partitions, self.k, self.families = partitions, k, families
         self.wall: list[float] = []
+        self.cpu: list[float] = []
         self.steps: list[tuple] = []
         self.dispatches: list[tuple] = []
         self._free: list[tuple[float, np.ndarray]] = []
@@ -57,6 +58,7 @@ class FleetRecorder:
         self.steps.append((cmd.step_id, sim.now, n_pre, len(cmd.idx) - n_pre, int((cmd.num_new + cmd.spec).sum()),
                            len(sim.waiting), len(sim.running), tuple(sim.kv.load.tolist())))
         self.wall.append(perf_counter())
+        self.cpu.append(process_time())
         self._free.append((sim.now, sim.kv.free.copy()))
 
     def dispatch(self, step: int, kind: str, start: float, secs: float, meta: dict, parts: dict) -> None:

@@ -6,7 +6,7 @@ pandas frames and `risk` scans for the situations upstream reported failing or u
 from __future__ import annotations
 
 from array import array
-from time import perf_counter
+from time import perf_counter, process_time
 
 import numpy as np
 
@@ -21,6 +21,7 @@ class Recorder(SchedulerProbe):
         self.req: dict[str, dict] = {}
         self.itl = array("d")
         self.wall: list[float] = []           # host wall clock per step (speed measurement only)
+        self.cpu: list[float] = []            # process CPU time per step (speed on a loaded machine)
         self.steps: list[tuple] = []          # (step, t, n_prefill, n_decode, tokens, waiting, running, live per partition)
         self.dispatches: list[tuple] = []     # (step, kind, start, seconds, meta, parts)
         self.pages: list[tuple] = []          # (t, partition, family, used)
@@ -66,6 +67,7 @@ class Recorder(SchedulerProbe):
         self.steps.append((cmd.step_id, self.env.now, n_pre, len(cmd.decode.items), cmd.num_tokens,
                            len(sched.waiting), len(sched.running), live))
         self.wall.append(perf_counter())
+        self.cpu.append(process_time())
         if cmd.step_id % self._page_every == 0:
             kv = sched.kv
             t = self.env.now
