@@ -77,6 +77,7 @@ class FleetSim:
         self.hang_p = cfg.prefill_hang_probability if dep.topology.ep == 16 else 0.0
         self.G = dep.partitions
         self._groups = np.arange(self.G)
+        self._seed_cost: dict[int, tuple] = {}
         self._load_requests(cfg.requests)
         self.waiting: deque[int] = deque()
         self.running = np.zeros(0, dtype=np.int64)
@@ -272,14 +273,15 @@ class FleetSim:
         need, own, taken, L2, S2 = kv.growth(tokens, rows[:, :F], rows[:, F:2 * F], self.pins[act] > 0)
         part = self.part[act]
         free = kv.free - 0                                   # what is left for the rows not yet decided
-        oh = (part[:, None] == self._groups).astype(np.int64)
-        if (oh.T @ need > free).any():                       # else no partition runs out this step
+        oh = (part[:, None] == self._groups).astype(float)     # BLAS sums per partition (exact below 2^53)
+        needf = need.astype(float)
+        if (oh.T @ needf > free).any():                       # else no partition runs out this step
             base = 0
             while base < n:
                 # the first row, in order, at which its partition's cumulative need passes what is free
                 j = None
                 sub_oh, sub_need = oh[base:] * keep[base:, None], need[base:]
-                over = np.flatnonzero((sub_oh.T @ sub_need > free).any(axis=1))
+                over = np.flatnonzero((sub_oh.T @ needf[base:] > free).any(axis=1))
                 for g in over.tolist():
                     in_g = np.flatnonzero(sub_oh[:, g])
                     bad = (np.cumsum(sub_need[in_g], axis=0) > free[g]).any(axis=1)
@@ -288,7 +290,7 @@ class FleetSim:
                 if j is None:
                     break
                 if j > base:
-                    free -= oh[base:j].T @ (need[base:j] * keep[base:j, None])
+                    free -= (oh[base:j].T @ (needf[base:j] * keep[base:j, None])).astype(np.int64)
                 keep[j] = False
                 r = int(act[j])
                 victim = self._victim(r)
@@ -308,11 +310,12 @@ class FleetSim:
                         free[pj] -= need[j]
                 base = j + 1
         if not keep.all():
-            act, rows, oh, need, own, taken, L2, S2 = (x[keep] for x in (act, rows, oh, need, own, taken, L2, S2))
+            act, rows, oh, needf, need, own, taken, L2, S2 = (
+                x[keep] for x in (act, rows, oh, needf, need, own, taken, L2, S2))
         if len(act):
             det = need - own
-            kv.free -= oh.T @ need
-            kv.takes += oh.T @ taken
+            kv.free -= (oh.T @ needf).astype(np.int64)
+            kv.takes += (oh.T @ taken.astype(float)).astype(np.int64)
             self.kvrows[act] = np.concatenate([L2, S2, rows[:, 2 * F:3 * F] + own, rows[:, 3 * F:] + det], axis=1)
             d = int(det.sum())
             kv.stats["detaches"] += d
@@ -566,8 +569,10 @@ class FleetSim:
         for w in range(len(waves)):
             band = -(-waves[w] // C.TP_SIZE)
             rows = next(b for b in C.DRAFTER_CONTEXT_BUCKETS if b >= band)
-            secs, parts = self.cost.seed(rows)
-            cmd.dispatches.append(("seed", secs, parts, {}))
+            got = self._seed_cost.get(rows)
+            if got is None:
+                got = self._seed_cost[rows] = self.cost.seed(rows)
+            cmd.dispatches.append(("seed", got[0], got[1], {}))
 
     # ---- apply (update_from_output + stop strings) -------------------------------------------------
     def apply(self, cmd: Command) -> None:
@@ -607,11 +612,13 @@ class FleetSim:
             flat = (self.part[idx][:, None] * F + np.arange(F)).ravel()
             kv.free += np.bincount(flat, weights=held.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
             self.pinned[idx] = 0
-        s_idx = idx[samples]
-        if not len(s_idx):
-            return
-        cnt = counts[samples]
-        sp = spec[samples]
+        if samples.all():
+            s_idx, cnt, sp = idx, counts, spec
+        else:
+            s_idx = idx[samples]
+            if not len(s_idx):
+                return
+            cnt, sp = counts[samples], spec[samples]
         self.tpif[s_idx] = False
         n_out = self.n_out[s_idx]
         room = self.max_new[s_idx] - n_out
