@@ -34,9 +34,9 @@ class Entry:
 
     def __init__(self, F: int):
         self.refs = 1
-        self.evict_at: np.ndarray | None = None
-        self.tail_refs = np.zeros(F, dtype=np.int64)
-        self.tail_evict = np.zeros(F, dtype=np.int64)
+        self.evict_at: list[int] | None = None
+        self.tail_refs = [0] * F              # plain lists: a few families, touched one at a time
+        self.tail_evict = [0] * F
 
 
 class PagePools:
@@ -64,6 +64,10 @@ class PagePools:
         self._ring = np.where(self.rolling, self.maxb, 1 << 40)
         # tokens past a boundary after which a ring no longer holds that boundary's tail pages
         self.tail_span = np.where(self.rolling, (self.maxb - self.tail) * self.pt, 0)
+        self._span = self.tail_span.tolist()
+        self._max_span = max(self._span)
+        self._full_idx = np.flatnonzero(~self.rolling).tolist()
+        self._roll_idx = np.flatnonzero(self.rolling).tolist()
 
     @classmethod
     def from_deployment(cls, dep, slots: int) -> "PagePools":
@@ -109,11 +113,14 @@ class PagePools:
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _alive(self, e: Entry, p: int) -> bool:
-        return e.refs > 0 or bool((self.takes[p][self._full] < e.evict_at[self._full]).all())
+        if e.refs > 0:
+            return True
+        tk = self.takes[p]
+        return all(tk[f] < e.evict_at[f] for f in self._full_idx)
 
     def _tail_valid(self, e: Entry, p: int) -> bool:
-        ok = (e.tail_refs > 0) | (self.takes[p] < e.tail_evict)
-        return bool(ok[self.rolling].all())
+        tk = self.takes[p]
+        return all(e.tail_refs[f] > 0 or tk[f] < e.tail_evict[f] for f in self._roll_idx)
 
     def lookup(self, hashes: list[int], max_hit_tokens: int) -> tuple[int, int | None]:
         """Longest aligned run of live blocks whose end boundary still has its rolling tails, over
@@ -157,7 +164,7 @@ class PagePools:
             e.refs += 1
             entries.append(e)
         if e is not None:
-            self._hold_tail(e, hit, self.rolling, drops)
+            self._hold_tail(e, hit, self._roll_idx, drops)
         L = hit // self.pt
         tail = np.where(self.rolling, np.minimum(self.tail, np.minimum(L, self.maxb)), 0)
         free -= tail
@@ -165,10 +172,10 @@ class PagePools:
         S = np.where(self.rolling, tail, L)
         return L, S, tail
 
-    def _hold_tail(self, e: Entry, boundary: int, fams: np.ndarray, drops: list) -> None:
-        e.tail_refs[fams] += 1
-        for f in np.flatnonzero(fams).tolist():
-            drops.append((boundary + int(self.tail_span[f]), e, f))
+    def _hold_tail(self, e: Entry, boundary: int, fams, drops: list) -> None:
+        for f in fams:
+            e.tail_refs[f] += 1
+            drops.append((boundary + self._span[f], e, f))
         drops.sort(key=lambda d: d[0])
 
     def publish(self, hashes: list[int], start: int, end: int, confirmed: int, p: int, entries: list,
@@ -181,20 +188,21 @@ class PagePools:
         idx = self.index[p]
         moved = 0
         A = self.align
+        tk = self.takes[p]
         for j in range(start, end):
             h = hashes[j]
             e = idx.get(h)
             b = (j + 1) * A
-            covered = self.rolling & (confirmed <= b + self.tail_span)
+            covered = [f for f in self._roll_idx if confirmed <= b + self._span[f]] if b >= confirmed - self._max_span else ()
             if e is not None and self._alive(e, p):
-                stale = covered & (e.tail_refs == 0) & (self.takes[p] >= e.tail_evict)
-                if stale.any():
+                stale = [f for f in covered if e.tail_refs[f] == 0 and tk[f] >= e.tail_evict[f]]
+                if stale:
                     self._hold_tail(e, b, stale, drops)
                 continue
             e = idx[h] = Entry(self.F)
             entries.append(e)
             moved += 1
-            if covered.any():
+            if covered:
                 self._hold_tail(e, b, covered, drops)
         return moved
 
@@ -204,7 +212,7 @@ class PagePools:
             _, e, f = drops.pop(0)
             e.tail_refs[f] -= 1
             if e.tail_refs[f] == 0:
-                e.tail_evict[f] = self.takes[p, f] + self.free[p, f]
+                e.tail_evict[f] = int(self.takes[p, f] + self.free[p, f])
 
     def release_entries(self, entries: list, p: int) -> None:
         free = self.free[p]
@@ -212,7 +220,7 @@ class PagePools:
             e.refs -= 1
             if e.refs == 0:
                 free += self.block_pages
-                e.evict_at = self.takes[p] + free     # its FIFO position in each queue
+                e.evict_at = (self.takes[p] + free).tolist()     # its FIFO position in each queue
         entries.clear()
 
     def used(self) -> np.ndarray:
