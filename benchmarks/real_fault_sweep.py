@@ -29,6 +29,7 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 
@@ -117,6 +118,8 @@ def main(argv=None) -> dict:
         cases = [run_case(kind, seed=s, at=at, layer=l, preset=a.preset, max_new=a.max_new, horizon=a.horizon)
                  for s in seeds for at in ats for l in sweep_layers(cfg, kind)]
         fired = [c for c in cases if c["fired_at"] is not None]
+        print(f"{kind}: {len(fired)}/{len(cases)} fired, {sum(c['localized'] for c in fired)} localized",
+              file=sys.stderr, flush=True)
         det = sum(c["detected"] for c in fired)
         loc = sum(c["localized"] for c in fired)
         kinds[kind] = {"injections": len(cases), "fired": len(fired),

@@ -145,7 +145,7 @@ class RealFault:
         side.par.fault = self
 
     def arm(self, index: int) -> None:
-        self._index = index
+        self._index, self._sites = index, {}
         if self.kind in ISSUE8_KINDS:
             self.armed = self.fired is None and index >= self.at
         else:
@@ -164,7 +164,9 @@ class RealFault:
     # ---- hooks inside the device's target forward (TapPar.target_forward) -----------------------------
     def on_forward(self, meta, caches):
         """The meta the device runs instead of the staged one; remembers which pool is which."""
-        self._sites = {id(arr): (l, name) for l, pools in enumerate(caches) for name, arr in pools.items()}
+        # the pools this forward starts from (each layer writes each pool once, from these very arrays);
+        # holding them keeps their ids from being reused by another array while the forward runs
+        self._sites = {id(arr): (l, name, arr) for l, pools in enumerate(caches) for name, arr in pools.items()}
         if self._live("off_by_one_position"):
             cfg = self._side.g.cfg
             spans = self._spans(meta, shift=1)
@@ -235,6 +237,7 @@ class RealFault:
         return idx
 
     def on_output(self, out, taps):
+        self._sites = {}                               # stores after the forward (the drafter's) are not its
         if not self._live("bitflip"):
             return out
         logits = np.array(out.logits)
@@ -261,7 +264,7 @@ class RealFault:
             return slots
         site = self._sites.get(id(pool))
         want = ("kv_cache",) if self.kind == "wrong_slot" else ("csa_cmp_kv", "hca_cmp_kv")
-        if site is None or site[0] != self.layer or site[1] not in want:
+        if site is None or site[2] is not pool or site[0] != self.layer or site[1] not in want:
             return slots
         slots = np.array(slots, np.int64)
         live = np.flatnonzero(slots >= 0)

@@ -76,6 +76,7 @@ def test_relowering_reproduces_the_staged_meta():
         lr.check(rd)
         if not lr.dev.par.calls:
             continue
+        assert f._sites == {}               # store hooks never match an array after the forward (id reuse)
         meta = lr.dev.par.calls[-1][0]
         again = lower(TINY, f._spans(meta), form=meta.form).arrays()
         for k, v in meta.arrays().items():
