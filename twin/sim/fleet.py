@@ -41,12 +41,12 @@ NEVER = 1 << 40
 class Command:
     """One step command as arrays over its scheduled rows (request index order = dispatch order)."""
 
-    __slots__ = ("step_id", "idx", "num_new", "spec", "start", "prefill", "samples", "inc", "counts",
+    __slots__ = ("step_id", "idx", "num_new", "spec", "start", "prefill", "samples", "ver", "counts",
                  "drafts", "dispatches", "error", "t_result", "decode_only", "new")
 
-    def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, inc, new):
+    def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, ver, new):
         self.step_id, self.idx, self.num_new, self.spec, self.start = step_id, idx, num_new, spec, start
-        self.prefill, self.samples, self.inc, self.new = prefill, samples, inc, new
+        self.prefill, self.samples, self.ver, self.new = prefill, samples, ver, new   # ver: stale check
         self.counts = self.drafts = None
         self.dispatches: list = []
         self.error: str | None = None
@@ -124,6 +124,7 @@ class FleetSim:
         self.status, self.computed, self.n_out, self.ph = z(np.int8), z(), z(), z()
         self.part = np.full(n, -1, dtype=np.int64)
         self.tpif = z(bool)
+        self.ver = z()                                         # bumped by a finish or a preemption
         self.inc, self.pins, self.preempts, self.dropped, self.discarded, self.cached = z(), z(), z(), z(), z(), z()
         self.lease = np.full(n, -1, dtype=np.int64)
         self.gen = np.full(n, -1, dtype=np.int64)
@@ -186,7 +187,7 @@ class FleetSim:
         idx, num_new, spec, start, pre = cols
         self._step += 1
         samples = ~pre | (start + num_new >= self.plen[idx])
-        cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.inc[idx].copy(), len(new))
+        cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver[idx], len(new))
         self.pins[idx] += 1
         if self.leases is not None:
             for i in idx[pre & (self.lease[idx] < 0)].tolist():
@@ -434,6 +435,7 @@ class FleetSim:
         self.tpif[v] = False
         self.lease[v] = self.gen[v] = -1
         self.inc[v] += 1
+        self.ver[v] += 1
         self.status[v] = WAITING
         self.in_pass[v] = self._pass
         self.waiting.appendleft(v)
@@ -441,6 +443,7 @@ class FleetSim:
     def _finish(self, i: int, code: int, detail: str = "") -> None:
         was = self.status[i]
         self.status[i] = FINISHED
+        self.ver[i] += 1
         self.finish[i] = code
         if detail:
             self.detail[i] = detail
@@ -458,24 +461,29 @@ class FleetSim:
     # ---- execute: dispatch prices and accepted counts ----------------------------------------------
     def execute(self, cmd: Command) -> None:
         cm, idx = self.cost, cmd.idx
-        if cmd.error is None:
-            cmd.error = self._tile_error(cmd)
         n = len(idx)
         cmd.counts = np.zeros(n, dtype=np.int64)
         cmd.drafts = np.zeros(n, dtype=bool)
         pre = cmd.prefill
-        cmd.decode_only = not pre.any()
+        any_pre = bool(pre.any())
+        cmd.decode_only = not any_pre
+        dec = np.flatnonzero(~pre) if any_pre else None
+        d_idx = idx[dec] if any_pre else idx
+        part = self.part[d_idx]
+        per = np.bincount(part, minlength=self.G)
+        owner = self.lease[d_idx] % C.TP_SIZE if self.k else None
+        if cmd.error is None and len(d_idx):
+            cmd.error = self._tile_error(per, part, owner, self.lease[d_idx] >= 0 if self.k else None)
         if cmd.error:
             cmd.dispatches.append(("error", cm.device.dispatch_overhead, {}, {"error": cmd.error}))
             return
-        if pre.any():
+        if any_pre:
             rows = np.flatnonzero(pre)
             for batch in self._pack(rows, cmd):
-                b_idx = idx[batch]
-                part = self.part[b_idx]
-                secs, parts = cm.prefill_arrays(cmd.num_new[batch], cmd.start[batch].astype(float), part)
-                meta = {"requests_per_group": np.bincount(part, minlength=self.G).tolist(),
-                        "tokens_per_group": np.bincount(part, weights=cmd.num_new[batch], minlength=self.G).astype(int).tolist()}
+                p_part = self.part[idx[batch]]
+                secs, parts = cm.prefill_arrays(cmd.num_new[batch], cmd.start[batch].astype(float), p_part)
+                meta = {"requests_per_group": np.bincount(p_part, minlength=self.G).tolist(),
+                        "tokens_per_group": np.bincount(p_part, weights=cmd.num_new[batch], minlength=self.G).astype(int).tolist()}
                 if self.hang_p and self._fault_rng.random() < self.hang_p:
                     cmd.error = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 fault model)"
                     cmd.dispatches.append(("prefill", self.cfg.step_timeout, {"timeout": self.cfg.step_timeout},
@@ -487,46 +495,40 @@ class FleetSim:
             cmd.counts[term] = 1
             if self.k and len(term):
                 self._seed_waves(idx[term], cmd)
-        dec = np.flatnonzero(~pre)
-        if len(dec):
-            d_idx = idx[dec]
+        m = len(d_idx)
+        if m:
             com = self.committed[d_idx]
-            part = self.part[d_idx]
             k = self.k
             if k:
-                owner = self.lease[d_idx] % C.TP_SIZE
-                anchor = cmd.start[dec] + cmd.num_new[dec] - 1
+                anchor = (cmd.start + cmd.num_new - 1) if dec is None else (cmd.start[dec] + cmd.num_new[dec] - 1)
                 fits = (anchor + k < self.max_seq) & (com + C.DECODE_SEQ <= self.max_seq)
-                counts = self.acceptance.counts(len(dec), fits, self.rng)
+                counts = self.acceptance.counts(m, fits, self.rng)
             else:
-                owner = np.zeros(len(dec), dtype=np.int64)   # K=0: ordinal % TP within the group
+                owner = np.zeros(m, dtype=np.int64)           # K=0: ordinal % TP within the group
                 for g in range(self.G):
-                    m = part == g
-                    owner[m] = np.arange(int(m.sum())) % C.TP_SIZE
-                fits = np.zeros(len(dec), dtype=bool)
-                counts = np.ones(len(dec), dtype=np.int64)
+                    sel = part == g
+                    owner[sel] = np.arange(int(sel.sum())) % C.TP_SIZE
+                fits = np.zeros(m, dtype=bool)
+                counts = np.ones(m, dtype=np.int64)
             secs, parts = cm.decode_arrays(com + 1, part, owner)
-            cmd.counts[dec] = counts
-            cmd.drafts[dec] = fits
+            if dec is None:
+                cmd.counts, cmd.drafts = counts, fits
+            else:
+                cmd.counts[dec] = counts
+                cmd.drafts[dec] = fits
             self.committed[d_idx] = com + counts
-            cmd.dispatches.append(("decode", secs, parts,
-                                   {"requests_per_group": np.bincount(part, minlength=self.G).tolist()}))
+            cmd.dispatches.append(("decode", secs, parts, {"requests_per_group": per.tolist()}))
         self.generated += int(cmd.counts.sum())
 
-    def _tile_error(self, cmd: Command) -> str | None:
-        dec = cmd.idx[~cmd.prefill]
-        if not len(dec):
-            return None
-        per = np.bincount(self.part[dec], minlength=self.G)
+    def _tile_error(self, per, part, owner, leased) -> str | None:
         if per.max() > C.DECODE_BATCH:
             g = int(np.argmax(per > C.DECODE_BATCH))
             return f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {per[g]})"
-        if self.k:
-            held = dec[self.lease[dec] >= 0]
-            own = np.bincount(self.part[held] * C.TP_SIZE + self.lease[held] % C.TP_SIZE,
-                              minlength=self.G * C.TP_SIZE).reshape(self.G, C.TP_SIZE)
+        if owner is not None:
+            own = np.bincount((part * C.TP_SIZE + owner)[leased], minlength=self.G * C.TP_SIZE)
             if own.max() > C.LOCAL_REQUESTS:
-                return f"TP group {int(np.argmax(own.max(axis=1) > C.LOCAL_REQUESTS))} owner rank over {C.LOCAL_REQUESTS} requests"
+                g = int(np.argmax(own.reshape(self.G, C.TP_SIZE).max(axis=1) > C.LOCAL_REQUESTS))
+                return f"TP group {g} owner rank over {C.LOCAL_REQUESTS} requests"
         return None
 
     def _pack(self, rows: np.ndarray, cmd: Command) -> list[np.ndarray]:
@@ -578,7 +580,7 @@ class FleetSim:
     def apply(self, cmd: Command) -> None:
         idx = cmd.idx
         now = self.now
-        stale = (self.status[idx] == FINISHED) | (self.inc[idx] != cmd.inc)
+        stale = self.ver[idx] != cmd.ver
         if stale.any():
             s = idx[stale]
             self.discarded[s] += cmd.counts[stale]
@@ -665,8 +667,8 @@ class FleetSim:
 
     def fail_inflight(self, cmds, detail: str) -> None:
         for cmd in cmds:
-            for i, inc in zip(cmd.idx.tolist(), cmd.inc.tolist()):
-                if self.status[i] != FINISHED and self.inc[i] == inc:
+            for i, ver in zip(cmd.idx.tolist(), cmd.ver.tolist()):
+                if self.ver[i] == ver:
                     self._finish(i, ERROR, detail)
 
     def break_stall(self) -> int:
