@@ -273,42 +273,37 @@ class FleetSim:
         rows = self.kvrows[act]
         need, own, taken, L2, S2 = kv.growth(tokens, rows[:, :F], rows[:, F:2 * F], self.pins[act] > 0)
         part = self.part[act]
-        free = kv.free - 0                                   # what is left for the rows not yet decided
+        free = kv.free.astype(float)                         # free pages before this step's growth
         oh = (part[:, None] == self._groups).astype(float)     # BLAS sums per partition (exact below 2^53)
         needf = need.astype(float)
         if (oh.T @ needf > free).any():                       # else no partition runs out this step
+            # cumulative need per partition in row order; rows dropped or preempted are taken out
+            # of the rows after them, pages a preemption frees are added to what is free
+            cs = np.cumsum(oh[:, :, None] * needf[:, None, :], axis=0)
             base = 0
             while base < n:
-                # the first row, in order, at which its partition's cumulative need passes what is free
-                j = None
-                sub_oh, sub_need = oh[base:] * keep[base:, None], need[base:]
-                over = np.flatnonzero((sub_oh.T @ needf[base:] > free).any(axis=1))
-                for g in over.tolist():
-                    in_g = np.flatnonzero(sub_oh[:, g])
-                    bad = (np.cumsum(sub_need[in_g], axis=0) > free[g]).any(axis=1)
-                    first = base + int(in_g[int(np.argmax(bad))])
-                    j = first if j is None else min(j, first)
-                if j is None:
+                bad = (cs[base:] > free).any(axis=(1, 2))
+                if not bad.any():
                     break
-                if j > base:
-                    free -= (oh[base:j].T @ (needf[base:j] * keep[base:j, None])).astype(np.int64)
+                j = base + int(np.argmax(bad))
+                pj = part[j]
                 keep[j] = False
+                cs[j:, pj] -= need[j]
                 r = int(act[j])
                 victim = self._victim(r)
                 if victim is not None:
                     vrow = np.flatnonzero(act == victim)
                     if len(vrow):
                         v = int(vrow[0])
-                        if v < j and keep[v]:
-                            free[part[v]] += need[v]          # its growth in this step is undone
+                        if keep[v]:
+                            cs[v:, part[v]] -= need[v]        # its growth in this step is undone
                         keep[v] = False
                     pv = int(self.part[victim])
                     free[pv] += self.own[victim] + self.pinned[victim]
                     self._preempt(victim, r)
-                    pj = part[j]
-                    if (need[j] <= free[pj]).all():
+                    if (cs[j, pj] + need[j] <= free[pj]).all():
                         keep[j] = True
-                        free[pj] -= need[j]
+                        cs[j:, pj] += need[j]
                 base = j + 1
         if not keep.all():
             act, rows, oh, needf, need, own, taken, L2, S2 = (
