@@ -78,7 +78,10 @@ def acceptance(rec) -> dict:
 
 
 def _stats(x) -> dict:
-    x = np.asarray([v for v in x if v is not None and not pd.isna(v)], dtype=float) * 1e3
+    # None and NaN both mean "no value": one vectorised mask instead of a Python test per element
+    x = np.asarray(x)
+    x = np.asarray(pd.to_numeric(pd.Series(x), errors="coerce"), dtype=float) if x.dtype == object else x.astype(float)
+    x = x[~np.isnan(x)] * 1e3
     if not len(x):
         return {"mean_ms": None, "median_ms": None, "std_ms": None, **{f"p{p}_ms": None for p in PERCENTILES}}
     return {"mean_ms": float(x.mean()), "median_ms": float(np.median(x)), "std_ms": float(x.std()),
