@@ -21,12 +21,11 @@ from fleet_workloads import LATENCY, WORKLOADS, metrics_of
 from twin.abi import deployment
 from twin.abi.errors import ConfigError
 from twin.sim.acceptance import ForcedAcceptance
-from twin.sim.costmodel import CostModel
+from twin.sim.costmodel import CostModel, DeviceLimits
 from twin.sim.fleet import FleetSim
 from twin.sim.fleet_record import FleetRecorder
 from twin.sim.request import Finish
 from twin.sim.run import SimConfig, simulate, startup_slots
-from twin.sim.costmodel import DeviceLimits
 from twin.sim.workload import LengthDist, WorkloadSpec, generate
 
 REL = {"request_throughput": 0.06, "output_token_throughput": 0.06, "preemptions": 0.15,
@@ -99,8 +98,8 @@ def test_fleet_invariants(n, slots, seed, depth, stop_check, forced, prefix, max
                     acceptance=ForcedAcceptance(forced) if forced else SimConfig.__dataclass_fields__[
                         "acceptance"].default_factory(), max_preemptions=max_preemptions, fidelity="fleet")
     device = DeviceLimits.load()
-    rec = FleetRecorder(partitions=DEP.partitions, k=DEP.k, families=("f",) * 7)
-    sim = FleetSim(cfg, startup_slots(cfg, device), CostModel(DEP, slots, device), device, rec)
+    sim = FleetSim(cfg, startup_slots(cfg, device), CostModel(DEP, slots, device), device, None)
+    rec = sim.rec = FleetRecorder(partitions=DEP.partitions, k=DEP.k, families=sim.kv.names)
     rec.sim = sim
     apply, schedule = sim.apply, sim.schedule
 

@@ -20,7 +20,6 @@ KV pages are counts (`fleet_pool.PagePools`).  Leases use the exact `LeaseManage
 from __future__ import annotations
 
 from collections import deque
-from time import perf_counter
 
 import numpy as np
 
@@ -688,7 +687,6 @@ class FleetSim:
         slot_free = [0.0, 0.0]
         per_req, per_prep, lifecycle, reclaim = (dev.host_schedule_per_request, dev.host_prepare_per_request,
                                                  dev.lifecycle, dev.host_reclaim)
-        split = bool(self.k)
         while True:
             while ai < n and arr[ai] <= self.now:
                 self.add_request(int(order[ai]))
@@ -783,10 +781,4 @@ class FleetSim:
         assert (self.own >= 0).all() and (self.pinned >= 0).all()
         assert int(kv.load.sum()) == int(live.sum())
         assert len(self.running) <= self.max_running
-
-
-def simulate_fleet(cfg, slots: int, cost, device, recorder) -> FleetSim:
-    sim = FleetSim(cfg, slots, cost, device, recorder)
-    sim.run(cfg.until)
-    return sim
 

@@ -198,12 +198,17 @@ def _simulate_fleet(cfg: SimConfig, progress=None) -> SimResult:
     # one routing draw per 512 token rows instead of 64: MoE time is memory bound at these sizes
     # (it moves ~0.2% of a step per 512 rows), and a sweep then pays for ~16 draws, not ~130
     cost.vector_routing, cost.moe_bucket = True, 512
-    rec = FleetRecorder(partitions=dep.partitions, k=dep.k,
-                        families=tuple(f.name for f in KvCacheManager.from_deployment(dep, 1).families))
-    sim = FleetSim(cfg, slots, cost, device, rec)
+    sim = FleetSim(cfg, slots, cost, device, None)
+    sim.rec = rec = FleetRecorder(partitions=dep.partitions, k=dep.k, families=sim.kv.names)
     rec.sim = sim
     t0 = time.perf_counter()
-    sim.run(cfg.until)
+    gc_on = gc.isenabled()
+    gc.disable()                       # as the exact engine: no generational passes mid-run
+    try:
+        sim.run(cfg.until)
+    finally:
+        if gc_on:
+            gc.enable()
     wall = time.perf_counter() - t0
     if progress:
         progress(sim.now, sim.finished, sim.N)
