@@ -130,6 +130,7 @@ class FleetSim:
         self.committed, self.chunks, self.finish = z(), z(), z(np.int8)
         self.pub = z()                                         # prompt blocks published (or attached)
         self.in_pass = np.full(n, -1, dtype=np.int64)
+        self._mark = np.zeros(n, dtype=bool)                  # scratch: requests leaving `running`
         self.detail: dict[int, str] = {}
         nan = lambda: np.full(n, np.nan)                       # noqa: E731
         self.first, self.last, self.end, self.admitted = nan(), nan(), nan(), nan()
@@ -139,7 +140,7 @@ class FleetSim:
         self.L, self.S = self.kvrows[:, :F], self.kvrows[:, F:2 * F]
         self.own, self.pinned = self.kvrows[:, 2 * F:3 * F], self.kvrows[:, 3 * F:]
         self.entries: list[list] = [[] for _ in range(n)]
-        self.drops: list[list] = [[] for _ in range(n)]        # (tokens, entry, family) tails held
+        self.drops: list[list] = [[] for _ in range(n)]        # (tokens, id, entry, family) tails held
         self.next_drop = np.full(n, NEVER, dtype=np.int64)
         self.prefix_stats = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0, "fallbacks": 0}
 
@@ -452,6 +453,36 @@ class FleetSim:
         self.end[i] = self.now
         self.finished += 1
 
+    def _finish_running(self, ids: np.ndarray, codes: np.ndarray) -> None:
+        """`_finish` for running requests that end in one step, their pages released in bulk."""
+        kv = self.kv
+        self.status[ids] = FINISHED
+        self.ver[ids] += 1
+        self.finish[ids] = codes
+        self.ph[ids] = 0
+        self.tpif[ids] = False
+        p = self.part[ids]
+        for i, pi in zip(ids.tolist(), p.tolist()):
+            if self.entries[i]:
+                kv.release_entries(self.entries[i], pi)
+            if self.drops[i]:
+                kv.drop_tails(self.drops[i], NEVER + 1, pi)
+                self.next_drop[i] = NEVER
+        F = kv.F
+        held = self.kvrows[ids, 2 * F:].reshape(len(ids), 2, F).sum(axis=1)      # own + pinned
+        np.add.at(kv.free, p, held)
+        self.kvrows[ids] = 0
+        self.pins[ids] = 0
+        kv.load -= np.bincount(p, minlength=self.G)
+        self.part[ids] = -1
+        gone = self._mark
+        gone[ids] = True
+        self.running = self.running[~gone[self.running]]
+        gone[ids] = False
+        self._pending_ids.extend(ids.tolist())
+        self.end[ids] = self.now
+        self.finished += len(ids)
+
     # ---- execute: dispatch prices and accepted counts ----------------------------------------------
     def execute(self, cmd: Command) -> None:
         cm, idx = self.cost, cmd.idx
@@ -633,8 +664,8 @@ class FleetSim:
             self.computed[l_idx] += (retained[live] - 1) - sp[live]
         # streamed chunks (every sampled row retains >= 1 token)
         self.rec.applied(s_idx, now, self.first, self.last, self.chunks, cmd, rows)
-        for i, e in zip(s_idx[done].tolist(), eos_hit[done].tolist()):
-            self._finish(i, EOS if e else LENGTH)
+        if done.any():
+            self._finish_running(s_idx[done], np.where(eos_hit[done], EOS, LENGTH))
         # stop strings: the engine's check on the cumulative output after the step
         if live.any():
             l_idx = s_idx[live]

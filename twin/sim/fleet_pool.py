@@ -19,6 +19,8 @@ docs/simulation.md.  No SimPy, no per-page Python work: the step's growth is arr
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from twin.abi.caches import page_alignment
@@ -175,8 +177,11 @@ class PagePools:
     def _hold_tail(self, e: Entry, boundary: int, fams, drops: list) -> None:
         for f in fams:
             e.tail_refs[f] += 1
-            drops.append((boundary + self._span[f], e, f))
-        drops.sort(key=lambda d: d[0])
+            d = (boundary + self._span[f], id(e), e, f)
+            if drops and drops[-1][0] > d[0]:
+                bisect.insort(drops, d, key=lambda x: x[:2])
+            else:
+                drops.append(d)                 # boundaries come in order: the usual case
 
     def publish(self, hashes: list[int], start: int, end: int, confirmed: int, p: int, entries: list,
                 drops: list) -> int:
@@ -209,7 +214,7 @@ class PagePools:
     def drop_tails(self, drops: list, tokens: int, p: int) -> None:
         """The request's ring moved past these tails (or it left): their pages join the free queue."""
         while drops and drops[0][0] < tokens:
-            _, e, f = drops.pop(0)
+            _, _, e, f = drops.pop(0)
             e.tail_refs[f] -= 1
             if e.tail_refs[f] == 0:
                 e.tail_evict[f] = int(self.takes[p, f] + self.free[p, f])
