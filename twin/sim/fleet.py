@@ -276,46 +276,65 @@ class FleetSim:
         free = kv.free.astype(float)                         # free pages before this step's growth
         oh = (part[:, None] == self._groups).astype(float)     # BLAS sums per partition (exact below 2^53)
         needf = need.astype(float)
-        if (oh.T @ needf > free).any():                       # else no partition runs out this step
-            # cumulative need per partition in row order; rows dropped or preempted are taken out
-            # of the rows after them, pages a preemption frees are added to what is free
-            cs = np.cumsum(oh[:, :, None] * needf[:, None, :], axis=0)
+        over = np.flatnonzero(((oh.T @ needf) > free).any(axis=1))
+        if len(over):
+            # per partition that runs out: its rows in order and their cumulative need; a row dropped
+            # or preempted leaves the rows after it, pages a preemption frees add to what is free
+            # (free only grows and needs only shrink here, so no other partition can run out)
+            groups = {}
+            for g in over.tolist():
+                rows_g = np.flatnonzero(part == g)
+                groups[g] = (rows_g, np.cumsum(need[rows_g], axis=0))
             base = 0
-            while base < n:
-                bad = (cs[base:] > free).any(axis=(1, 2))
-                if not bad.any():
+            while True:
+                j = None
+                for g, (rows_g, cs_g) in groups.items():
+                    k0 = int(np.searchsorted(rows_g, base))
+                    bad = (cs_g[k0:] > free[g]).any(axis=1)
+                    if bad.any():
+                        first = int(rows_g[k0 + int(np.argmax(bad))])
+                        j = first if j is None else min(j, first)
+                if j is None:
                     break
-                j = base + int(np.argmax(bad))
-                pj = part[j]
+                pj = int(part[j])
+                rows_j, cs_j = groups[pj]
+                kj = int(np.searchsorted(rows_j, j))
                 keep[j] = False
-                cs[j:, pj] -= need[j]
+                cs_j[kj:] -= need[j]
                 r = int(act[j])
                 victim = self._victim(r)
                 if victim is not None:
                     vrow = np.flatnonzero(act == victim)
                     if len(vrow):
                         v = int(vrow[0])
-                        if keep[v]:
-                            cs[v:, part[v]] -= need[v]        # its growth in this step is undone
+                        pv_row = int(part[v])
+                        if keep[v] and pv_row in groups:
+                            rows_v, cs_v = groups[pv_row]
+                            cs_v[int(np.searchsorted(rows_v, v)):] -= need[v]   # its growth here is undone
                         keep[v] = False
                     pv = int(self.part[victim])
                     free[pv] += self.own[victim] + self.pinned[victim]
                     self._preempt(victim, r)
-                    if (cs[j, pj] + need[j] <= free[pj]).all():
+                    before = cs_j[kj - 1] if kj else 0
+                    if (before + need[j] <= free[pj]).all():
                         keep[j] = True
-                        cs[j:, pj] += need[j]
+                        cs_j[kj:] += need[j]
                 base = j + 1
-        if not keep.all():
-            act, rows, oh, needf, need, own, taken, L2, S2 = (
-                x[keep] for x in (act, rows, oh, needf, need, own, taken, L2, S2))
-        if len(act):
-            det = need - own
-            kv.free -= (oh.T @ needf).astype(np.int64)
-            kv.takes += (oh.T @ taken.astype(float)).astype(np.int64)
-            self.kvrows[act] = np.concatenate([L2, S2, rows[:, 2 * F:3 * F] + own, rows[:, 3 * F:] + det], axis=1)
-            d = int(det.sum())
-            kv.stats["detaches"] += d
-            kv.stats["rotations"] += int((taken - own).sum()) - d
+        det = need - own
+        new = np.concatenate([L2, S2, rows[:, 2 * F:3 * F] + own, rows[:, 3 * F:] + det], axis=1)
+        if keep.all():
+            self.kvrows[act] = new
+        else:
+            oh = oh * keep[:, None]
+            self.kvrows[act[keep]] = new[keep]
+        kv.free -= (oh.T @ needf).astype(np.int64)
+        kv.takes += (oh.T @ taken.astype(float)).astype(np.int64)
+        if keep.all():
+            d_, r_ = int(det.sum()), int((taken - own).sum())
+        else:
+            d_, r_ = int(det[keep].sum()), int((taken - own)[keep].sum())
+        kv.stats["detaches"] += d_
+        kv.stats["rotations"] += r_ - d_
         return keep
 
     def _commit(self, idx, need, own, taken, L2, S2) -> None:
