@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from fleet_workloads import LATENCY, WORKLOADS, metrics_of
 from twin.abi import deployment
 from twin.abi.errors import ConfigError
-from twin.sim.acceptance import ForcedAcceptance
+from twin.sim.acceptance import ConditionalAcceptance, ForcedAcceptance
 from twin.sim.costmodel import CostModel, DeviceLimits
 from twin.sim.fleet import FleetSim
 from twin.sim.fleet_record import FleetRecorder
@@ -151,3 +151,20 @@ def test_cost_model_array_forms_equal_the_list_forms(seed, fixed):
     want = a.prefill([[(int(x), int(y)) for x, y, k in zip(tok, start, g) if k == q] for q in range(4)])
     got = b.prefill_arrays(tok, start.astype(float), g)
     assert got[0] == pytest.approx(want[0], rel=1e-12)
+
+
+@settings(max_examples=10, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=7, max_size=7), seed=st.integers(0, 10_000))
+def test_inverse_acceptance_sampler_has_the_exact_distribution(rates, seed):
+    """The fleet's one-uniform sampler and the exact mode's per-position sampler both follow
+    P(1 + run = 1 + i) = prod(a_1..a_i) - prod(a_1..a_i+1)."""
+    model = ConditionalAcceptance(tuple(rates))
+    surv = np.concatenate([[1.0], np.cumprod(rates), [0.0]])
+    want = surv[:-1] - surv[1:]
+    n = 40_000
+    fits = np.ones(n, dtype=bool)
+    for counts in (model.counts(n, fits, np.random.default_rng(seed)),
+                   model.counts_inverse(n, fits, np.random.default_rng(seed))):
+        got = np.bincount(counts - 1, minlength=8) / n
+        assert np.abs(got - want).max() < 0.015, (got, want)
+    assert (model.counts_inverse(5, np.zeros(5, dtype=bool), np.random.default_rng(seed)) == 1).all()

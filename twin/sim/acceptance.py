@@ -57,6 +57,23 @@ class ConditionalAcceptance(AcceptanceModel):
         run = np.cumprod(ok, axis=1).sum(axis=1)
         return np.where(fits, 1 + run, 1).astype(np.int64)
 
+    def counts_inverse(self, n, fits, rng):
+        """The same distribution as `counts` from one uniform per request (the accepted run is the
+        number of positions whose survival probability prod(a_1..a_i) exceeds it): the fleet
+        fidelity's sampler, 7x fewer draws; `counts` keeps the exact mode's random stream."""
+        rising = self._rising
+        run = len(rising) - np.searchsorted(rising, rng.random(n), side="right")
+        return np.where(fits, 1 + run, 1)
+
+    @property
+    def _rising(self) -> np.ndarray:
+        """prod(a_1..a_i) for i = 7..1 (ascending), computed once per model."""
+        got = self.__dict__.get("_rising_cache")
+        if got is None:
+            got = np.cumprod(self.rates)[::-1].copy()
+            object.__setattr__(self, "_rising_cache", got)
+        return got
+
     def expected_length(self) -> float:
         return 1.0 + float(np.cumprod(self.rates).sum())
 

@@ -71,6 +71,8 @@ class FleetSim:
         self.kv = PagePools.from_deployment(dep, slots)
         self.leases = LeaseManager(dep.partitions) if self.k else None
         self.acceptance = cfg.acceptance
+        # one uniform per request where the model has an inverse form (the same distribution)
+        self._accept = getattr(cfg.acceptance, "counts_inverse", None) or cfg.acceptance.counts
         self.rng = np.random.default_rng(cfg.seed)
         self._fault_rng = np.random.default_rng(cfg.seed + 1213)
         self.hang_p = cfg.prefill_hang_probability if dep.topology.ep == 16 else 0.0
@@ -546,7 +548,7 @@ class FleetSim:
             if k:
                 anchor = (cmd.start + cmd.num_new - 1) if dec is None else (cmd.start[dec] + cmd.num_new[dec] - 1)
                 fits = (anchor + k < self.max_seq) & (com + C.DECODE_SEQ <= self.max_seq)
-                counts = self.acceptance.counts(m, fits, self.rng)
+                counts = self._accept(m, fits, self.rng)
             else:
                 owner = np.zeros(m, dtype=np.int64)           # K=0: ordinal % TP within the group
                 for g in range(self.G):
