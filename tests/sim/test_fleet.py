@@ -147,6 +147,7 @@ def test_cost_model_array_forms_equal_the_list_forms(seed, fixed):
     want = a.decode([list(ctx[g == k]) for k in range(4)], [list(o[g == k]) for k in range(4)])
     got = b.decode_arrays(ctx, g, o)
     assert got[0] == pytest.approx(want[0], rel=1e-12) and got[1].keys() == want[1].keys()
+    assert b.decode_arrays(ctx.astype(np.int64), g, o)[0] == got[0]      # the per-context table
     tok, start = rng.integers(1, 129, n), rng.integers(0, 400, n)
     want = a.prefill([[(int(x), int(y)) for x, y, k in zip(tok, start, g) if k == q] for q in range(4)])
     got = b.prefill_arrays(tok, start.astype(float), g)

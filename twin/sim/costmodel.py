@@ -158,6 +158,7 @@ class CostModel:
         self.vector_routing = False                      # fleet: draw all MoE layers' routing at once
         self.moe_bucket = 64                             # token rows per routing draw (fleet: coarser)
         self._probs_rows: dict[int, np.ndarray] = {}
+        self._row_time: np.ndarray | None = None
         d = self.device
         self.bw = d.hbm_bw * d.hbm_efficiency
         self.f16 = d.bf16_flops * d.compute_efficiency
@@ -349,10 +350,23 @@ class CostModel:
             self._decode_static[(active, rows_rank)] = parts
         parts = dict(parts)
         if active:
-            kb, fl = self._attn(q, ctx.astype(float))
-            wrow = q * sum(self.tok_bytes.values())
-            parts["attention"] = float(np.bincount(cell, weights=(kb + wrow) / self.bw + fl / self.f16).max())
+            if ctx.dtype.kind in "iu" and ctx.max() < len(self._decode_row_time()):
+                per = self._row_time[ctx]          # the same values, looked up by context length
+            else:
+                kb, fl = self._attn(q, ctx.astype(float))
+                per = (kb + q * sum(self.tok_bytes.values())) / self.bw + fl / self.f16
+            parts["attention"] = float(np.bincount(cell, weights=per).max())
         return self.cal.decode * sum(parts.values()), parts
+
+    def _decode_row_time(self) -> np.ndarray:
+        """One decode request's attention time at each context 0..max_model_len + 8 (a table
+        built once: the formula is elementwise in the context)."""
+        if self._row_time is None:
+            q = 1 + self.dep.k
+            ctx = np.arange(self.dep.limits.max_model_len + C.DECODE_SEQ + 1, dtype=float)
+            kb, fl = self._attn(q, ctx)
+            self._row_time = (kb + q * sum(self.tok_bytes.values())) / self.bw + fl / self.f16
+        return self._row_time
 
     def prefill_arrays(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
         """`prefill` for one packed dispatch given as arrays (chunk tokens, start, TP group)."""
