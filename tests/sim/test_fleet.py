@@ -1,12 +1,13 @@
 """The fleet fidelity against the exact one, and its own invariants.
 
-Tolerances (docs/simulation.md, "Fidelity"): measured on these four workloads against the exact
-mode with the same seed, and set just above both the fleet-exact gap and the exact mode's own
-spread over simulator seeds (acceptance and routing draws): throughputs 6% (gap <= 5.0%, seed
-spread <= 2.6%), TTFT / TPOT / E2EL mean and median 12% (gap <= 11%, in the thrashing `tight`
-workload; <= 4.4% elsewhere), TTFT / E2EL p99 8% (gap <= 4.9%), TPOT p99 40% (gap <= 35%, seed
-spread <= 18%: a handful of preempted requests set it), preemptions 15% (gap <= 12%, spread <= 14%),
-prefix hit rate 0.05 absolute (gap <= 0.01, spread <= 0.08).
+Tolerances (docs/simulation.md, "Speed"): measured on these four workloads against the exact mode
+with the same seed, and set from the spread of either fidelity over simulator seeds (acceptance
+and routing draws: two other seeds each), since a single run of a few hundred requests cannot
+pin a metric closer than its own seed noise.  Gap (worst of the four) / exact spread / fleet
+spread -> tolerance: throughputs 3.6% / 2.6% / 3.1% -> 6%; TTFT, TPOT, E2EL mean and median
+11% (the 3-slot thrash, forced acceptance, so a model gap) / 7.1% / 11.4% -> 15%; TTFT and E2EL
+p99 3.7% / 4.3% / 6.5% -> 8%; TPOT p99 35% / 18% / 29% -> 40%; preemptions 15% / 14% / 27% ->
+25% (+2); prefix hit rates 0.035 / 0.08 / 0.08 -> 0.05 absolute.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from twin.sim.request import Finish
 from twin.sim.run import SimConfig, simulate, startup_slots
 from twin.sim.workload import LengthDist, WorkloadSpec, generate
 
-REL = {"request_throughput": 0.06, "output_token_throughput": 0.06, "preemptions": 0.15,
-       **{f"{k}_{s}": (0.40 if (k, s) == ("tpot", "p99_ms") else 0.08 if s == "p99_ms" else 0.12) for k, s in LATENCY}}
+REL = {"request_throughput": 0.06, "output_token_throughput": 0.06, "preemptions": 0.25,
+       **{f"{k}_{s}": (0.40 if (k, s) == ("tpot", "p99_ms") else 0.08 if s == "p99_ms" else 0.15) for k, s in LATENCY}}
 HIT_ABS = 0.05
 
 
