@@ -81,7 +81,8 @@ def check_prefill(d, meta, items, pages: PageMap) -> None:
         if not np.array_equal(toks, meta.input_ids[rows]):
             _fail(d.program, rid, "input_ids", toks[:8].tolist(), "chunk tokens")
         if not np.array_equal(pos, meta.position_ids[rows]):
-            _fail(d.program, rid, "position_ids_full", pos[:8].tolist(), f"positions from {int(meta.position_ids[base])}")
+            _fail(d.program, rid, "position_ids_full", pos[:8].tolist(),
+                  f"positions from {int(meta.position_ids[base])}")
         for key in SLOTS:
             staged = np.asarray(d.args[f"{key}_slot_mapping_full"][r0, o:o + n], np.int64)
             shift = pages.slot_shift(it.partition, key)

@@ -20,8 +20,9 @@ Public API:
                                                                   resume with a run_dir (record=True)
     RealRecorder                               hw.real.records    dispatch records (hw.records.RecordStore)
     replay, restore                            hw.real.replay     offline replay of records; resume
-    DistPar, spawn_local                       hw.real.ranks      the target forward as processes, one per
-                                                                  rank, with real collectives (torchrun)
+    DistPar                                    hw.real.dist_par   golden.ranks' par as processes, one per rank
+    rank_forward, spawn_local                  hw.real.ranks      the target forward over real collectives,
+                                                                  checked on rank 0 (torchrun -m hw.real.ranks)
 
 Only twin.abi, golden and hw are imported (DESIGN.md); torch when a device side computes.
 """

@@ -97,7 +97,8 @@ def run(args) -> int:
         con.print(f"injected: {fault.fired}")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
-    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl" + (")" if args.no_records else ", records/)"))
+    extra = ")" if args.no_records else ", records/)"
+    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}")
     return 0 if s["verdict"] == "PASS" else 1
 
 
@@ -114,7 +115,8 @@ def _replay(args, run_dir, con, policy) -> int:
                        "use hw.lockstep.replay)", where="lockstep --replay")
     entries = replay(run_dir, policy=policy)
     report = ReportWriter(run_dir).entries()
-    differ = [e["index"] for e, r in zip(entries, report) if json.dumps(e, sort_keys=True) != json.dumps(r, sort_keys=True)]
+    differ = [e["index"] for e, r in zip(entries, report)
+              if json.dumps(e, sort_keys=True) != json.dumps(r, sort_keys=True)]
     failed = sum(e["verdict"] == "fail" for e in entries)
     con.print(f"replayed {len(entries)} recorded dispatches offline: {failed} failed, "
               f"{len(entries) - len(differ)} identical to the report"
