@@ -96,3 +96,14 @@ def test_fault_definitions_and_bad_input():
     lr = build_real(k=7, max_new=4)
     with pytest.raises(AbiError, match="device numerics"):
         RealFault("wrong_slot").attach(lr.gold)           # golden's NumPy numerics have no store hook
+
+
+def test_a_wrong_token_is_caught_in_a_dispatch_with_sample_ties():
+    """A dispatch whose greedy samples tie-flip (adopted by the golden) still fails on a corrupted
+    output token: ties are adopted before acceptance, so no output difference is excused."""
+    f = RealFault("token", at=12, seed=2120)
+    lr = build_real(seed=2, k=7, max_new=40, fault=f)
+    s = lr.run(14)
+    e = lr.entries[12]
+    assert any(r["kind"] == "sample" for r in e["resyncs"])         # this dispatch has adopted ties
+    assert e["verdict"] == "fail" and s["first_divergence"]["stage"] == "sample"
