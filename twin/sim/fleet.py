@@ -41,11 +41,11 @@ class Command:
     """One step command as arrays over its scheduled rows (request index order = dispatch order)."""
 
     __slots__ = ("step_id", "idx", "num_new", "spec", "start", "prefill", "samples", "ver", "counts",
-                 "drafts", "dispatches", "error", "t_result", "decode_only", "new")
+                 "drafts", "dispatches", "error", "t_result", "decode_only")
 
-    def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, ver, new):
+    def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, ver):
         self.step_id, self.idx, self.num_new, self.spec, self.start = step_id, idx, num_new, spec, start
-        self.prefill, self.samples, self.ver, self.new = prefill, samples, ver, new   # ver: stale check
+        self.prefill, self.samples, self.ver = prefill, samples, ver      # ver: the stale-result check
         self.counts = self.drafts = None
         self.dispatches: list = []
         self.error: str | None = None
@@ -189,7 +189,7 @@ class FleetSim:
         idx, num_new, spec, start, pre = cols
         self._step += 1
         samples = ~pre | (start + num_new >= self.plen[idx])
-        cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver[idx], len(new))
+        cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver[idx])
         self.pins[idx] += 1
         if self.leases is not None:
             for i in idx[pre & (self.lease[idx] < 0)].tolist():
@@ -221,7 +221,7 @@ class FleetSim:
         ok = nn > 0
         if not ok.all():
             act, c, pre, nn = act[ok], c[ok], pre[ok], nn[ok]
-        spec = np.where(pre, 0, np.clip(np.minimum(self.k, self.max_seq - c - nn), 0, None))
+        spec = np.where(pre, 0, np.maximum(np.minimum(self.k, self.max_seq - c - nn), 0))
         cost = nn + spec
         if int(cost.sum()) > budget:
             act, c, pre, nn, spec, cost = self._budget_scan(act, c, pre, nn, spec, cost, budget)
