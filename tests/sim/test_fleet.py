@@ -170,3 +170,19 @@ def test_inverse_acceptance_sampler_has_the_exact_distribution(rates, seed):
         got = np.bincount(counts - 1, minlength=8) / n
         assert np.abs(got - want).max() < 0.015, (got, want)
     assert (model.counts_inverse(5, np.zeros(5, dtype=bool), np.random.default_rng(seed)) == 1).all()
+
+
+def test_fleet_reproduces_exact_timings_without_randomness_or_pressure():
+    """K=0 (one token per step: no acceptance draw) with pages to spare: the two fidelities make
+    the same decisions, so every request's admission, first token, end and prefix hit agree."""
+    dep = deployment("flash", ep=16, max_model_len=1024, long_prefill_token_threshold=128, max_num_seqs=256,
+                     max_num_batched_tokens=8192, num_speculative_tokens=0)
+    spec = WorkloadSpec(num_requests=120, arrival="poisson", rate=60, prompt=LengthDist("uniform", 300, 200, 16, 700),
+                        output=LengthDist("uniform", 60, 50, 4, 120), eos_fraction=0.2, stop_fraction=0.1,
+                        prefix_groups=2, prefix_len=256, prefix_fraction=0.4, seed=4)
+    frames = [simulate(SimConfig(dep, generate(spec), fidelity=f)).requests for f in ("exact", "fleet")]
+    ex, fl = (f.set_index("request_id") for f in frames)
+    assert (ex["finish"] == fl["finish"]).all() and (ex["output_len"] == fl["output_len"]).all()
+    assert (ex["cached_tokens"] == fl["cached_tokens"]).all() and ex["cached_tokens"].gt(0).any()
+    for col in ("admitted", "first_token", "end"):
+        assert np.allclose(ex[col].astype(float), fl[col].astype(float), rtol=1e-9, atol=1e-12), col
