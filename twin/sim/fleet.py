@@ -369,7 +369,8 @@ class FleetSim:
     def _phase2(self, budget: int) -> list:
         new = []
         kv = self.kv
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        room = self.max_running - len(self.running)
+        while self.waiting and budget > 0 and len(new) < room:
             i = self.waiting[0]
             if self.in_pass[i] == self._pass:
                 break
@@ -389,7 +390,7 @@ class FleetSim:
                     hit, fallback = 0, True
             if not hit:
                 nn = self._first_chunk(i, 0, budget)
-                need, L, S = kv.first_rows(nn)
+                need, row = kv.first_rows(nn)
                 p = kv.choose_partition(need)
                 if p is None:
                     break
@@ -397,16 +398,17 @@ class FleetSim:
                 kv.load[p] += 1
                 kv.free[p] -= need
                 kv.takes[p] += need
-                self.own[i], self.L[i], self.S[i] = need, L, S
+                self.kvrows[i] = row
             self.waiting.popleft()
             self.status[i] = RUNNING
             self.computed[i] = hit
             self.cached[i] = hit
             self.pub[i] = hit // kv.align
-            self.running = np.append(self.running, i)
             self.rec.admitted(i, hit, fallback, self.now)
             new.append((i, nn, 0, hit, True))
             budget -= nn
+        if new:
+            self.running = np.concatenate([self.running, np.array([x[0] for x in new], dtype=np.int64)])
         return new
 
     def _first_chunk(self, i: int, computed: int, budget: int) -> int:
@@ -668,35 +670,30 @@ class FleetSim:
                 return
             cnt, sp = counts[samples], spec[samples]
         self.tpif[s_idx] = False
-        n_out = self.n_out[s_idx]
-        room = self.max_new[s_idx] - n_out
+        n_out, mx = self.n_out[s_idx], self.max_new[s_idx]
         eos_room = self.eos_at[s_idx] - n_out + 1                # tokens up to and including the EOS
-        retained = np.minimum(cnt, np.minimum(room, np.maximum(eos_room, 1)))
+        retained = np.minimum(cnt, np.minimum(mx - n_out, np.maximum(eos_room, 1)))
+        L = n_out + retained
         eos_hit = (eos_room >= 1) & (eos_room <= retained)
-        done = eos_hit | (n_out + retained >= self.max_new[s_idx])
-        self.n_out[s_idx] = n_out + retained
-        if done.any():
-            d = s_idx[done]
-            self.dropped[d] += cnt[done] - retained[done]
+        done = eos_hit | (L >= mx)
+        self.n_out[s_idx] = L
         live = ~done
-        if live.any():
-            l_idx = s_idx[live]
-            self.ph[l_idx] -= 1 + sp[live]
-            self.computed[l_idx] += (retained[live] - 1) - sp[live]
+        l_idx, r_l, sp_l = s_idx[live], retained[live], sp[live]
+        self.ph[l_idx] -= 1 + sp_l
+        self.computed[l_idx] += r_l - 1 - sp_l
         # streamed chunks (every sampled row retains >= 1 token)
         self.rec.applied(s_idx, now, self.first, self.last, self.chunks, cmd, rows)
         if done.any():
-            self._finish_running(s_idx[done], np.where(eos_hit[done], EOS, LENGTH))
+            d = s_idx[done]
+            self.dropped[d] += cnt[done] - retained[done]
+            self._finish_running(d, np.where(eos_hit[done], EOS, LENGTH))
         # stop strings: the engine's check on the cumulative output after the step
-        if live.any():
-            l_idx = s_idx[live]
-            L = self.n_out[l_idx]
-            se = self.stop_end[l_idx]
-            got = (se > L - retained[live]) & (se <= L)
-            if got.any():
-                for i, end, Lx, n in zip(l_idx[got].tolist(), se[got].tolist(), L[got].tolist(),
-                                         retained[live][got].tolist()):
-                    self._stop(i, end, Lx, n)
+        L_l = L[live]
+        se = self.stop_end[l_idx]
+        got = (se > L_l - r_l) & (se <= L_l)
+        if got.any():
+            for i, end, Lx, n in zip(l_idx[got].tolist(), se[got].tolist(), L_l[got].tolist(), r_l[got].tolist()):
+                self._stop(i, end, Lx, n)
 
     def _stop(self, i: int, end: int, L: int, n: int) -> None:
         if end < L:

@@ -91,13 +91,14 @@ class PagePools:
         detach = wrap * pinned[:, None]
         return own + detach, own, own + wrap, np.maximum(L, tgt), np.maximum(S, size)
 
-    def first_rows(self, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A request placed from nothing with `tokens`: (pages needed, logical pages, ring slots)."""
+    def first_rows(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """A request placed from nothing with `tokens`: the pages it needs, and its row of
+        (logical pages, ring slots, own pages, pinned pages) per family."""
         got = self._first.get(tokens)
         if got is None:
             tgt = -(-tokens // self.pt)
             need = np.where(self.rolling, np.minimum(tgt, self.maxb), tgt)
-            got = self._first[tokens] = (need, tgt, need)
+            got = self._first[tokens] = (need, np.concatenate([tgt, need, need, np.zeros_like(need)]))
         return got
 
     def choose_partition(self, need: np.ndarray) -> int | None:
