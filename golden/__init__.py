@@ -44,10 +44,13 @@ Weights (`golden.checkpoint`)
     SafetensorsCheckpoint(dir, cfg) same protocol over a real checkpoint directory (official names,
         W8A8: int8 `.weight` + f32 `.weight_scale`); save_checkpoint(ckpt, dir); real_names(cfg)
 
-JAX (`golden.jax_path`)
-    JaxGolden(ckpt, cfg, mode, compiler_options=None).forward(meta, caches)  - jit per layer kind
-        (key: ratio, hash routing, form, candidate counts), same results; pools come back as JAX
-        arrays (to_numpy(tree) converts)
+JAX (`golden.jax_path`, `golden.jax_numerics`)
+    JaxGolden(ckpt, cfg, mode, compiler_options=None).forward(meta, caches, donate=False, taps=None,
+        extents=None)  - the whole step in one jit (key: form, candidate-count buckets, layout);
+        device mode accumulates in FP32 (Fp32Numerics: kernel-math's rounding points, exact INT8
+        GEMMs), exact mode in float64; equal to NumPy within kernel-math's FP32 tolerances
+        (tie-aware); pools come back as JAX arrays (to_numpy(tree) converts), donate=True
+        updates them in place; taps from JAX_TAP_STAGES
 
 Building on it (Golden II): run `forward` with `Taps(stages=["attn_in", "x_hc"])`, take
 `target_hidden(...)` for the drafter input, call `layer_step` for draft layers with your own
