@@ -9,9 +9,10 @@
    linear: a 10x request count costs ~10x).
 3. Agreement: the fleet fidelity's summary metrics relative to the exact one's on the same
    1,000-request workload (throughputs, TTFT / TPOT / E2EL mean, p50, p99, preemptions).
-4. With `--baseline REF`: the exact fidelity of the `twin` package as committed at git REF, side
-   by side with the working tree, in alternating subprocesses (`--repeat` rounds), so a
-   before/after ratio comes from one run on one machine under the same load.
+4. With `--baseline REF`: one fidelity (`--fidelity`, exact unless fleet is named) of the `twin`
+   package as committed at git REF, side by side with the working tree, in alternating
+   subprocesses (`--repeat` rounds), so a before/after ratio comes from one run on one machine
+   under the same load.
 
     python benchmarks/sim_speed.py [--quick] [--fidelity exact|fleet|both] [--baseline f938e96 [--repeat 3]]
 """
@@ -117,16 +118,16 @@ def agreement(exact: dict, fleet: dict) -> dict:
     return out
 
 
-def in_subprocess(root: str, n: int) -> dict:
+def in_subprocess(root: str, n: int, fidelity: str = "exact") -> dict:
     """`run(n)` with the `twin` package found first under `root` (a checkout or an extracted ref)."""
     env = {**os.environ, "PYTHONPATH": root}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(n), "--root", root,
-                          "--fidelity", "exact"],
+                          "--fidelity", fidelity],
                          env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
-def compare(ref: str, sizes: tuple[int, ...], repeat: int) -> dict:
+def compare(ref: str, sizes: tuple[int, ...], repeat: int, fidelity: str = "exact") -> dict:
     """Baseline (the package at git `ref`) and the working tree, alternating, same sizes."""
     with tempfile.TemporaryDirectory() as tmp:
         arch = subprocess.run(["git", "-C", ROOT, "archive", ref, "twin"], capture_output=True, check=True).stdout
@@ -134,9 +135,9 @@ def compare(ref: str, sizes: tuple[int, ...], repeat: int) -> dict:
         rows = {n: {"baseline": [], "current": []} for n in sizes}
         for _ in range(repeat):
             for n in sizes:
-                rows[n]["baseline"].append(in_subprocess(tmp, n))
-                rows[n]["current"].append(in_subprocess(ROOT, n))
-    out = {"baseline_ref": ref, "repeat": repeat, "sizes": {}}
+                rows[n]["baseline"].append(in_subprocess(tmp, n, fidelity))
+                rows[n]["current"].append(in_subprocess(ROOT, n, fidelity))
+    out = {"baseline_ref": ref, "fidelity": fidelity, "repeat": repeat, "sizes": {}}
     for n, r in rows.items():
         def best(side, key, sub=None):
             vals = [(x[sub][key] if sub else x[key]) for x in r[side] if (not sub or x.get(sub))]
@@ -147,18 +148,21 @@ def compare(ref: str, sizes: tuple[int, ...], repeat: int) -> dict:
         c_sat = best("current", "sim_s_per_wall_s", "saturated")
         b_us = best("baseline", "wall_us_per_request_step", "saturated")
         c_us = best("current", "wall_us_per_request_step", "saturated")
+        b_satc = best("baseline", "sim_s_per_cpu_s", "saturated")
+        c_satc = best("current", "sim_s_per_cpu_s", "saturated")
         b_cpu, c_cpu = best("baseline", "cpu_s"), best("current", "cpu_s")
         b_wall, c_wall = best("baseline", "engine_wall_s"), best("current", "engine_wall_s")
         assert all(x["package"].startswith(ROOT) for x in r["current"]), "working tree not measured"
         assert not any(x["package"].startswith(ROOT) for x in r["baseline"]), "baseline not measured"
-        same = all(x["kv_stats"] == y["kv_stats"] and x["preemptions"] == y["preemptions"]
+        same = all(x["kv_stats"] == y["kv_stats"] and x["preemptions"] == y["preemptions"] and x["summary"] == y["summary"]
                    for x, y in zip(r["baseline"], r["current"]))
         out["sizes"][str(n)] = {
-            "baseline": {"saturated_sim_s_per_wall_s": b_sat, "wall_us_per_request_step": b_us, "cpu_s": b_cpu,
-                         "engine_wall_s": b_wall},
-            "current": {"saturated_sim_s_per_wall_s": c_sat, "wall_us_per_request_step": c_us, "cpu_s": c_cpu,
-                        "engine_wall_s": c_wall},
+            "baseline": {"saturated_sim_s_per_wall_s": b_sat, "saturated_sim_s_per_cpu_s": b_satc,
+                         "wall_us_per_request_step": b_us, "cpu_s": b_cpu, "engine_wall_s": b_wall},
+            "current": {"saturated_sim_s_per_wall_s": c_sat, "saturated_sim_s_per_cpu_s": c_satc,
+                        "wall_us_per_request_step": c_us, "cpu_s": c_cpu, "engine_wall_s": c_wall},
             "speedup_saturated": c_sat / b_sat if b_sat and c_sat else None,
+            "speedup_saturated_cpu": c_satc / b_satc if b_satc and c_satc else None,
             "speedup_cpu": b_cpu / c_cpu, "speedup_engine_wall": b_wall / c_wall,
             "same_results": same}
     return out
@@ -182,7 +186,8 @@ def main() -> None:
     small, big = (200, 2000) if args.quick else (1000, 10000)
     if args.baseline:
         print(json.dumps({"benchmark": "sim_speed", "cpu_count": os.cpu_count(),
-                          "comparison": compare(args.baseline, (small, big), args.repeat)}, indent=2))
+                          "comparison": compare(args.baseline, (small, big), args.repeat,
+                                                "exact" if args.fidelity == "both" else args.fidelity)}, indent=2))
         return
     fids = ("exact", "fleet") if args.fidelity == "both" else (args.fidelity,)
     res = {f: (run(small, f), run(big, f)) for f in fids}

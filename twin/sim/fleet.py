@@ -228,18 +228,19 @@ class FleetSim(FleetExecute):
             act, c, pre, nn, spec, cost = self._budget_scan(act, c, pre, nn, spec, cost, budget)
         keep = self._grow_all(act, c + cost, cost)
         if self.prefix:
-            due = np.flatnonzero(keep & (c + cost > self.next_drop[act]))
+            due = (keep & (c + cost > self.next_drop[act])).nonzero()[0]
             for j in due.tolist():
                 i = int(act[j])
                 self.kv.drop_tails(self.drops[i], int(c[j] + cost[j]), int(self.part[i]))
                 self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
-        act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
+        if not keep.all():
+            act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
         return act, nn, spec, c, pre
 
     def _budget_scan(self, act, c, pre, nn, spec, cost, budget):
         """The sequential budget walk, from the first request that does not fit in full."""
-        cs = np.cumsum(cost)
-        i = int(np.searchsorted(cs, budget, side="right"))
+        cs = cost.cumsum()
+        i = int(cs.searchsorted(budget, side="right"))
         keep = np.zeros(len(act), dtype=bool)
         keep[:i] = True
         left = budget - (int(cs[i - 1]) if i else 0)
@@ -272,48 +273,48 @@ class FleetSim(FleetExecute):
         keep = np.ones(n, dtype=bool)
         if not n:
             return keep
-        F = kv.F
-        rows = self.kvrows[act]
+        F, G = kv.F, self.G
+        rows = self.kvrows.take(act, axis=0)               # take: ~2x a fancy-index row gather
         need, own, taken, L2, S2 = kv.growth(tokens, rows[:, :F], rows[:, F:2 * F], self.pins[act] > 0)
         part = self.part[act]
-        free = kv.free.astype(float)                         # free pages before this step's growth
-        oh = (part[:, None] == self._groups).astype(float)     # BLAS sums per partition (exact below 2^53)
-        needf = need.astype(float)
-        over = np.flatnonzero(((oh.T @ needf) > free).any(axis=1))
+        flat = ((part * F)[:, None] + kv.fam).ravel()         # (partition, family) cell of each entry
+        sums = np.bincount(flat, weights=need.ravel(), minlength=G * F).reshape(G, F)   # exact below 2^53
+        over = (sums > kv.free).any(axis=1).nonzero()[0]
         if len(over):
+            free = kv.free.astype(float)                     # free pages before this step's growth
             # per partition that runs out: its rows in order and their cumulative need; a row dropped
             # or preempted leaves the rows after it, pages a preemption frees add to what is free
             # (free only grows and needs only shrink here, so no other partition can run out)
             groups = {}
             for g in over.tolist():
-                rows_g = np.flatnonzero(part == g)
-                groups[g] = (rows_g, np.cumsum(need[rows_g], axis=0))
+                rows_g = (part == g).nonzero()[0]
+                groups[g] = (rows_g, need[rows_g].cumsum(axis=0))
             base = 0
             while True:
                 j = None
                 for g, (rows_g, cs_g) in groups.items():
-                    k0 = int(np.searchsorted(rows_g, base))
+                    k0 = int(rows_g.searchsorted(base))
                     bad = (cs_g[k0:] > free[g]).any(axis=1)
                     if bad.any():
-                        first = int(rows_g[k0 + int(np.argmax(bad))])
+                        first = int(rows_g[k0 + int(bad.argmax())])
                         j = first if j is None else min(j, first)
                 if j is None:
                     break
                 pj = int(part[j])
                 rows_j, cs_j = groups[pj]
-                kj = int(np.searchsorted(rows_j, j))
+                kj = int(rows_j.searchsorted(j))
                 keep[j] = False
                 cs_j[kj:] -= need[j]
                 r = int(act[j])
                 victim = self._victim(r)
                 if victim is not None:
-                    vrow = np.flatnonzero(act == victim)
+                    vrow = (act == victim).nonzero()[0]
                     if len(vrow):
                         v = int(vrow[0])
                         pv_row = int(part[v])
                         if keep[v] and pv_row in groups:
                             rows_v, cs_v = groups[pv_row]
-                            cs_v[int(np.searchsorted(rows_v, v)):] -= need[v]   # its growth here is undone
+                            cs_v[int(rows_v.searchsorted(v)):] -= need[v]   # its growth here is undone
                         keep[v] = False
                     pv = int(self.part[victim])
                     free[pv] += self.own[victim] + self.pinned[victim]
@@ -324,18 +325,20 @@ class FleetSim(FleetExecute):
                         cs_j[kj:] += need[j]
                 base = j + 1
         det = need - own
-        new = np.concatenate([L2, S2, rows[:, 2 * F:3 * F] + own, rows[:, 3 * F:] + det], axis=1)
+        rows[:, :F] = L2
+        rows[:, F:2 * F] = S2
+        rows[:, 2 * F:3 * F] += own
+        rows[:, 3 * F:] += det
         if keep.all():
-            self.kvrows[act] = new
+            self.kvrows[act] = rows
+            d_, r_ = int(det.sum()), int(taken.sum()) - int(own.sum())
         else:
-            oh = oh * keep[:, None]
-            self.kvrows[act[keep]] = new[keep]
-        kv.free -= (oh.T @ needf).astype(np.int64)
-        kv.takes += (oh.T @ taken.astype(float)).astype(np.int64)
-        if keep.all():
-            d_, r_ = int(det.sum()), int((taken - own).sum())
-        else:
-            d_, r_ = int(det[keep].sum()), int((taken - own)[keep].sum())
+            self.kvrows[act[keep]] = rows[keep]
+            sums = np.bincount(flat, weights=(need * keep[:, None]).ravel(), minlength=G * F).reshape(G, F)
+            taken = taken * keep[:, None]
+            d_, r_ = int(det[keep].sum()), int(taken.sum()) - int(own[keep].sum())
+        kv.free -= sums.astype(np.int64)
+        kv.takes += np.bincount(flat, weights=taken.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
         kv.stats["detaches"] += d_
         kv.stats["rotations"] += r_ - d_
         return keep
@@ -365,7 +368,7 @@ class FleetSim(FleetExecute):
             return None
         same = cand[self.part[cand] == self.part[r]]
         pool = same if len(same) else cand
-        return int(pool[np.argmax(self.rank[pool])])
+        return int(pool[self.rank[pool].argmax()])
 
     def _phase2(self, budget: int) -> list:
         new = []
@@ -492,9 +495,10 @@ class FleetSim(FleetExecute):
             if self.drops[i]:
                 kv.drop_tails(self.drops[i], NEVER + 1, pi)
                 self.next_drop[i] = NEVER
-        F = kv.F
-        held = self.kvrows[ids, 2 * F:].reshape(len(ids), 2, F).sum(axis=1)      # own + pinned
-        np.add.at(kv.free, p, held)
+        F, G = kv.F, self.G
+        held = self.own[ids] + self.pinned[ids]
+        flat = ((p * F)[:, None] + kv.fam).ravel()
+        kv.free += np.bincount(flat, weights=held.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
         self.kvrows[ids] = 0
         self.pins[ids] = 0
         kv.load -= np.bincount(p, minlength=self.G)
@@ -516,7 +520,7 @@ class FleetSim(FleetExecute):
             s = idx[stale]
             self.discarded[s] += cmd.counts[stale]
             ok = ~stale
-            idx, rows = idx[ok], np.flatnonzero(ok)
+            idx, rows = idx[ok], ok.nonzero()[0]
         else:
             rows = None
         take = (lambda a: a) if rows is None else (lambda a: a[rows])        # noqa: E731
@@ -527,7 +531,7 @@ class FleetSim(FleetExecute):
             conf = (start + num_new) // kv.align
             pub = self.pub[idx]
             nb = self.plen[idx] // kv.align
-            todo = np.flatnonzero(pre & (np.minimum(conf, nb) > pub))
+            todo = (pre & (np.minimum(conf, nb) > pub)).nonzero()[0]
             for j in todo.tolist():
                 i = int(idx[j])
                 end = int(min(conf[j], nb[j]))
@@ -542,7 +546,7 @@ class FleetSim(FleetExecute):
         held = self.pinned[idx]
         if held.any():
             G, F = self.G, kv.F
-            flat = (self.part[idx][:, None] * F + np.arange(F)).ravel()
+            flat = ((self.part[idx] * F)[:, None] + kv.fam).ravel()
             kv.free += np.bincount(flat, weights=held.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
             self.pinned[idx] = 0
         if samples.all():

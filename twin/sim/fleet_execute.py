@@ -26,7 +26,7 @@ class FleetExecute:
         pre = cmd.prefill
         any_pre = bool(pre.any())
         cmd.decode_only = not any_pre
-        dec = np.flatnonzero(~pre) if any_pre else None
+        dec = (~pre).nonzero()[0] if any_pre else None
         d_idx = idx[dec] if any_pre else idx
         part = self.part[d_idx]
         per = np.bincount(part, minlength=self.G)
@@ -37,7 +37,7 @@ class FleetExecute:
             cmd.dispatches.append(("error", cm.device.dispatch_overhead, {}, {"error": cmd.error}))
             return
         if any_pre:
-            rows = np.flatnonzero(pre)
+            rows = pre.nonzero()[0]
             for batch in self._pack(rows, cmd):
                 p_part = self.part[idx[batch]]
                 secs, parts = cm.prefill_arrays(cmd.num_new[batch], cmd.start[batch].astype(float), p_part)

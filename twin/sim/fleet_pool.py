@@ -42,7 +42,7 @@ class Entry:
 
 
 class PagePools:
-    def __init__(self, families, partitions: int, *, prefix_caching: bool = True):
+    def __init__(self, families, partitions: int, *, prefix_caching: bool = True, max_tokens: int = 1 << 16):
         self.families = families
         self.names = tuple(f.name for f in families)
         self.partitions = G = partitions
@@ -70,12 +70,17 @@ class PagePools:
         self._max_span = max(self._span)
         self._full_idx = np.flatnonzero(~self.rolling).tolist()
         self._roll_idx = np.flatnonzero(self.rolling).tolist()
+        self.fam = np.arange(self.F)
+        # ceil(tokens / page_tokens) per family for every length a table can reach: one gather
+        # per step instead of an integer division over (requests x families)
+        self._ceil = -(-np.arange(max_tokens + 1)[:, None] // self.pt)
 
     @classmethod
     def from_deployment(cls, dep, slots: int) -> "PagePools":
         from .kvcache import family_specs
 
-        return cls(family_specs(dep, slots), dep.partitions, prefix_caching=dep.limits.enable_prefix_caching)
+        return cls(family_specs(dep, slots), dep.partitions, prefix_caching=dep.limits.enable_prefix_caching,
+                   max_tokens=dep.limits.max_model_len + 64)
 
     # ---- growth, vectorised over requests ------------------------------------------------------
     def growth(self, tokens: np.ndarray, L: np.ndarray, S: np.ndarray, pinned: np.ndarray):
@@ -84,7 +89,10 @@ class PagePools:
         free pages needed, pages added to the request's own count, pages taken from the queue.
         An append-only family is a ring that never fills (`_ring` is huge there), so one formula
         serves both kinds."""
-        tgt = -(-tokens[:, None] // self.pt)
+        try:
+            tgt = self._ceil[tokens]
+        except IndexError:                     # past the table (a direct caller): the same formula
+            tgt = -(-tokens[:, None] // self.pt)
         size = np.minimum(tgt, self._ring)
         own = np.maximum(size - S, 0)
         wrap = np.minimum(np.maximum(tgt - np.maximum(L, self._ring), 0), self.maxb)
@@ -103,7 +111,7 @@ class PagePools:
 
     def choose_partition(self, need: np.ndarray) -> int | None:
         """The least-loaded partition whose pools hold `need` (ties round-robin)."""
-        ok = (need <= self.free).all(axis=1).tolist()
+        ok = (self.free >= need).all(axis=1).tolist()
         load = self.load.tolist()
         best, best_load = None, None
         for i in range(self.partitions):

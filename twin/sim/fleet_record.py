@@ -85,15 +85,16 @@ class FleetRecorder:
     # ---- the raw rows `metrics` reads ---------------------------------------------------------------
     def finalize(self, sim) -> None:
         self.itl = np.concatenate(self._itl) if self._itl else np.zeros(0)
-        cap = sim.kv.cap
-        for t, free in self._free:
-            used = cap[None, :] - free
-            for p in range(self.partitions):
-                for f, name in enumerate(self.families):
-                    self.pages.append((t, p, name, int(used[p, f])))
+        if self._free:
+            # one row per (step, partition, family), built from flat lists rather than nested loops
+            G, F = self.partitions, len(self.families)
+            used = sim.kv.cap[None, None, :] - np.stack([f for _, f in self._free])
+            t = np.repeat([t for t, _ in self._free], G * F).tolist()
+            p = np.tile(np.repeat(np.arange(G), F), len(self._free)).tolist()
+            self.pages.extend(zip(t, p, list(self.families) * (G * len(self._free)), used.ravel().tolist()))
         self._free = []
-        nan = lambda x: None if np.isnan(x) else float(x)        # noqa: E731
-        for i, rid in enumerate(sim.rid):
-            self.req[rid] = {"arrival": float(sim.arrival[i]), "prompt_len": int(sim.plen[i]),
-                             "first": nan(sim.first[i]), "last": nan(sim.last[i]), "chunks": int(sim.chunks[i]),
-                             "admitted": nan(sim.admitted[i]), "cached": int(sim.cached[i]), "end": nan(sim.end[i])}
+        cols = [[None if x != x else x for x in a.tolist()] for a in (sim.first, sim.last, sim.admitted, sim.end)]
+        for i, (rid, arr, pl, ch, ca, fi, la, ad, en) in enumerate(zip(
+                sim.rid, sim.arrival.tolist(), sim.plen.tolist(), sim.chunks.tolist(), sim.cached.tolist(), *cols)):
+            self.req[rid] = {"arrival": arr, "prompt_len": pl, "first": fi, "last": la, "chunks": ch,
+                             "admitted": ad, "cached": ca, "end": en}
