@@ -45,40 +45,47 @@ class Fp32Numerics(Numerics):
         return acc.astype(xp.float32)
 
     def get_rows(self, pool, slots):
-        """As Numerics.get_rows; a BF16 pool is gathered as its uint16 bits (XLA's CPU gather on
-        bf16 widens the whole pool to f32 first: a 5632 x 128 pool per layer to read 2k rows)."""
-        if _is_bf16(self, pool):
-            from jax import lax
-            rows = lax.bitcast_convert_type(super().get_rows(lax.bitcast_convert_type(pool, self.xp.uint16), slots),
-                                            self.xp.bfloat16)
-        else:
-            rows = super().get_rows(pool, slots)
-        if not self.is_numpy:
-            self.reads[id(pool)] = (pool, rows)
+        """As Numerics.get_rows.  BF16 pools travel as their uint16 bits (`JaxGolden` keeps them so):
+        XLA's CPU gather and scatter on bf16 widen the whole pool to f32 first (a 5632 x 128 pool
+        per layer to read 2k rows); a uint16 pool's rows come back as bf16."""
+        if self.is_numpy:
+            return super().get_rows(pool, slots)
+        from jax import lax
+        xp = self.xp
+        src = lax.bitcast_convert_type(pool, xp.uint16) if _is_bf16(self, pool) else pool
+        rows = super().get_rows(src, slots)
+        if _is_bits(self, src):
+            rows = lax.bitcast_convert_type(rows, xp.bfloat16)
+        self.reads[id(pool)] = (pool, rows)
         return rows
 
     def set_rows(self, pool, slots, rows):
-        """As Numerics.set_rows.  A write to a pool this step read before (the compressors pool
-        old state rows, then commit the new ones) is made data-dependent on that read: XLA then
-        orders the two and updates the pool in place instead of copying it (twice) per layer.
-        BF16 pools are scattered as their uint16 bits (XLA's CPU scatter on bf16 widens the whole
-        pool to f32 and narrows it back)."""
+        """As Numerics.set_rows (a uint16 pool holds bf16 bits, see get_rows).  A write to a pool
+        this step read before (the compressors pool old state rows, then commit the new ones) is
+        made data-dependent on that read: XLA then orders the two and updates the pool in place
+        instead of copying it (twice) per layer."""
         xp = self.xp
         if self.is_numpy:
             return super().set_rows(pool, slots, rows)
+        from jax import lax
         read = self.reads.pop(id(pool), None)
         if read is not None and read[0] is pool and read[1].size:
             z = read[1].reshape(-1)[0].astype(xp.float32)
             never = (z != z) & (z == z)              # always False, opaque to XLA's simplifier
             rows = xp.asarray(rows)
             rows = xp.where(never, xp.zeros_like(rows), rows)
-        if not _is_bf16(self, pool):
-            return super().set_rows(pool, slots, rows)
-        from jax import lax        # BF16 pools are scattered as their uint16 bits, like get_rows
-        bits = lambda a: lax.bitcast_convert_type(a, xp.uint16)
-        return lax.bitcast_convert_type(super().set_rows(bits(pool), slots, bits(xp.asarray(rows).astype(xp.bfloat16))),
-                                        xp.bfloat16)
+        if _is_bf16(self, pool):
+            return lax.bitcast_convert_type(self.set_rows(lax.bitcast_convert_type(pool, xp.uint16), slots, rows),
+                                            xp.bfloat16)
+        if _is_bits(self, pool):
+            rows = lax.bitcast_convert_type(xp.asarray(rows).astype(xp.bfloat16), xp.uint16)
+        return super().set_rows(pool, slots, rows)
 
 
 def _is_bf16(nm, pool) -> bool:
     return not nm.is_numpy and nm.xp.dtype(pool.dtype) == nm.xp.dtype(nm.xp.bfloat16)
+
+
+def _is_bits(nm, pool) -> bool:
+    """A uint16 pool on the JAX path: BF16 values held as their bits (no ABI pool is uint16)."""
+    return not nm.is_numpy and nm.xp.dtype(pool.dtype) == nm.xp.dtype(nm.xp.uint16)

@@ -15,11 +15,13 @@ so that the cache writes happen in place.
     jg = JaxGolden(ckpt, cfg, "device")
     out = jg.forward(meta, caches)                # same signature and result as compose.forward
     out = jg.forward(meta, out.caches, donate=True)   # a decode loop: pools updated in place
+    out.caches[layer]["kv_cache"]                # a LayerPools: pools in ABI dtypes on read
     out = jg.forward(meta, caches, taps=("moe_indices", "ffn_x_mixed"))   # out.taps: Taps
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,7 @@ from .jax_kernels import attention_sublayer_grouped, layout, moe_blocked
 from .jax_numerics import Fp32Numerics
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
-from .numerics import Numerics
+from .numerics import BF16, Numerics
 from .paged import PREFILL, StepMeta
 
 EXPERT_KEYS = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
@@ -129,10 +131,7 @@ class JaxGolden:
             g = {k: jnp.asarray(v) for k, v in lay.arrays().items()}
             rope = {k: tuple(jnp.asarray(np.asarray(a), self.nm.f) for a in v)
                     for k, v in rope_inputs(cfg, meta.position_ids, self.host_nm).items()}
-            # a donated NumPy pool is copied first (jnp.asarray may alias host memory, which XLA
-            # would then overwrite)
-            put = (lambda v: jnp.array(v, copy=True) if isinstance(v, np.ndarray) else v) if donate else jnp.asarray
-            pools = [{k: put(v) for k, v in c.items()} for c in caches]
+            pools = [c.raw if isinstance(c, LayerPools) else _to_bits(c, donate) for c in caches]
             fn, key = self._step_fn(meta.form, n_idx, n_hca, lay, donate, stages)
             args = (self.model, self.layers, self.experts, pools, m, g, rope)
             self._last = (fn, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args))
@@ -146,7 +145,7 @@ class JaxGolden:
             for k, v in tapped.items():
                 layer, stage = k.split(":")
                 got[(int(layer), stage)] = v
-        return ForwardOut(logits, sampled, out, x_hc, got, meta)
+        return ForwardOut(logits, sampled, [LayerPools(p) for p in out], x_hc, got, meta)
 
 
     def stablehlo(self) -> str:
@@ -154,6 +153,38 @@ class JaxGolden:
         fn, shapes = self._last
         with jax.enable_x64(True):
             return fn.lower(*shapes).as_text()
+
+
+class LayerPools(Mapping):
+    """One layer's pools as the JAX step returns them.  BF16 pools are held as their uint16 bits
+    (`raw`), so that passing them back (a decode loop) gathers and scatters them in place with no
+    whole-pool conversion; reading a pool gives it in its ABI dtype (a bitcast, one copy)."""
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+
+    def __getitem__(self, name):
+        v = self.raw[name]
+        return jax.lax.bitcast_convert_type(v, jnp.bfloat16) if v.dtype == jnp.uint16 else v
+
+    def __iter__(self):
+        return iter(self.raw)
+
+    def __len__(self):
+        return len(self.raw)
+
+
+def _to_bits(pools, donate: bool) -> dict:
+    """A layer's pools (NumPy or JAX, ABI dtypes) as the step takes them: BF16 as uint16 bits.  A
+    donated NumPy pool is copied (jnp.asarray may alias host memory, which XLA would overwrite)."""
+    out = {}
+    for k, v in pools.items():
+        if isinstance(v, np.ndarray):
+            v = v.view(np.uint16) if v.dtype == BF16 else v
+            out[k] = jnp.array(v, copy=True) if donate else jnp.asarray(v)
+        else:
+            out[k] = jax.lax.bitcast_convert_type(v, jnp.uint16) if v.dtype == jnp.bfloat16 else v
+    return out
 
 
 def _bucket(n: int, least: int) -> int:

@@ -18,7 +18,7 @@ from golden.jax_path import JaxGolden
 from golden.kernels.moe import moe_experts
 from golden.kernels.rope import SWA_PROFILE, rope_rows
 from golden.kernels.sparse_attention import TILE, sparse_attention
-from golden.numerics import Numerics
+from golden.numerics import BF16, Numerics
 from golden.paged import DECODE, PREFILL, Span, assign_blocks, lower, window_indices
 from golden_testlib import rel
 from jax_parity_lib import assert_fp32_parity
@@ -64,7 +64,8 @@ def test_jax_decode_fp32_matches_numpy_tie_aware(tiny_ckpt):
     assert jg.static_extents(meta2) == jg.static_extents(meta)
     compiled = len(jg._fns)
     ref2 = forward(tiny_ckpt, meta2, ref.caches, cfg=cfg, nm=s.nm, taps=Taps(TAPS))
-    kv = out.caches[2]["kv_cache"]
+    kv = out.caches[2].raw["kv_cache"]                # bf16 pools travel as their uint16 bits
+    assert kv.dtype == np.uint16 and out.caches[2]["kv_cache"].dtype == BF16
     out2 = jg.forward(meta2, out.caches, donate=True, taps=TAPS)
     assert kv.is_deleted()                           # donated: written in place, not copied
     assert len(jg._fns) == compiled                  # same extents bucket: no recompile
