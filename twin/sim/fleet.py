@@ -198,12 +198,9 @@ class FleetSim(FleetExecute):
                     self.lease[i], self.gen[i] = self.leases.reserve(i, int(self.part[i]))
                 except LeasesExhausted as e:
                     cmd.error = cmd.error or str(e)
-        # advance_after_schedule
-        self.computed[idx] += num_new
-        s_idx = idx[samples]
-        sp = spec[samples]
-        self.ph[s_idx] += 1 + sp
-        self.computed[s_idx] += sp
+        # advance_after_schedule (spec is 0 on every row that does not sample: prefill chunks)
+        self.computed[idx] += num_new + spec
+        self.ph[idx] += samples + spec
         if self.k:
             self.tpif[idx[samples & pre]] = True
         return cmd
@@ -226,12 +223,13 @@ class FleetSim(FleetExecute):
         cost = nn + spec
         if int(cost.sum()) > budget:
             act, c, pre, nn, spec, cost = self._budget_scan(act, c, pre, nn, spec, cost, budget)
-        keep = self._grow_all(act, c + cost, cost)
+        tokens = c + cost
+        keep = self._grow_all(act, tokens, cost)
         if self.prefix:
-            due = (keep & (c + cost > self.next_drop[act])).nonzero()[0]
+            due = (keep & (tokens > self.next_drop[act])).nonzero()[0]
             for j in due.tolist():
                 i = int(act[j])
-                self.kv.drop_tails(self.drops[i], int(c[j] + cost[j]), int(self.part[i]))
+                self.kv.drop_tails(self.drops[i], int(tokens[j]), int(self.part[i]))
                 self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
         if not keep.all():
             act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
