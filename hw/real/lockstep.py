@@ -189,7 +189,8 @@ class RealLockstep:
             f.site = ("head", "hidden")
             findings.append(f)
         for site in gtaps:
-            if site[1] in DECISION_STAGES and site in dtaps:
+            # the logits too: a last-layer fault moves only them and the hidden, within the ties' reach
+            if (site[1] in DECISION_STAGES or site == ("head", "logits")) and site in dtaps:
                 kind = compose_kind(site)
                 f = compare_tensor(f"{site[0]}/{site[1]}", dtaps[site], gtaps[site], self.policy.lookup(*kind), kind)
                 f.site = site
