@@ -154,8 +154,8 @@ def compare(ref: str, sizes: tuple[int, ...], repeat: int, fidelity: str = "exac
         b_wall, c_wall = best("baseline", "engine_wall_s"), best("current", "engine_wall_s")
         assert all(x["package"].startswith(ROOT) for x in r["current"]), "working tree not measured"
         assert not any(x["package"].startswith(ROOT) for x in r["baseline"]), "baseline not measured"
-        same = all(x["kv_stats"] == y["kv_stats"] and x["preemptions"] == y["preemptions"] and x["summary"] == y["summary"]
-                   for x, y in zip(r["baseline"], r["current"]))
+        same = all(x["kv_stats"] == y["kv_stats"] and x["preemptions"] == y["preemptions"]
+                   and x["summary"] == y["summary"] for x, y in zip(r["baseline"], r["current"]))
         out["sizes"][str(n)] = {
             "baseline": {"saturated_sim_s_per_wall_s": b_sat, "saturated_sim_s_per_cpu_s": b_satc,
                          "wall_us_per_request_step": b_us, "cpu_s": b_cpu, "engine_wall_s": b_wall},

@@ -14,7 +14,7 @@ import numpy as np
 from twin.abi import constants as C
 
 if TYPE_CHECKING:
-    from .fleet import Command
+    from .fleet_command import Command
 
 
 class FleetExecute:

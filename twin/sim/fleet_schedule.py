@@ -1,0 +1,269 @@
+"""The fleet fidelity's scheduler half: one pass over the running set (phase 1: budget, chunked
+prefill, table growth with preemption where a partition runs out) and the waiting queue (phase 2:
+prefix lookup, partition choice, head-of-line blocking), then the step command.
+
+Mixed into `fleet.FleetSim`, whose request arrays and page pools it reads and writes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .fleet_command import NEVER, RUNNING, Command
+from .leases import LeasesExhausted
+
+
+class FleetSchedule:
+    # ---- schedule ----------------------------------------------------------------------------------
+    def schedule(self) -> Command | None:
+        self._pass += 1
+        if self.leases:
+            for i in self._pending_ids:
+                self.leases.release(i)
+        finished_ids, self._pending_ids = self._pending_ids, []
+        budget = self.budget
+        rows = self._phase1(budget)
+        budget -= int((rows[1] + rows[2]).sum()) if len(rows[0]) else 0
+        new = self._phase2(budget)
+        if len(rows[0]) == 0 and not new:
+            self._pending_ids[:0] = finished_ids
+            return None
+        if new:
+            cols = [np.concatenate([r, np.asarray(c, dtype=r.dtype)]) for r, c in zip(rows, zip(*new))]
+        else:
+            cols = rows
+        idx, num_new, spec, start, pre = cols
+        self._step += 1
+        samples = ~pre | (start + num_new >= self.plen[idx])
+        cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver[idx])
+        self.pins[idx] += 1
+        if self.leases is not None:
+            for i in idx[pre & (self.lease[idx] < 0)].tolist():
+                try:
+                    self.lease[i], self.gen[i] = self.leases.reserve(i, int(self.part[i]))
+                except LeasesExhausted as e:
+                    cmd.error = cmd.error or str(e)
+        # advance_after_schedule (spec is 0 on every row that does not sample: prefill chunks)
+        self.computed[idx] += num_new + spec
+        self.ph[idx] += samples + spec
+        if self.k:
+            self.tpif[idx[samples & pre]] = True
+        return cmd
+
+    def _phase1(self, budget: int):
+        run = self.running
+        empty = np.zeros(0, dtype=np.int64)
+        if not len(run):
+            return empty, empty, empty, empty, np.zeros(0, dtype=bool)
+        act = run[~self.tpif[run]]
+        c = self.computed[act]
+        pl = self.plen[act]
+        pre = c < pl
+        nn = np.minimum(np.minimum(pl + self.n_out[act] + self.ph[act] - c, budget), self.max_seq - c)
+        nn = np.where(pre, np.minimum(nn, self.chunk), nn)
+        ok = nn > 0
+        if not ok.all():
+            act, c, pre, nn = act[ok], c[ok], pre[ok], nn[ok]
+        spec = np.where(pre, 0, np.maximum(np.minimum(self.k, self.max_seq - c - nn), 0))
+        cost = nn + spec
+        if int(cost.sum()) > budget:
+            act, c, pre, nn, spec, cost = self._budget_scan(act, c, pre, nn, spec, cost, budget)
+        tokens = c + cost
+        keep = self._grow_all(act, tokens, cost)
+        if self.prefix:
+            due = (keep & (tokens > self.next_drop[act])).nonzero()[0]
+            for j in due.tolist():
+                i = int(act[j])
+                self.kv.drop_tails(self.drops[i], int(tokens[j]), int(self.part[i]))
+                self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
+        if not keep.all():
+            act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
+        return act, nn, spec, c, pre
+
+    def _budget_scan(self, act, c, pre, nn, spec, cost, budget):
+        """The sequential budget walk, from the first request that does not fit in full."""
+        cs = cost.cumsum()
+        i = int(cs.searchsorted(budget, side="right"))
+        keep = np.zeros(len(act), dtype=bool)
+        keep[:i] = True
+        left = budget - (int(cs[i - 1]) if i else 0)
+        nn = nn.copy()
+        for j in range(i, len(act)):
+            if left <= 0:
+                break
+            cj = int(c[j])
+            if pre[j]:
+                n = min(int(nn[j]), left)
+                s = 0
+            else:
+                n = min(int(nn[j]), left)
+                s = max(0, min(self.k, self.max_seq - cj - n))
+            if n <= 0 or n + s > left:
+                continue
+            nn[j] = n
+            spec[j] = s
+            keep[j] = True
+            left -= n + s
+        cost = nn + spec
+        return act[keep], c[keep], pre[keep], nn[keep], spec[keep], cost[keep]
+
+    def _grow_all(self, act, tokens, cost) -> np.ndarray:
+        """Grow every row's tables in order.  Per-partition cumulative needs find the first row a
+        partition cannot hold; there (only) the latest arrival is preempted, same partition first,
+        and the row retried once.  Returns the mask of rows that were scheduled."""
+        kv = self.kv
+        n = len(act)
+        keep = np.ones(n, dtype=bool)
+        if not n:
+            return keep
+        F, G = kv.F, self.G
+        rows = self.kvrows.take(act, axis=0)               # take: ~2x a fancy-index row gather
+        need, own, taken, L2, S2 = kv.growth(tokens, rows[:, :F], rows[:, F:2 * F], self.pins[act] > 0)
+        part = self.part[act]
+        flat = ((part * F)[:, None] + kv.fam).ravel()         # (partition, family) cell of each entry
+        sums = np.bincount(flat, weights=need.ravel(), minlength=G * F).reshape(G, F)   # exact below 2^53
+        over = (sums > kv.free).any(axis=1).nonzero()[0]
+        if len(over):
+            free = kv.free.astype(float)                     # free pages before this step's growth
+            # per partition that runs out: its rows in order and their cumulative need; a row dropped
+            # or preempted leaves the rows after it, pages a preemption frees add to what is free
+            # (free only grows and needs only shrink here, so no other partition can run out)
+            groups = {}
+            for g in over.tolist():
+                rows_g = (part == g).nonzero()[0]
+                groups[g] = (rows_g, need[rows_g].cumsum(axis=0))
+            base = 0
+            while True:
+                j = None
+                for g, (rows_g, cs_g) in groups.items():
+                    k0 = int(rows_g.searchsorted(base))
+                    bad = (cs_g[k0:] > free[g]).any(axis=1)
+                    if bad.any():
+                        first = int(rows_g[k0 + int(bad.argmax())])
+                        j = first if j is None else min(j, first)
+                if j is None:
+                    break
+                pj = int(part[j])
+                rows_j, cs_j = groups[pj]
+                kj = int(rows_j.searchsorted(j))
+                keep[j] = False
+                cs_j[kj:] -= need[j]
+                r = int(act[j])
+                victim = self._victim(r)
+                if victim is not None:
+                    vrow = (act == victim).nonzero()[0]
+                    if len(vrow):
+                        v = int(vrow[0])
+                        pv_row = int(part[v])
+                        if keep[v] and pv_row in groups:
+                            rows_v, cs_v = groups[pv_row]
+                            cs_v[int(rows_v.searchsorted(v)):] -= need[v]   # its growth here is undone
+                        keep[v] = False
+                    pv = int(self.part[victim])
+                    free[pv] += self.own[victim] + self.pinned[victim]
+                    self._preempt(victim, r)
+                    before = cs_j[kj - 1] if kj else 0
+                    if (before + need[j] <= free[pj]).all():
+                        keep[j] = True
+                        cs_j[kj:] += need[j]
+                base = j + 1
+        det = need - own
+        rows[:, :F] = L2
+        rows[:, F:2 * F] = S2
+        rows[:, 2 * F:3 * F] += own
+        rows[:, 3 * F:] += det
+        if keep.all():
+            self.kvrows[act] = rows
+            d_, r_ = int(det.sum()), int(taken.sum()) - int(own.sum())
+        else:
+            self.kvrows[act[keep]] = rows[keep]
+            sums = np.bincount(flat, weights=(need * keep[:, None]).ravel(), minlength=G * F).reshape(G, F)
+            taken = taken * keep[:, None]
+            d_, r_ = int(det[keep].sum()), int(taken.sum()) - int(own[keep].sum())
+        kv.free -= sums.astype(np.int64)
+        kv.takes += np.bincount(flat, weights=taken.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+        kv.stats["detaches"] += d_
+        kv.stats["rotations"] += r_ - d_
+        return keep
+
+    def _commit(self, idx, need, own, taken, L2, S2) -> None:
+        if not len(idx):
+            return
+        kv = self.kv
+        p = self.part[idx]
+        G, F = self.G, kv.F
+        flat = (p[:, None] * F + np.arange(F)).ravel()
+        kv.free -= np.bincount(flat, weights=need.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+        kv.takes += np.bincount(flat, weights=taken.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+        det = need - own
+        self.own[idx] += own
+        self.pinned[idx] += det
+        self.L[idx] = L2
+        self.S[idx] = S2
+        d = int(det.sum())
+        kv.stats["detaches"] += d
+        kv.stats["rotations"] += int((taken - own).sum()) - d
+
+    def _victim(self, r: int) -> int | None:
+        run = self.running
+        cand = run[run != r]
+        if not len(cand):
+            return None
+        same = cand[self.part[cand] == self.part[r]]
+        pool = same if len(same) else cand
+        return int(pool[self.rank[pool].argmax()])
+
+    def _phase2(self, budget: int) -> list:
+        new = []
+        kv = self.kv
+        room = self.max_running - len(self.running)
+        while self.waiting and budget > 0 and len(new) < room:
+            i = self.waiting[0]
+            if self.in_pass[i] == self._pass:
+                break
+            pl = int(self.plen[i])
+            hit, p, fallback = 0, None, False
+            if self.prefix:
+                hit, p = kv.lookup(self.hashes[i], pl - self.max_hit_offset)
+            if hit:
+                L, S, own = kv.attach(self.hashes[i], hit, p, self.entries[i], self.drops[i])
+                self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
+                self.L[i], self.S[i], self.own[i] = L, S, own
+                self.part[i] = p
+                kv.load[p] += 1
+                nn = self._first_chunk(i, hit, budget)
+                if not self._grow_one(i, hit + nn):
+                    self._release_kv(i)
+                    hit, fallback = 0, True
+            if not hit:
+                nn = self._first_chunk(i, 0, budget)
+                need, row = kv.first_rows(nn)
+                p = kv.choose_partition(need)
+                if p is None:
+                    break
+                self.part[i] = p
+                kv.load[p] += 1
+                kv.free[p] -= need
+                kv.takes[p] += need
+                self.kvrows[i] = row
+            self.waiting.popleft()
+            self.status[i] = RUNNING
+            self.computed[i] = hit
+            self.cached[i] = hit
+            self.pub[i] = hit // kv.align
+            self.rec.admitted(i, hit, fallback, self.now)
+            new.append((i, nn, 0, hit, True))
+            budget -= nn
+        if new:
+            self.running = np.concatenate([self.running, np.array([x[0] for x in new], dtype=np.int64)])
+        return new
+
+    def _first_chunk(self, i: int, computed: int, budget: int) -> int:
+        return min(int(self.plen[i]) - computed, budget, self.max_seq - computed, self.chunk)
+
+    def _grow_one(self, i: int, tokens: int) -> bool:
+        idx = np.array([i])
+        need, own, taken, L2, S2 = self.kv.growth(np.array([tokens]), self.L[idx], self.S[idx], self.pins[idx] > 0)
+        if (need[0] > self.kv.free[self.part[i]]).any():
+            return False
+        self._commit(idx, need, own, taken, L2, S2)
+        return True
