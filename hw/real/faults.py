@@ -51,6 +51,10 @@ eager publication of every verify row into the target pools (serving-contract.md
 uncommitted row written into the drafter ring at its own position, which the same drafter call's
 query block overwrites before any read (the publication above moves the anchor, as a wrong count
 does).
+
+`run_case(kind, seed=, at=, layer=)` runs one injection and says whether it fired, was detected at
+the dispatch it fired at (and not before) and localized to `expected`; `sweep_layers(cfg, kind)`
+are the layers a sweep injects at (benchmarks/real_fault_sweep.py measures every kind).
 """
 from __future__ import annotations
 
