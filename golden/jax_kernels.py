@@ -240,13 +240,15 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
     n = T * K
     nb = (n + min(E, n) * (block - 1)) // block + 1
     flat = indices.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    cnt = jnp.bincount(flat, length=E)
+    # a route's rank among its expert's routes (in route order) from a one-hot running count:
+    # the slots a stable sort by expert would give, without XLA's CPU sort
+    hot = flat[:, None] == jnp.arange(E)[None, :]
+    rank = jnp.sum(jnp.where(hot, jnp.cumsum(hot, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
+    cnt = jnp.sum(hot, axis=0, dtype=jnp.int32)
     padded = (cnt + block - 1) // block * block
     pend = jnp.cumsum(padded)
-    se = flat[order]
-    dest = (pend - padded)[se] + jnp.arange(n) - (jnp.cumsum(cnt) - cnt)[se]
-    route = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    dest = ((pend - padded)[flat] + rank).astype(jnp.int32)              # [n] block-layout slot of each route
+    route = jnp.full((nb * block,), -1, jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32))
     blk_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(nb) * block, side="right"), E - 1)
     wflat = weights.reshape(-1)
 
@@ -260,9 +262,9 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
         return lax.dynamic_update_slice_in_dim(acc, y[None], i, axis=0)
 
     acc = lax.fori_loop(0, pend[-1] // block, body, jnp.zeros((nb, block, D), nm.f))
-    routed = jnp.zeros((n, D), nm.f).at[jnp.where(route >= 0, route, n)].set(acc.reshape(-1, D), mode="drop")
+    # each route's row read back from its block slot (a gather: no zeroed [n, D] scatter target)
+    routed = acc.reshape(-1, D)[dest].reshape(T, K, D)
     out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
-    routed = routed.reshape(T, K, D)
     for k in range(K):
         out = out + routed[:, k]
     return nm.bf16(out)
