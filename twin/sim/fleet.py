@@ -125,9 +125,8 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.first, self.last, self.end, self.admitted = nan(), nan(), nan(), nan()
         # per request and family: logical pages, filled ring slots, own pages, pages held by an
         # in-flight snapshot (one matrix, so a step gathers and scatters them once)
-        self.kvrows = np.zeros((n, 4 * F), dtype=np.int64)
-        self.L, self.S = self.kvrows[:, :F], self.kvrows[:, F:2 * F]
-        self.own, self.pinned = self.kvrows[:, 2 * F:3 * F], self.kvrows[:, 3 * F:]
+        self.kv4 = np.zeros((4, n, F), dtype=np.int64)
+        self.L, self.S, self.own, self.pinned = self.kv4        # each contiguous (n x F)
         self.entries: list[list] = [[] for _ in range(n)]
         self.drops: list[list] = [[] for _ in range(n)]        # (tokens, id, entry, family) tails held
         self.next_drop = np.full(n, NEVER, dtype=np.int64)

@@ -82,11 +82,8 @@ class FleetApply:
             if self.drops[i]:
                 kv.drop_tails(self.drops[i], NEVER + 1, pi)
                 self.next_drop[i] = NEVER
-        F, G = kv.F, self.G
-        held = self.own[ids] + self.pinned[ids]
-        flat = ((p * F)[:, None] + kv.fam).ravel()
-        kv.free += np.bincount(flat, weights=held.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
-        self.kvrows[ids] = 0
+        kv.free += kv.per_cell(kv.cells(p), self.own.take(ids, axis=0) + self.pinned.take(ids, axis=0))
+        self.kv4[:, ids] = 0
         self.pins[ids] = 0
         kv.load -= np.bincount(p, minlength=self.G)
         self.part[ids] = -1
@@ -130,11 +127,9 @@ class FleetApply:
                 self.pub[i] = end
         # unpin: the pages detached into this step's snapshots go back to the pool
         self.pins[idx] -= 1
-        held = self.pinned[idx]
+        held = self.pinned.take(idx, axis=0)             # take: ~5x a 2-D fancy-index gather
         if held.any():
-            G, F = self.G, kv.F
-            flat = ((self.part[idx] * F)[:, None] + kv.fam).ravel()
-            kv.free += np.bincount(flat, weights=held.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+            kv.free += kv.per_cell(kv.cells(self.part[idx]), held)
             self.pinned[idx] = 0
         if samples.all():
             s_idx, cnt, sp = idx, counts, spec

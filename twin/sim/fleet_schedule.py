@@ -115,14 +115,14 @@ class FleetSchedule:
         keep = np.ones(n, dtype=bool)
         if not n:
             return keep
-        F, G = kv.F, self.G
-        rows = self.kvrows.take(act, axis=0)               # take: ~2x a fancy-index row gather
-        need, own, taken, L2, S2 = kv.growth(tokens, rows[:, :F], rows[:, F:2 * F], self.pins[act] > 0)
+        need, own, taken, det, wrapped, L2, S2 = kv.grow_rows(
+            tokens, self.L.take(act, axis=0), self.S.take(act, axis=0), self.pins[act] > 0)
         part = self.part[act]
-        flat = ((part * F)[:, None] + kv.fam).ravel()         # (partition, family) cell of each entry
-        sums = np.bincount(flat, weights=need.ravel(), minlength=G * F).reshape(G, F)   # exact below 2^53
-        over = (sums > kv.free).any(axis=1).nonzero()[0]
-        if len(over):
+        cells = kv.cells(part)
+        sums = kv.per_cell(cells, need)                    # exact below 2^53
+        bad = sums > kv.free
+        if bad.any():
+            over = bad.any(axis=1).nonzero()[0]
             free = kv.free.astype(float)                     # free pages before this step's growth
             # per partition that runs out: its rows in order and their cumulative need; a row dropped
             # or preempted leaves the rows after it, pages a preemption frees add to what is free
@@ -166,21 +166,26 @@ class FleetSchedule:
                         keep[j] = True
                         cs_j[kj:] += need[j]
                 base = j + 1
-        det = need - own
-        rows[:, :F] = L2
-        rows[:, F:2 * F] = S2
-        rows[:, 2 * F:3 * F] += own
-        rows[:, 3 * F:] += det
         if keep.all():
-            self.kvrows[act] = rows
-            d_, r_ = int(det.sum()), int(taken.sum()) - int(own.sum())
+            sel = act
+            d_, r_ = (int(det.sum()) if det is not None else 0), int(wrapped.sum())
         else:
-            self.kvrows[act[keep]] = rows[keep]
-            sums = np.bincount(flat, weights=(need * keep[:, None]).ravel(), minlength=G * F).reshape(G, F)
-            taken = taken * keep[:, None]
-            d_, r_ = int(det[keep].sum()), int(taken.sum()) - int(own[keep].sum())
-        kv.free -= sums.astype(np.int64)
-        kv.takes += np.bincount(flat, weights=taken.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+            k = keep.nonzero()[0]
+            sel = act[k]
+            L2, S2, own, need, taken = (x.take(k, axis=0) for x in (L2, S2, own, need, taken))
+            cells = kv.cells(part[k])
+            sums = kv.per_cell(cells, need)
+            if det is not None:
+                det = det.take(k, axis=0)
+            d_ = int(det.sum()) if det is not None else 0
+            r_ = int(wrapped.take(k, axis=0).sum())
+        self.L[sel] = L2
+        self.S[sel] = S2
+        self.own[sel] += own
+        if det is not None:
+            self.pinned[sel] += det
+        kv.free -= sums
+        kv.takes += kv.per_cell(cells, taken)
         kv.stats["detaches"] += d_
         kv.stats["rotations"] += r_ - d_
         return keep
@@ -244,7 +249,7 @@ class FleetSchedule:
                 kv.load[p] += 1
                 kv.free[p] -= need
                 kv.takes[p] += need
-                self.kvrows[i] = row
+                self.kv4[:, i] = row
             self.waiting.popleft()
             self.status[i] = RUNNING
             self.computed[i] = hit
