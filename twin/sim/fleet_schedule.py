@@ -127,9 +127,12 @@ class FleetSchedule:
             # per partition that runs out: its rows in order and their cumulative need; a row dropped
             # or preempted leaves the rows after it, pages a preemption frees add to what is free
             # (free only grows and needs only shrink here, so no other partition can run out)
+            # (only rows that need pages: a row that needs none never is the first to overflow, and
+            # the cumulative needs at the others are the same without it)
             groups = {}
+            some = need.any(axis=1)
             for g in over.tolist():
-                rows_g = (part == g).nonzero()[0]
+                rows_g = ((part == g) & some).nonzero()[0]
                 groups[g] = (rows_g, need[rows_g].cumsum(axis=0))
             base = 0
             while True:
