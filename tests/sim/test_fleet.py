@@ -186,3 +186,32 @@ def test_fleet_reproduces_exact_timings_without_randomness_or_pressure():
     assert (ex["cached_tokens"] == fl["cached_tokens"]).all() and ex["cached_tokens"].gt(0).any()
     for col in ("admitted", "first_token", "end"):
         assert np.allclose(ex[col].astype(float), fl[col].astype(float), rtol=1e-9, atol=1e-12), col
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 300), pinned_share=st.sampled_from([0.0, 0.3, 1.0]))
+def test_pool_hot_path_equals_the_growth_formula(seed, n, pinned_share):
+    """`PagePools.grow_rows` (contiguous operands, the step's hot path) returns what `growth` does,
+    and `per_cell` sums per (partition, family) as a plain accumulation would."""
+    from twin.sim.fleet_pool import PagePools
+
+    kv = PagePools.from_deployment(DEP, 3)
+    rng = np.random.default_rng(seed)
+    before = rng.integers(0, DEP.limits.max_model_len - 8, n)
+    tokens = before + rng.integers(0, 9, n)
+    L = kv._ceil[before].copy()
+    S = np.minimum(L, kv._ring) - rng.integers(0, 2, (n, kv.F)) * (L > 0)     # some rings short (hits)
+    S = np.maximum(S, 0)
+    pinned = rng.random(n) < pinned_share
+    need, own, taken, L2, S2 = kv.growth(tokens, L, S, pinned)
+    got = kv.grow_rows(tokens, L.copy(), S.copy(), pinned)
+    for want, have in zip((need, own, taken, L2, S2), (got[0], got[1], got[2], got[5], got[6])):
+        assert (want == have).all()
+    assert (got[3] is None) == (not pinned.any())
+    if got[3] is not None:
+        assert (got[3] == need - own).all()
+    assert (got[4] == taken - own).all()
+    part = rng.integers(0, DEP.partitions, n)
+    want = np.zeros((DEP.partitions, kv.F), dtype=np.int64)
+    np.add.at(want, part, taken)
+    assert (kv.per_cell(kv.cells(part), taken) == want).all()
