@@ -101,7 +101,6 @@ def small_decode(reps: int, jax_too: bool = True, mode: str = "device") -> dict:
         t_step = _median_time(step, reps)
         out.update({"numpy_step_s": t_step, "step_over_gemms": t_step / t_mm})
         return out
-    import jax
     from golden.jax_path import JaxGolden
     jg = JaxGolden(ck, cfg, mode)
     t0 = time.perf_counter()
