@@ -62,8 +62,10 @@ class ConditionalAcceptance(AcceptanceModel):
         number of positions whose survival probability prod(a_1..a_i) exceeds it): the fleet
         fidelity's sampler, 7x fewer draws; `counts` keeps the exact mode's random stream."""
         rising = self._rising
-        run = len(rising) - np.searchsorted(rising, rng.random(n), side="right")
-        return np.where(fits, 1 + run, 1)
+        run = len(rising) - rising.searchsorted(rng.random(n), side="right")
+        run *= fits                            # no drafts: the bonus token only
+        run += 1
+        return run
 
     @property
     def _rising(self) -> np.ndarray:
