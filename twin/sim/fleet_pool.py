@@ -70,7 +70,6 @@ class PagePools:
         self._max_span = max(self._span)
         self._full_idx = np.flatnonzero(~self.rolling).tolist()
         self._roll_idx = np.flatnonzero(self.rolling).tolist()
-        self.fam = np.arange(self.F)
         # ceil(tokens / page_tokens) per family for every length a table can reach: one gather
         # per step instead of an integer division over (requests x families)
         self._ceil = -(-np.arange(max_tokens + 1)[:, None] // self.pt)

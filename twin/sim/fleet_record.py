@@ -89,12 +89,12 @@ class FleetRecorder:
             # one row per (step, partition, family), built from flat lists rather than nested loops
             G, F = self.partitions, len(self.families)
             used = sim.kv.cap[None, None, :] - np.stack([f for _, f in self._free])
-            t = np.repeat([t for t, _ in self._free], G * F).tolist()
-            p = np.tile(np.repeat(np.arange(G), F), len(self._free)).tolist()
-            self.pages.extend(zip(t, p, list(self.families) * (G * len(self._free)), used.ravel().tolist()))
+            times = np.repeat([t for t, _ in self._free], G * F).tolist()
+            parts = np.tile(np.repeat(np.arange(G), F), len(self._free)).tolist()
+            self.pages.extend(zip(times, parts, list(self.families) * (G * len(self._free)), used.ravel().tolist()))
         self._free = []
         cols = [[None if x != x else x for x in a.tolist()] for a in (sim.first, sim.last, sim.admitted, sim.end)]
-        for i, (rid, arr, pl, ch, ca, fi, la, ad, en) in enumerate(zip(
-                sim.rid, sim.arrival.tolist(), sim.plen.tolist(), sim.chunks.tolist(), sim.cached.tolist(), *cols)):
+        for rid, arr, pl, ch, ca, fi, la, ad, en in zip(
+                sim.rid, sim.arrival.tolist(), sim.plen.tolist(), sim.chunks.tolist(), sim.cached.tolist(), *cols):
             self.req[rid] = {"arrival": arr, "prompt_len": pl, "first": fi, "last": la, "chunks": ch,
                              "admitted": ad, "cached": ca, "end": en}

@@ -126,9 +126,9 @@ class FleetSchedule:
             free = kv.free.astype(float)                     # free pages before this step's growth
             # per partition that runs out: its rows in order and their cumulative need; a row dropped
             # or preempted leaves the rows after it, pages a preemption frees add to what is free
-            # (free only grows and needs only shrink here, so no other partition can run out)
-            # (only rows that need pages: a row that needs none never is the first to overflow, and
-            # the cumulative needs at the others are the same without it)
+            # (free only grows and needs only shrink here, so no other partition can run out).
+            # Only rows that need pages are walked: one that needs none is never the first to
+            # overflow, and the cumulative needs at the others are the same without it.
             groups = {}
             some = need.any(axis=1)
             for g in over.tolist():
