@@ -155,6 +155,7 @@ class CostModel:
         self._layer_counts = (m.num_hidden_layers, len(m.csa_layers), len(m.hca_layers))
         self._moe_cache: dict[tuple, float] = {}
         self._decode_static: dict[tuple, dict] = {}     # decode_arrays: the parts set by the batch shape
+        self._prefill_static: dict[tuple, tuple] = {}   # prefill_arrays: the same, by (rows per rank, requests)
         self.vector_routing = False                      # fleet: draw all MoE layers' routing at once
         self.moe_bucket = 64                             # token rows per routing draw (fleet: coarser)
         self._probs_rows: dict[int, np.ndarray] = {}
@@ -375,7 +376,14 @@ class CostModel:
         P = int(per_group.max()) if len(tokens) else 0
         P = -(-P // self.tp) * self.tp
         L = P // self.tp
-        dense = self._dense(w, L, len(tokens))
+        # dense, MoE and comm depend only on the shape (MoE routing is drawn on a bucket's first
+        # use, which a shape's first use still is: the draw order is unchanged)
+        static = self._prefill_static.get((L, len(tokens)))
+        if static is None:
+            static = self._prefill_static[(L, len(tokens))] = (
+                self._dense(w, L, len(tokens)), self.moe_time(self.R * L, "target", "l3_prefill_fwd"),
+                self._comm(L, self.m.num_hidden_layers))
+        dense, moe, comm = static
         attn = 0.0
         if len(tokens):
             n = tokens.astype(float)
@@ -383,8 +391,7 @@ class CostModel:
             b = np.bincount(group, weights=kb + n * sum(self.tok_bytes.values()), minlength=self.G)
             f = np.bincount(group, weights=fl, minlength=self.G)
             attn = float(np.maximum(b / self.bw, f / self.tp / self.f16).max())
-        parts = {"dense": dense, "attention": attn, "moe": self.moe_time(self.R * L, "target", "l3_prefill_fwd"),
-                 "comm": self._comm(L, self.m.num_hidden_layers), "overhead": self.device.dispatch_overhead}
+        parts = {"dense": dense, "attention": attn, "moe": moe, "comm": comm, "overhead": self.device.dispatch_overhead}
         return self.cal.prefill * sum(parts.values()), parts
 
     def seed(self, rows: int) -> tuple[float, dict]:
