@@ -156,6 +156,7 @@ class CostModel:
         self._moe_cache: dict[tuple, float] = {}
         self._decode_static: dict[tuple, dict] = {}     # decode_arrays: the parts set by the batch shape
         self._prefill_static: dict[tuple, tuple] = {}   # prefill_arrays: the same, by (rows per rank, requests)
+        self._prefill_row: dict[tuple, tuple] = {}      # one prefill row's (bytes, flops) by (tokens, start)
         self.vector_routing = False                      # fleet: draw all MoE layers' routing at once
         self.moe_bucket = 64                             # token rows per routing draw (fleet: coarser)
         self._probs_rows: dict[int, np.ndarray] = {}
@@ -372,27 +373,58 @@ class CostModel:
     def prefill_arrays(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
         """`prefill` for one packed dispatch given as arrays (chunk tokens, start, TP group)."""
         w = self.w["l3_prefill_fwd"]
-        per_group = np.bincount(group, weights=tokens, minlength=self.G)
-        P = int(per_group.max()) if len(tokens) else 0
+        n_req = len(tokens)
+        if n_req <= self.PREFILL_ROWS_IN_PYTHON:
+            per_group, attn = self._prefill_rows(tokens.tolist(), start.tolist(), group.tolist())
+            P = int(max(per_group)) if n_req else 0
+        else:
+            per_group = np.bincount(group, weights=tokens, minlength=self.G)
+            P = int(per_group.max()) if n_req else 0
+            attn = self._prefill_attention(tokens, start, group)
         P = -(-P // self.tp) * self.tp
         L = P // self.tp
         # dense, MoE and comm depend only on the shape (MoE routing is drawn on a bucket's first
         # use, which a shape's first use still is: the draw order is unchanged)
-        static = self._prefill_static.get((L, len(tokens)))
+        static = self._prefill_static.get((L, n_req))
         if static is None:
-            static = self._prefill_static[(L, len(tokens))] = (
-                self._dense(w, L, len(tokens)), self.moe_time(self.R * L, "target", "l3_prefill_fwd"),
+            static = self._prefill_static[(L, n_req)] = (
+                self._dense(w, L, n_req), self.moe_time(self.R * L, "target", "l3_prefill_fwd"),
                 self._comm(L, self.m.num_hidden_layers))
         dense, moe, comm = static
-        attn = 0.0
-        if len(tokens):
-            n = tokens.astype(float)
-            kb, fl = self._attn(n, start + n / 2)
-            b = np.bincount(group, weights=kb + n * sum(self.tok_bytes.values()), minlength=self.G)
-            f = np.bincount(group, weights=fl, minlength=self.G)
-            attn = float(np.maximum(b / self.bw, f / self.tp / self.f16).max())
         parts = {"dense": dense, "attention": attn, "moe": moe, "comm": comm, "overhead": self.device.dispatch_overhead}
         return self.cal.prefill * sum(parts.values()), parts
+
+    # a packed prefill of a few requests is priced faster in Python (per-row values memoised by
+    # (tokens, start)) than by ~15 numpy calls; both paths give the same bits (bincount adds its
+    # weights in input order, as the loop does)
+    PREFILL_ROWS_IN_PYTHON = 32
+
+    def _prefill_attention(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> float:
+        if not len(tokens):
+            return 0.0
+        n = tokens.astype(float)
+        kb, fl = self._attn(n, start + n / 2)
+        b = np.bincount(group, weights=kb + n * sum(self.tok_bytes.values()), minlength=self.G)
+        f = np.bincount(group, weights=fl, minlength=self.G)
+        return float(np.maximum(b / self.bw, f / self.tp / self.f16).max())
+
+    def _prefill_rows(self, tokens: list, start: list, group: list) -> tuple[list, float]:
+        """(tokens per group, attention time) of `_prefill_attention`'s arithmetic, row by row."""
+        G = self.G
+        per, b, f = [0] * G, [0.0] * G, [0.0] * G
+        rows = self._prefill_row
+        for t, s, g in zip(tokens, start, group):
+            per[g] += t
+            row = rows.get((t, s))
+            if row is None:
+                n = float(t)
+                kb, fl = self._attn(n, s + n / 2)
+                row = rows[(t, s)] = (float(kb + n * sum(self.tok_bytes.values())), float(fl))
+            b[g] += row[0]
+            f[g] += row[1]
+        if not tokens:
+            return per, 0.0
+        return per, max(max(x / self.bw, y / self.tp / self.f16) for x, y in zip(b, f))
 
     def seed(self, rows: int) -> tuple[float, dict]:
         """One bootstrap drafter wave (a seed row per group, its tail context of `rows` rows)."""

@@ -71,10 +71,12 @@ class FleetSchedule:
         keep = self._grow_all(act, tokens, cost)
         if self.prefix:
             due = (keep & (tokens > self.next_drop[act])).nonzero()[0]
-            for j in due.tolist():
-                i = int(act[j])
-                self.kv.drop_tails(self.drops[i], int(tokens[j]), int(self.part[i]))
-                self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
+            if len(due):
+                ids = act.take(due)
+                for i, t, p in zip(ids.tolist(), tokens.take(due).tolist(), self.part.take(ids).tolist()):
+                    d = self.drops[i]
+                    self.kv.drop_tails(d, t, p)
+                    self.next_drop[i] = d[0][0] if d else NEVER
         if not keep.all():
             act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
         return act, nn, spec, c, pre
