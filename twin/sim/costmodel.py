@@ -417,6 +417,8 @@ class CostModel:
             per[g] += t
             row = rows.get((t, s))
             if row is None:
+                if len(rows) >= 1 << 16:        # bounded at long contexts (recomputed, same values)
+                    rows.clear()
                 n = float(t)
                 kb, fl = self._attn(n, s + n / 2)
                 row = rows[(t, s)] = (float(kb + n * sum(self.tok_bytes.values())), float(fl))
