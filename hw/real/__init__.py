@@ -13,7 +13,9 @@ Public API:
     TorchNumerics(mode, device=...)            hw.real.numerics   golden Numerics whose GEMMs run on torch
     Side, TapPar                               hw.real.side       one side's weights + run state; full taps
     Stream, RealDispatch                       hw.real.stream     requests -> batches -> lower + validate
-    RealFault, REAL_KINDS, EXPECTED_STAGES     hw.real.faults     device-side faults and where they must localize
+    RealFault, REAL_KINDS, ISSUE8_KINDS,       hw.real.faults     device-side faults (13 kinds) and where they
+    EXPECTED_STAGES, run_case, sweep_layers                       must localize; one injected run; the layers
+                                                                  a kind sweeps
     RealLockstep, build_real, parse_real_fault hw.real.lockstep   compare, localize, re-sync (route, index,
                                                                   sample, draft, tokens, hidden), report;
                                                                   carry="device" | "golden"; records and
