@@ -194,10 +194,12 @@ def _spawned(rank, world, preset, device, rows, layer, out, init_method):
     worker(rank, world, preset, device, rows, layer, out, init_method)
 
 
-def spawn_local(world: int = 4, *, preset: str = "tiny", rows: int = 64, layer: int = 1, out: str,
-                port: int | None = None, timeout_s: float = 120.0) -> dict:
-    """World processes on 127.0.0.1 with gloo (tests and laptops); returns rank 0's verdict."""
+def run_local_ranks(fn, args: tuple, world: int, out: str, *, port: int | None = None,
+                    timeout_s: float = 120.0) -> dict:
+    """`fn(rank, *args, init_method)` in `world` spawned processes on 127.0.0.1 (gloo); returns the
+    verdict rank 0 wrote to `out`.  Ranks still alive at the deadline are terminated."""
     import socket
+    import time
 
     import torch.multiprocessing as mp
 
@@ -205,10 +207,8 @@ def spawn_local(world: int = 4, *, preset: str = "tiny", rows: int = 64, layer: 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    ctx = mp.start_processes(_spawned, args=(world, preset, "cpu", rows, layer, out, f"tcp://127.0.0.1:{port}"),
-                             nprocs=world, join=False, start_method="spawn")
-    import time
-
+    ctx = mp.start_processes(fn, args=(*args, f"tcp://127.0.0.1:{port}"), nprocs=world, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -218,6 +218,13 @@ def spawn_local(world: int = 4, *, preset: str = "tiny", rows: int = 64, layer: 
             raise TimeoutError(f"{world} ranks did not finish within {timeout_s}s")
     with open(out) as fh:
         return json.load(fh)
+
+
+def spawn_local(world: int = 4, *, preset: str = "tiny", rows: int = 64, layer: int = 1, out: str,
+                port: int | None = None, timeout_s: float = 120.0) -> dict:
+    """World processes on 127.0.0.1 with gloo (tests and laptops); returns rank 0's verdict."""
+    return run_local_ranks(_spawned, (world, preset, "cpu", rows, layer, out), world, out, port=port,
+                           timeout_s=timeout_s)
 
 
 def main(argv=None) -> int:

@@ -26,6 +26,7 @@ import numpy as np
 from golden.ranks.emulation import RankEmulation
 from twin.abi.errors import AbiError
 
+from ..distributed import run_local_ranks
 from .dist_par import DistPar
 
 __all__ = ["DistPar", "first_prefill", "rank_forward", "spawn_local", "worker"]
@@ -166,26 +167,8 @@ def _spawned(rank, world, kw, init_method):
 
 def spawn_local(world: int = 4, *, out: str, timeout_s: float = 150.0, **kw) -> dict:
     """`world` processes on 127.0.0.1 with gloo (tests, laptops); returns rank 0's verdict."""
-    import socket
-    import time
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     kw = {"preset": "tiny", "seed": 0, "mode": "device", "reduction": "ordered", **kw, "out": out}
-    ctx = mp.start_processes(_spawned, args=(world, kw, f"tcp://127.0.0.1:{port}"), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"{world} ranks did not finish within {timeout_s}s")
-    with open(out) as fh:
-        return json.load(fh)
+    return run_local_ranks(_spawned, (world, kw), world, out, timeout_s=timeout_s)
 
 
 def main(argv=None) -> int:
