@@ -2,12 +2,9 @@
 tampered records are flagged, and a killed run (SIGKILL) resumes to a byte-identical report with no
 dispatch lost or repeated."""
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +15,7 @@ pytest.importorskip("torch")
 from hw.records import Record, RecordStore  # noqa: E402
 from hw.real.lockstep import build_real  # noqa: E402
 from hw.real.replay import replay  # noqa: E402
+from killed_run import env, kill_after  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 
 N = 14                     # 2 prefill, 2 seed, 10 fused K=7 dispatches
@@ -139,20 +137,9 @@ def test_resume_refuses_another_configuration_or_no_records(recorded, tmp_path):
 
 def test_sigkilled_cli_run_resumes_identically(recorded, tmp_path):
     cmd = [sys.executable, "-m", "twin.cli", "lockstep", "--steps", str(N), "--run-dir", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    report = tmp_path / "report.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and p.poll() is None:
-        if report.exists() and report.read_text().count("\n") >= 5:
-            break
-        time.sleep(0.02)
-    assert p.poll() is None, p.stderr.read().decode()
-    p.send_signal(signal.SIGKILL)
-    p.wait(timeout=30)
-    done = report.read_text().count("\n")
+    done = kill_after(cmd, tmp_path / "report.jsonl", 5, wait_s=120)
     assert 5 <= done < N
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stdout and "PASS" in out.stdout
     _same_run(recorded, tmp_path)

@@ -1,15 +1,13 @@
 """A killed lockstep run resumes from its records to an identical report: no dispatch lost or repeated."""
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hw.runs import build_run
+from killed_run import env, kill_after
 
 N = 24
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,20 +41,9 @@ def test_crash_between_record_and_report_line_resumes_identically(reference, tmp
 def test_sigkilled_cli_run_resumes_identically(reference, tmp_path):
     cmd = [sys.executable, "-m", "twin.cli", "lockstep", "--golden", "reference", "--preset", "tiny", "--device", "cpu",
            "--steps", str(N), "--run-dir", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    report = tmp_path / "report.jsonl"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and p.poll() is None:
-        if report.exists() and report.read_text().count("\n") >= 6:
-            break
-        time.sleep(0.05)
-    assert p.poll() is None, p.stderr.read().decode()
-    p.send_signal(signal.SIGKILL)
-    p.wait(timeout=30)
-    done = report.read_text().count("\n")
+    done = kill_after(cmd, tmp_path / "report.jsonl", 6, wait_s=90)
     assert 6 <= done < N
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"resuming {tmp_path}" in out.stdout.replace("\n", "") or "resuming" in out.stdout
     assert "PASS" in out.stdout
