@@ -38,6 +38,7 @@ from .numerics import FP32_NEG_INF, NEG_INF_ATTN
 from .paged import PREFILL
 
 MOE_BLOCK = 16          # rows per expert block: small enough that padding stays < E * G rows
+TRANSPOSED_KEYS = ("routed_w1", "routed_w3", "routed_w2")
 GROUP = 64              # most tokens sharing one candidate gather: a window union is <= GROUP + W - 1
 
 
@@ -232,9 +233,11 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
 
 
 # ---- routed experts in expert blocks ------------------------------------------------------------
-def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, block=MOE_BLOCK):
+def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, block=MOE_BLOCK, transposed=False):
     """golden.kernels.moe.moe_experts on JAX: routes sorted by expert into blocks of `block` rows
-    of one expert; a loop over the used blocks runs swiglu_expert on each (same rounding points)."""
+    of one expert; a loop over the used blocks runs swiglu_expert on each (same rounding points).
+    transposed: the stacked w1/w3/w2 are [E, in, out] (the layout the dot reads: XLA CPU's int8
+    dot against a transposed slice runs ~3x slower); swiglu_expert's .T then cancels out."""
     T, K = indices.shape
     E, D = cfg.n_routed_experts, x_i8.shape[1]
     n = T * K
@@ -256,6 +259,8 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
         rt = lax.dynamic_slice_in_dim(route, i * block, block)
         r = jnp.maximum(rt, 0)
         ew = {k: lax.dynamic_index_in_dim(v, blk_e[i], keepdims=False) for k, v in expert.items()}
+        if transposed:
+            ew = {k: v.T if k in TRANSPOSED_KEYS else v for k, v in ew.items()}
         y = swiglu_expert(x_i8[r // K], x_scale[r // K], ew["routed_w1"], ew["routed_w1_scale"], ew["routed_w3"],
                           ew["routed_w3_scale"], ew["routed_w2"], ew["routed_w2_scale"], cfg=cfg, nm=nm,
                           route_weight=jnp.where(rt >= 0, wflat[r], 0.0))

@@ -30,7 +30,7 @@ import numpy as np
 from twin.abi.errors import AbiError
 
 from .compose import ForwardOut, Taps, _check_contiguous, final_head, moe_sublayer, rope_inputs
-from .jax_kernels import attention_sublayer_grouped, layout, moe_blocked
+from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, layout, moe_blocked
 from .jax_numerics import Fp32Numerics
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
@@ -54,11 +54,15 @@ class JaxGolden:
         # weights widened once to the compute dtype (exact: int8, bf16 and f32 values are f32 values);
         # XLA would otherwise convert every weight on every step.  Index tables stay integers.
         wide = lambda v: v if v.dtype.kind in "iu" and v.dtype.itemsize > 1 else v.astype(self.nm.f)
+        # device mode's routed expert matrices stay int8 (int8 x int8 -> int32 dots, see Fp32Numerics)
+        ewide = (lambda v: v) if mode == "device" else wide
         with jax.enable_x64(True):
             put = lambda d: {k: jnp.asarray(wide(np.asarray(v))) for k, v in d.items() if v is not None}
             self.layers = [put(ckpt.layer(l)) for l in range(L)]
             # a layer's routed experts stacked on a leading expert axis (one block reads one expert)
-            self.experts = [{k: jnp.asarray(wide(np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)])))
+            # (the matrices as [E, in, out]: the layout the dot reads, see moe_blocked)
+            tr = lambda k, v: np.ascontiguousarray(np.swapaxes(v, 1, 2)) if k in TRANSPOSED_KEYS else v
+            self.experts = [{k: jnp.asarray((ewide if k in TRANSPOSED_KEYS else wide)(tr(k, np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)]))))
                              for k in EXPERT_KEYS} for l in range(L)]
             self.model = put(ckpt.model())
         self._fns = {}
@@ -85,7 +89,7 @@ class JaxGolden:
                                                      n_idx=n_idx, n_hca=n_hca)
                 taps.put(layer, "attn_x_hc", x_hc)
                 x_hc = moe_sublayer(x_hc, layer, layers[layer], experts[layer], ids, cfg=cfg, nm=nm, taps=taps,
-                                    moe=moe_blocked)
+                                    moe=_moe_transposed)
                 out.append(p)
             logits, sampled = final_head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
             return logits, sampled, out, x_hc, {f"{l}:{s}": v for (l, s), v in taps.items()}
@@ -172,6 +176,10 @@ class LayerPools(Mapping):
 
     def __len__(self):
         return len(self.raw)
+
+
+def _moe_transposed(*a, **k):
+    return moe_blocked(*a, transposed=True, **k)
 
 
 def _to_bits(pools, donate: bool) -> dict:
