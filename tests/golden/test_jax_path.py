@@ -232,3 +232,24 @@ def test_moe_blocked_equals_grouped_dispatch(tiny_ckpt, mode, routing):
             {k: jnp.asarray(v) for k, v in shared.items()})
         got = np.asarray(got)
     assert rel(got, ref) <= (1e-12 if mode == "exact" else 1e-6)
+
+
+@pytest.mark.parametrize("K", [8, 1024, 3000])
+@settings(max_examples=3)
+@given(M=st.integers(1, 17), seed=st.integers(0, 2**16))
+def test_int8_weight_dot_is_the_exact_integer(K, M, seed):
+    """Device mode's int8 x int8 -> int32 dot (routed experts kept int8) gives the same f32 as the
+    f32 K-slices against the widened weight, and both are the exact integer, also past 2^24
+    (extreme operands, K > 1024)."""
+    from golden.jax_numerics import Fp32Numerics
+    rng = np.random.default_rng(seed)
+    a = rng.choice([-127, 127], (M, K)) if seed % 2 else rng.integers(-127, 128, (M, K))
+    b = np.where(rng.random((K, 5)) < 0.5, 127, rng.integers(-127, 128, (K, 5))).astype(np.int8)
+    nm = Fp32Numerics("device", jnp)
+    f = jax.jit(lambda a, b: nm.int_mm(a, b))
+    via_int8 = np.asarray(f(jnp.asarray(a, jnp.float32), jnp.asarray(b)))
+    via_f32 = np.asarray(f(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)))
+    exact = (a.astype(np.int64) @ b.astype(np.int64)).astype(np.float32)
+    assert via_int8.dtype == np.float32
+    np.testing.assert_array_equal(via_int8, exact)
+    np.testing.assert_array_equal(via_f32, exact)
