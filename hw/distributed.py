@@ -235,12 +235,21 @@ def main(argv=None) -> int:
     p.add_argument("--layer", type=int, default=1)
     p.add_argument("--out", default=None, help="rank 0 writes its verdict JSON here")
     a = p.parse_args(argv)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    res = worker(rank, world, a.preset, a.device, a.rows, a.layer, a.out)
-    if res is not None:
-        print(json.dumps(res, indent=2))
-        return 0 if res["verdict"] == "pass" else 1
-    return 0
+    rank, world = torchrun_rank()
+    return verdict_status(worker(rank, world, a.preset, a.device, a.rows, a.layer, a.out))
+
+
+def torchrun_rank() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them (a plain run is rank 0 of 1)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def verdict_status(res: dict | None) -> int:
+    """Rank 0 prints its verdict; the exit status is 1 when it failed (other ranks return None)."""
+    if res is None:
+        return 0
+    print(json.dumps(res, indent=2))
+    return 0 if res["verdict"] == "pass" else 1
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
@@ -26,7 +25,7 @@ import numpy as np
 from golden.ranks.emulation import RankEmulation
 from twin.abi.errors import AbiError
 
-from ..distributed import run_local_ranks
+from ..distributed import run_local_ranks, torchrun_rank, verdict_status
 from .dist_par import DistPar
 
 __all__ = ["DistPar", "first_prefill", "rank_forward", "spawn_local", "worker"]
@@ -179,12 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--reduction", default="ordered", choices=("ordered", "partial_sums"))
     p.add_argument("--out", default=None, help="rank 0 writes its verdict JSON here")
     a = p.parse_args(argv)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    res = worker(rank, world, preset=a.preset, seed=a.seed, mode=a.mode, reduction=a.reduction, out=a.out)
-    if res is not None:
-        print(json.dumps(res, indent=2))
-        return 0 if res["verdict"] == "pass" else 1
-    return 0
+    rank, world = torchrun_rank()
+    return verdict_status(worker(rank, world, preset=a.preset, seed=a.seed, mode=a.mode, reduction=a.reduction,
+                                 out=a.out))
 
 
 if __name__ == "__main__":
