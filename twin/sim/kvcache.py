@@ -352,32 +352,8 @@ class KvCacheManager:
             # the async steady state (a few pages, the one in-flight step pins the whole table):
             # every page moves from the owner to the pin, ref counts unchanged, all detaches
             pins[0].stored.append((f, t[s0:end]))
-            bh = self.bhash[f][p]
-            st = self.stats
-            if n == 1:                        # the most common rewrite: one page
-                nb = free.popitem(False)[0]
-                ref[nb] = 1
-                h = bh[nb]
-                if h is not None:
-                    idx = self.index[f][p]
-                    if idx.get(h) == nb:
-                        del idx[h]
-                    bh[nb] = None
-                    st["evictions"] += 1
-                st["detaches"] += 1
-                return t[:s0] + (nb,) + t[end:]
-            popitem = free.popitem
-            new = [popitem(False)[0] for _ in range(n)]
-            for nb in new:
-                ref[nb] = 1
-                if bh[nb] is not None:
-                    h = bh[nb]
-                    idx = self.index[f][p]
-                    if idx.get(h) == nb:
-                        del idx[h]
-                    bh[nb] = None
-                    st["evictions"] += 1
-            st["detaches"] += n
+            new = self._take_n(f, p, n)
+            self.stats["detaches"] += n
             return t[:s0] + tuple(new) + t[end:]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
         old = t[s0:end] if end <= maxb else t[s0:] + t[:end - maxb]
