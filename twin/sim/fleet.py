@@ -30,8 +30,7 @@ import numpy as np
 from twin.abi.errors import ConfigError
 
 from .fleet_apply import FleetApply
-from .fleet_command import (ABORTED, EOS, ERROR, FINISH_CODES, FINISHED, LENGTH, NEVER, REJECTED,  # noqa: F401
-                            RUNNING, STOP, WAITING, Command)
+from .fleet_command import FINISH_CODES, FINISHED, NEVER, REJECTED, RUNNING, WAITING, Command
 from .fleet_execute import FleetExecute
 from .fleet_pool import PagePools
 from .fleet_schedule import FleetSchedule
