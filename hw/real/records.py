@@ -31,8 +31,8 @@ from twin.abi.batches import DecodeItem, Dispatch, DrafterItem, PrefillItem
 from twin.abi.errors import AbiError
 
 from ..records import Record, RecordStore, changed_rows, content_hash
+from .lockstep import DECISION_STAGES, DeviceStep
 
-DECISION_STAGES = ("moe_indices", "idx_topk")
 ITEM = {"prefill": PrefillItem, "decode": DecodeItem, "seed": DrafterItem}
 TUPLES = ("chunk_tokens", "pending_drafts", "context_positions")
 SEQ_KEYS = ("anchor", "current", "draft_anchor", "released", "lease", "generation")
@@ -109,8 +109,6 @@ def _put_outputs(store, step, *, all_taps: bool) -> dict:
 
 def outputs_step(arrays: dict):
     """The recorded outputs back as a `DeviceStep`."""
-    from .lockstep import DeviceStep
-
     outs, taps, parts, sampled, routes = {}, {}, {}, {}, {}
     for name, v in arrays.items():
         kind, _, rest = name.partition(":")
