@@ -179,10 +179,7 @@ def worker(rank: int, world: int, preset: str, device: str, rows: int, layer: in
         f = compare_tensor("x_out", got, want, tol, ("activation", "bf16", "w8a8"))
         res = {"verdict": "pass" if f.passed else "fail", "world": world, "backend": BACKENDS[device],
                "preset": preset, "layer": layer, "rows": rows, "collectives": collectives, **f.to_dict()}
-        if out:
-            with open(out, "w") as fh:
-                json.dump(res, fh, indent=2)
-        return res
+        return write_verdict(res, out)
     finally:
         dist.destroy_process_group()
 
@@ -237,6 +234,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     rank, world = torchrun_rank()
     return verdict_status(worker(rank, world, a.preset, a.device, a.rows, a.layer, a.out))
+
+
+def write_verdict(res: dict | None, out: str | None) -> dict | None:
+    """Rank 0's verdict, also written as JSON to `out` when given (spawned ranks hand it back that way)."""
+    if res is not None and out:
+        with open(out, "w") as fh:
+            json.dump(res, fh, indent=2)
+    return res
 
 
 def torchrun_rank() -> tuple[int, int]:

@@ -17,7 +17,6 @@ on the host), on one node or across nodes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -25,7 +24,7 @@ import numpy as np
 from golden.ranks.emulation import RankEmulation
 from twin.abi.errors import AbiError
 
-from ..distributed import run_local_ranks, torchrun_rank, verdict_status
+from ..distributed import run_local_ranks, torchrun_rank, verdict_status, write_verdict
 from .dist_par import DistPar
 
 __all__ = ["DistPar", "first_prefill", "rank_forward", "spawn_local", "worker"]
@@ -149,10 +148,7 @@ def worker(rank: int, world: int, *, preset: str, seed: int, mode: str, reductio
         res = rank_forward(rank, world, preset=preset, seed=seed, mode=mode, reduction=reduction)
         if res is not None:
             res["backend"] = "gloo"
-            if out:
-                with open(out, "w") as fh:
-                    json.dump(res, fh, indent=2)
-        return res
+        return write_verdict(res, out)
     finally:
         dist.destroy_process_group()
 
