@@ -278,9 +278,6 @@ class PagePools:
                 e.evict_at = (self.takes[p] + free).tolist()     # its FIFO position in each queue
         entries.clear()
 
-    def used(self) -> np.ndarray:
-        return self.cap[None, :] - self.free
-
     def live_entry_pages(self) -> np.ndarray:
         """Pages held by referenced entries, per partition and family (for invariant checks)."""
         out = np.zeros_like(self.free)
