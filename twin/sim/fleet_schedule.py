@@ -92,13 +92,8 @@ class FleetSchedule:
         for j in range(i, len(act)):
             if left <= 0:
                 break
-            cj = int(c[j])
-            if pre[j]:
-                n = min(int(nn[j]), left)
-                s = 0
-            else:
-                n = min(int(nn[j]), left)
-                s = max(0, min(self.k, self.max_seq - cj - n))
+            n = min(int(nn[j]), left)
+            s = 0 if pre[j] else max(0, min(self.k, self.max_seq - int(c[j]) - n))
             if n <= 0 or n + s > left:
                 continue
             nn[j] = n
@@ -199,11 +194,9 @@ class FleetSchedule:
         if not len(idx):
             return
         kv = self.kv
-        p = self.part[idx]
-        G, F = self.G, kv.F
-        flat = (p[:, None] * F + np.arange(F)).ravel()
-        kv.free -= np.bincount(flat, weights=need.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
-        kv.takes += np.bincount(flat, weights=taken.ravel(), minlength=G * F).astype(np.int64).reshape(G, F)
+        cells = kv.cells(self.part[idx])
+        kv.free -= kv.per_cell(cells, need)
+        kv.takes += kv.per_cell(cells, taken)
         det = need - own
         self.own[idx] += own
         self.pinned[idx] += det
