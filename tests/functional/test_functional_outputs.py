@@ -1,7 +1,6 @@
 """The functional twin's must-show: the simulator's scheduler drives golden with real tokens, and
 every request's output equals an independent sequential greedy generation of its prompt; upstream's
 prompt-only re-prefill after a preemption diverges exactly as predicted, the corrected replay does not."""
-import numpy as np
 
 from twin.functional import first_difference
 

@@ -12,7 +12,7 @@ from twin.abi import deployment
 from twin.abi.batches import PrefillBatch, PrefillItem
 from twin.abi.errors import AbiError, ConfigError
 from twin.abi.lowering import LoweringContext, lower
-from twin.functional import (GoldenExecutor, acceptance_vector, conditional_rates, first_difference,
+from twin.functional import (GoldenExecutor, conditional_rates, first_difference,
                              load_acceptance, sequential_greedy)
 from twin.functional.agreement import check_prefill
 from twin.functional.pages import PageMap
