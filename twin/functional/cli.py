@@ -22,8 +22,7 @@ def default_workload() -> str:
 
 def attach(cfg, *, weights_seed: int = 0) -> dict:
     """Point `cfg` (a SimConfig) at a golden executor of its preset's synthetic weights."""
-    from .run import Recording, golden_model
-    from .executor import GoldenExecutor
+    from .run import golden_factory, golden_model
 
     dep = cfg.dep
     if dep.model.name == "flash":
@@ -31,13 +30,7 @@ def attach(cfg, *, weights_seed: int = 0) -> dict:
                           "whole models on the CPU; FLASH-shaped layers are golden's per-layer tests")
     golden = golden_model(dep.model.name, seed=weights_seed)
     holder: dict = {}
-
-    def factory(cost, slots):
-        holder["executor"] = ex = GoldenExecutor(dep, slots, golden, cost=cost)
-        holder["recording"] = Recording(ex)
-        return holder["recording"]
-
-    cfg.executor = factory
+    cfg.executor = golden_factory(dep, golden, holder)
     return holder
 
 

@@ -25,6 +25,7 @@ from twin.abi import constants as C
 from twin.abi.batches import PLACEHOLDER_TOKEN, DrafterBatch, DrafterItem
 from twin.abi.errors import AbiError
 from twin.abi.lowering import LoweringContext, lower, lower_bootstrap, validate
+from twin.abi.lowering.drafter import BOOTSTRAP, context_bucket
 from twin.sim.executor import DispatchTiming, StepResult
 from twin.sim.worker import StepPlan
 
@@ -62,7 +63,6 @@ class GoldenExecutor:
         self.seqs: dict[str, S.Seq] = {}
         self._free_rows: list[int] = []
         self.dispatches = 0                     # lowered and validated dispatches, all programs
-        self.log: list[dict] = []               # per verify: request, step, count, drafts (acceptance export)
 
     # ---- request lifecycle -------------------------------------------------------------------------
     def _admit(self, rid: str, req) -> None:
@@ -190,7 +190,6 @@ class GoldenExecutor:
                 res.tokens[rid] = [int(t) for t in acc.token_ids[i, :c]]
                 res.accepted[rid] = c
                 res.drafts[rid] = int(acc.proposed[i])
-                self.log.append({"step": plan.step_id, "request": rid, "count": c, "drafts": int(acc.proposed[i])})
         else:
             for it, s in zip(items, seqs):
                 # split decode runs at the staged position and token, so upstream's re-prefill gap
@@ -216,7 +215,7 @@ class GoldenExecutor:
 
     def _time_seed(self, wave) -> DispatchTiming:
         tail = max(min(C.SLIDING_WINDOW, it.prompt_len) for it in wave)
-        rows = next(b for b in C.DRAFTER_CONTEXT_BUCKETS if b >= -(-tail // C.TP_SIZE))
+        rows = context_bucket(BOOTSTRAP, -(-tail // C.TP_SIZE))
         secs, parts = self.cost.seed(rows) if self.cost else (0.0, {})
         return DispatchTiming("seed", secs, parts, {"requests": [it.request_id for it in wave]})
 

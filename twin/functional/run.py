@@ -85,14 +85,18 @@ def functional_config(dep, requests, golden: S.Golden, *, recompute: str = "prom
     """A SimConfig whose executor is golden's (wrapped in a `Recording`), and the holder the
     factory fills in when `simulate` builds the run."""
     holder: dict = {}
+    factory = golden_factory(dep, golden, holder, draft_policy=draft_policy, check=check)
+    return SimConfig(dep, list(requests), executor=factory, scheduler=scheduler_for(recompute), **sim_kw), holder
 
+
+def golden_factory(dep, golden: S.Golden, holder: dict, **kw):
+    """The `SimConfig.executor` factory: a `GoldenExecutor` (kw: draft_policy, check) wrapped in a
+    `Recording`; both land in `holder` ("executor", "recording") when `simulate` builds the run."""
     def factory(cost, slots):
-        ex = GoldenExecutor(dep, slots, golden, cost=cost, draft_policy=draft_policy, check=check)
-        holder["executor"] = ex
+        holder["executor"] = ex = GoldenExecutor(dep, slots, golden, cost=cost, **kw)
         holder["recording"] = Recording(ex)
         return holder["recording"]
-
-    return SimConfig(dep, list(requests), executor=factory, scheduler=scheduler_for(recompute), **sim_kw), holder
+    return factory
 
 
 def functional_simulate(dep, requests, golden: S.Golden, *, recompute: str = "prompt", draft_policy=None,
