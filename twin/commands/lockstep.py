@@ -49,24 +49,22 @@ def run(args) -> int:
 
     con = Console()
     run_dir = Path(args.run_dir)
+    policy = Policy.from_json(args.policy) if args.policy else None
     if args.replay:
-        return _replay(args, run_dir, con, Policy.from_json(args.policy) if args.policy else None)
+        return _replay(args, run_dir, con, policy)
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     resumed = (run_dir / "report.jsonl").exists()
-    policy = Policy.from_json(args.policy) if args.policy else None
     if args.golden == "real":
-        import json
-
         from hw.real.lockstep import build_real, parse_real_fault
+        from hw.real.records import read_config
 
         fault = parse_real_fault(args.inject) if args.inject else None
         # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions);
         # a resumed run keeps the token budget it started with
         max_new = min(400, max(8, args.steps))
-        recorded = run_dir / "records" / "config.json"
-        if resumed and recorded.exists():
-            max_new = json.loads(recorded.read_text()).get("max_new", max_new)
+        if resumed and (run_dir / "records" / "config.json").exists():
+            max_new = read_config(run_dir).get("max_new", max_new)
         lr = build_real(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
                         policy=policy, run_dir=run_dir, max_new=max_new, record=not args.no_records)
         done = len(ReportWriter(run_dir).entries())
