@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from twin.abi import constants as C
+from twin.abi.lowering.drafter import BOOTSTRAP, context_bucket
 
 from .acceptance import AcceptanceModel, ConditionalAcceptance
 from .costmodel import CostModel
@@ -122,7 +123,7 @@ class CostModelExecutor:
         for wave in plan.seed_waves:
             tail = max(min(C.SLIDING_WINDOW, it.prompt_len) for it in wave)
             band = -(-tail // C.TP_SIZE)
-            rows = next(b for b in C.DRAFTER_CONTEXT_BUCKETS if b >= band)
+            rows = context_bucket(BOOTSTRAP, band)
             secs, parts = cm.seed(rows)
             res.dispatches.append(DispatchTiming("seed", secs, parts, {"requests": [it.request_id for it in wave]}))
         if plan.decode is not None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from twin.abi import constants as C
+from twin.abi.lowering.drafter import BOOTSTRAP, context_bucket
 
 if TYPE_CHECKING:
     from .fleet_command import Command
@@ -129,7 +130,7 @@ class FleetExecute:
             waves[w] = max(waves.get(w, 0), t)
         for w in range(len(waves)):
             band = -(-waves[w] // C.TP_SIZE)
-            rows = next(b for b in C.DRAFTER_CONTEXT_BUCKETS if b >= band)
+            rows = context_bucket(BOOTSTRAP, band)
             got = self._seed_cost.get(rows)
             if got is None:
                 got = self._seed_cost[rows] = self.cost.seed(rows)
