@@ -14,6 +14,7 @@ A window that does not fit under the position ceiling falls back to one token (Â
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -67,14 +68,10 @@ class ConditionalAcceptance(AcceptanceModel):
         run += 1
         return run
 
-    @property
+    @cached_property
     def _rising(self) -> np.ndarray:
         """prod(a_1..a_i) for i = 7..1 (ascending), computed once per model."""
-        got = self.__dict__.get("_rising_cache")
-        if got is None:
-            got = np.cumprod(self.rates)[::-1].copy()
-            object.__setattr__(self, "_rising_cache", got)
-        return got
+        return np.cumprod(self.rates)[::-1].copy()
 
     def expected_length(self) -> float:
         return 1.0 + float(np.cumprod(self.rates).sum())
