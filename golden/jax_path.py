@@ -20,7 +20,6 @@ so that the cache writes happen in place.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
 import jax
@@ -66,12 +65,11 @@ class JaxGolden:
                              for k in EXPERT_KEYS} for l in range(L)]
             self.model = put(ckpt.model())
         self._fns = {}
-        self.compile_s = {}          # jit key -> seconds of its first call (trace + compile + run)
 
     def _step_fn(self, form, n_idx, n_hca, lay, donate, stages):
         key = (form, n_idx, n_hca, lay.key(), donate, stages)
         if key in self._fns:
-            return self._fns[key], key
+            return self._fns[key]
         cfg, nm, n_win_tiles = self.cfg, self.nm, lay.n_win_tiles
 
         def step(model, layers, experts, pools, m, g, rope):
@@ -95,7 +93,7 @@ class JaxGolden:
             return logits, sampled, out, x_hc, {f"{l}:{s}": v for (l, s), v in taps.items()}
 
         self._fns[key] = jax.jit(step, donate_argnums=(3,) if donate else (), compiler_options=self.compiler_options)
-        return self._fns[key], key
+        return self._fns[key]
 
     def static_extents(self, meta: StepMeta):
         """The candidate counts of a call (max indexer visibility, max HCA rows), rounded up to a
@@ -136,13 +134,11 @@ class JaxGolden:
             rope = {k: tuple(jnp.asarray(np.asarray(a), self.nm.f) for a in v)
                     for k, v in rope_inputs(cfg, meta.position_ids, self.host_nm).items()}
             pools = [c.raw if isinstance(c, LayerPools) else _to_bits(c, donate) for c in caches]
-            fn, key = self._step_fn(meta.form, n_idx, n_hca, lay, donate, stages)
+            fn = self._step_fn(meta.form, n_idx, n_hca, lay, donate, stages)
             args = (self.model, self.layers, self.experts, pools, m, g, rope)
             self._last = (fn, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args))
-            t0 = time.perf_counter()
             logits, sampled, out, x_hc, tapped = fn(*args)
             logits.block_until_ready()
-            self.compile_s.setdefault(key, time.perf_counter() - t0)
         got = None
         if taps is not None:
             got = Taps()
