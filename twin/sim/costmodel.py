@@ -149,6 +149,7 @@ class CostModel:
             self.w["seed"] = self._weights("l3_dspark_draft_step_device_state")
         fam = {f.name: f for f in cache_families(m)}
         self.tok_bytes = {n: f.page_bytes / f.page_tokens for n, f in fam.items()}   # all layers of the family
+        self.tok_bytes_all = sum(self.tok_bytes.values())                             # one token, every family
         self.row_bytes = {n: f.row_bytes for n, f in fam.items()}
         self.expert_flops = 2 * 3 * m.hidden_size * m.moe_intermediate_size
         # the preset derives layer lists on every access; attention asks per dispatch
@@ -292,7 +293,7 @@ class CostModel:
             b = f = 0.0
             for n, start in g:
                 kb, fl = self._attn(n, start + n / 2)
-                b += kb + n * sum(self.tok_bytes.values())        # written rows
+                b += kb + n * self.tok_bytes_all        # written rows
                 f += fl
             attn = max(attn, max(b / self.bw, f / self.tp / self.f16))
         moe = self.moe_time(self.R * L, "target", "l3_prefill_fwd")
@@ -310,7 +311,7 @@ class CostModel:
             (max(np.bincount(o, minlength=self.tp)) * q for o in owners if o), default=0)
         dense = self._dense(w, rows_rank, active * q // max(1, self.R))
         attn = 0.0
-        wrow = q * sum(self.tok_bytes.values())
+        wrow = q * self.tok_bytes_all
         for ctx, own in zip(contexts, owners):
             if len(ctx):
                 kb, fl = self._attn(q, np.asarray(ctx, dtype=float))
@@ -356,7 +357,7 @@ class CostModel:
                 per = self._row_time[ctx]          # the same values, looked up by context length
             else:
                 kb, fl = self._attn(q, ctx.astype(float))
-                per = (kb + q * sum(self.tok_bytes.values())) / self.bw + fl / self.f16
+                per = (kb + q * self.tok_bytes_all) / self.bw + fl / self.f16
             parts["attention"] = float(np.bincount(cell, weights=per).max())
         return self.cal.decode * sum(parts.values()), parts
 
@@ -367,7 +368,7 @@ class CostModel:
             q = 1 + self.dep.k
             ctx = np.arange(self.dep.limits.max_model_len + C.DECODE_SEQ + 1, dtype=float)
             kb, fl = self._attn(q, ctx)
-            self._row_time = (kb + q * sum(self.tok_bytes.values())) / self.bw + fl / self.f16
+            self._row_time = (kb + q * self.tok_bytes_all) / self.bw + fl / self.f16
         return self._row_time
 
     def prefill_arrays(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
@@ -404,7 +405,7 @@ class CostModel:
             return 0.0
         n = tokens.astype(float)
         kb, fl = self._attn(n, start + n / 2)
-        b = np.bincount(group, weights=kb + n * sum(self.tok_bytes.values()), minlength=self.G)
+        b = np.bincount(group, weights=kb + n * self.tok_bytes_all, minlength=self.G)
         f = np.bincount(group, weights=fl, minlength=self.G)
         return float(np.maximum(b / self.bw, f / self.tp / self.f16).max())
 
@@ -421,7 +422,7 @@ class CostModel:
                     rows.clear()
                 n = float(t)
                 kb, fl = self._attn(n, s + n / 2)
-                row = rows[(t, s)] = (float(kb + n * sum(self.tok_bytes.values())), float(fl))
+                row = rows[(t, s)] = (float(kb + n * self.tok_bytes_all), float(fl))
             b[g] += row[0]
             f[g] += row[1]
         if not tokens:
