@@ -68,6 +68,7 @@ from golden.dspark.drafter import DraftRow
 from golden.dspark.state import commit_drafts
 from golden.paged import Span, families, lower
 from twin.abi.errors import AbiError
+from twin.abi.presets import CSA, HCA
 
 from .stream import mapped_rows
 
@@ -135,9 +136,9 @@ class RealFault:
         n = cfg.num_hidden_layers
         if self.layer >= n:
             raise AbiError("layer", self.layer, f"0..{n - 1}", where="hw.real fault")
-        if self.kind == "dropped_boundary" and cfg.compress_ratios[self.layer] not in (4, 128):
-            ok = [l for l in range(n) if cfg.compress_ratios[l] in (4, 128)]
-            raise AbiError("layer", self.layer, f"a compressed layer (ratio 4 or 128): one of {ok}",
+        if self.kind == "dropped_boundary" and cfg.compress_ratios[self.layer] not in (CSA, HCA):
+            ok = [l for l in range(n) if cfg.compress_ratios[l] in (CSA, HCA)]
+            raise AbiError("layer", self.layer, f"a compressed layer (ratio {CSA} or {HCA}): one of {ok}",
                            where="hw.real fault dropped_boundary")
         if self.kind in ("wrong_slot", "dropped_boundary"):
             if not hasattr(side.g.nm, "on_write"):
@@ -384,8 +385,8 @@ def sweep_layers(cfg, kind: str) -> tuple[int, ...]:
     if kind in LAYERLESS:
         return (0,)
     if kind == "dropped_boundary":
-        cmp = [l for l in range(n) if cfg.compress_ratios[l] in (4, 128)]
-        first = [min(l for l in cmp if cfg.compress_ratios[l] == r) for r in (4, 128)]
+        cmp = [l for l in range(n) if cfg.compress_ratios[l] in (CSA, HCA)]
+        first = [min(l for l in cmp if cfg.compress_ratios[l] == r) for r in (CSA, HCA)]
         return tuple(dict.fromkeys(first + cmp[-1:]))
     if kind == "ring_alias":
         return tuple(min(l for l in range(n) if cfg.layer_kind(l) == k) for k in ("swa", "csa", "hca"))
