@@ -83,7 +83,7 @@ def _prefill_case():
 
 def test_prefill_dispatch_and_golden_write_the_same_slots():
     dep, d, spans, pages, items = _prefill_case()
-    check_prefill(d, dep.model, spans, ["a"], pages, items)
+    check_prefill(d, dep.model, spans, pages, items)
     meta = golden_lower(dep.model, spans, form=PREFILL)
     assert (meta.slots["ori"] >= pages.num_blocks["ori"] * 32).all()      # partition 1's pages in golden's pool
 
@@ -98,7 +98,7 @@ def test_a_wrong_staged_argument_is_caught(arg):
     row[i] += 1
     args[arg] = a
     with pytest.raises(AbiError, match=arg):
-        check_prefill(type(d)(d.program, args, d.meta), dep.model, spans, ["a"], pages, items)
+        check_prefill(type(d)(d.program, args, d.meta), dep.model, spans, pages, items)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

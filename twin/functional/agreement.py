@@ -17,6 +17,6 @@ from golden.staging import check_prefill as _check_prefill
 __all__ = ["SLOTS", "check_decode", "check_prefill"]
 
 
-def check_prefill(d, cfg, spans, rids, pages, items) -> None:
+def check_prefill(d, cfg, spans, pages, items) -> None:
     """`golden.staging.check_prefill` against golden's own lowering of `spans` (one per item)."""
     _check_prefill(d, golden_lower(cfg, spans, form=PREFILL), items, pages)

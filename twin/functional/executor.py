@@ -139,7 +139,7 @@ class GoldenExecutor:
         spans = [S.Span(s.index, it.num_computed, tuple(int(t) for t in it.chunk_tokens), self.run.blocks[s.index])
                  for s, it in zip(seqs, items)]
         if self.check:
-            check_prefill(d, self.g.cfg, spans, [it.request_id for it in items], self.pages, items)
+            check_prefill(d, self.g.cfg, spans, self.pages, items)
         sampled, mh = S._forward(self.g, self.run, spans, PREFILL)
         row = 0
         for i, (s, it) in enumerate(zip(seqs, items)):
