@@ -309,7 +309,7 @@ class CostModel:
         active = sum(len(c) for c in contexts)
         rows_rank = C.LOCAL_ROWS if self.fixed_tile else max(
             (max(np.bincount(o, minlength=self.tp)) * q for o in owners if o), default=0)
-        dense = self._dense(w, rows_rank, active * q // max(1, self.R))
+        parts = self._decode_parts(w, q, active, rows_rank)
         attn = 0.0
         wrow = q * self.tok_bytes_all
         for ctx, own in zip(contexts, owners):
@@ -317,16 +317,21 @@ class CostModel:
                 kb, fl = self._attn(q, np.asarray(ctx, dtype=float))
                 t = np.bincount(own, weights=(kb + wrow) / self.bw + fl / self.f16, minlength=self.tp)
                 attn = max(attn, float(t.max()))
+        parts["attention"] = attn
+        return self.cal.decode * sum(parts.values()), parts
+
+    def _decode_parts(self, w: dict, q: int, active: int, rows_rank: int) -> dict:
+        """A decode step's parts set by its shape alone (attention 0.0, in its place: the sum's
+        order is the parts' order)."""
         tile = self.R * C.LOCAL_ROWS if self.fixed_tile else active * q
-        moe = self.moe_time(tile, "target")
-        comm = self._comm(rows_rank, self.m.num_hidden_layers)
-        parts = {"dense": dense, "attention": attn, "moe": moe, "comm": comm,
+        parts = {"dense": self._dense(w, rows_rank, active * q // max(1, self.R)), "attention": 0.0,
+                 "moe": self.moe_time(tile, "target"), "comm": self._comm(rows_rank, self.m.num_hidden_layers),
                  "overhead": self.device.dispatch_overhead}
         if self.dep.k:      # the fused program also redrafts: 3 drafter layers over 7 query rows
             qrows = C.LOCAL_REQUESTS * self.dep.k if self.fixed_tile else rows_rank
             parts["drafter_moe"] = self.moe_time(self.R * qrows, "draft")
             parts["drafter_comm"] = self._comm(qrows, self.m.dspark_num_layers)
-        return self.cal.decode * sum(parts.values()), parts
+        return parts
 
     # ---- struct-of-arrays forms (the fleet fidelity): the same math over request arrays -------
     def decode_arrays(self, ctx: np.ndarray, group: np.ndarray, owner: np.ndarray) -> tuple[float, dict]:
@@ -342,15 +347,7 @@ class CostModel:
         w = self.w[self.decode_program]
         parts = self._decode_static.get((active, rows_rank))
         if parts is None:
-            tile = self.R * C.LOCAL_ROWS if self.fixed_tile else active * q
-            parts = {"dense": self._dense(w, rows_rank, active * q // max(1, self.R)), "attention": 0.0,
-                     "moe": self.moe_time(tile, "target"), "comm": self._comm(rows_rank, self.m.num_hidden_layers),
-                     "overhead": self.device.dispatch_overhead}
-            if self.dep.k:
-                qrows = C.LOCAL_REQUESTS * self.dep.k if self.fixed_tile else rows_rank
-                parts["drafter_moe"] = self.moe_time(self.R * qrows, "draft")
-                parts["drafter_comm"] = self._comm(qrows, self.m.dspark_num_layers)
-            self._decode_static[(active, rows_rank)] = parts
+            parts = self._decode_static[(active, rows_rank)] = self._decode_parts(w, q, active, rows_rank)
         parts = dict(parts)
         if active:
             if ctx.dtype.kind in "iu" and ctx.max() < len(self._decode_row_time()):
