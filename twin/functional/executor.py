@@ -48,8 +48,7 @@ class GoldenExecutor:
                            where="GoldenExecutor")
         self.dep, self.k = dep, dep.k
         self.ctx = LoweringContext(dep, slots)
-        self.g = S.Golden(golden.cfg, golden.ckpt, golden.dckpt, golden.nm, max_model_len=dep.limits.max_model_len,
-                          groups=dep.partitions, tap=golden.tap, par=golden.par)
+        self.g = replace(golden, max_model_len=dep.limits.max_model_len, groups=dep.partitions)
         self.pages = PageMap(self.ctx)
         self.cost = cost
         self.draft_policy = draft_policy
