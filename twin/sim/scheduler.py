@@ -176,12 +176,12 @@ class Scheduler:
                 num_new = chunk
             if num_new <= 0:
                 continue
-            spec = 0 if prefill else max(0, min(cfg.k, cfg.max_seq_len - req.num_computed - num_new))
+            spec = 0 if prefill else max(0, min(cfg.k, max_seq - computed - num_new))
             cost = num_new + spec
             if cost > budget:
                 continue
             try:
-                self.kv.ensure(req.request_id, req.num_computed + cost)
+                self.kv.ensure(req.request_id, computed + cost)
             except KVCacheCapacityError:
                 victim = self._victim(req)
                 if victim is None:
@@ -190,7 +190,7 @@ class Scheduler:
                 if self.running.index(req) < i - 1:
                     i -= 1                       # the victim sat before us in `running`
                 try:
-                    self.kv.ensure(req.request_id, req.num_computed + cost)
+                    self.kv.ensure(req.request_id, computed + cost)
                 except KVCacheCapacityError:
                     continue
             out[req.request_id] = Scheduled(req, num_new, spec, req.num_computed, prefill,
