@@ -125,13 +125,12 @@ class RealLockstep:
                 sg.tail = dict(sd.tail)
         return out
 
-    def _samples(self, dtaps, gtaps, findings, resyncs) -> None:
+    def _samples(self, dtaps, gtaps, findings, tie: float) -> None:
         """Greedy target samples (argmax of each side's logits), ties judged on the golden's logits."""
         if ("head", "logits") not in gtaps:
             return
         gl, dl = np.asarray(gtaps[("head", "logits")], np.float64), np.asarray(dtaps[("head", "logits")], np.float64)
         gs, ds = gl.argmax(-1), dl.argmax(-1)
-        tie = self.policy.lookup("sample", "i32", depth=self.dev.g.cfg.num_hidden_layers).tie_tol or 0.0
         rows = np.flatnonzero(gs != ds)
         hard = [int(r) for r in rows if gl[r, ds[r]] < gl[r].max() - tie * max(1.0, abs(gl[r].max()))]
         if hard:
@@ -164,6 +163,7 @@ class RealLockstep:
         gp.tie_tol = lambda d: self.policy.lookup("route", "i32", depth=d).tie_tol or 0.0    # per layer depth
         gp.draft_from = list(step.draft_routes)
         gp.sample_from = list(step.sampled)
+        # the sampler's near-tie margin at the head's depth: the golden's adoption and the check below share it
         gp.tie_samples = self.policy.lookup("sample", "i32", depth=self.dev.g.cfg.num_hidden_layers).tie_tol or 0.0
         gp.index_tie_tol = self.index_tie_tol
         g = self.stream.execute(self.gold, rd)
@@ -171,7 +171,7 @@ class RealLockstep:
         gcalls = list(gp.calls)
         gtaps = gcalls[-1][1] if gcalls else {}
         findings: list[Finding] = []
-        self._samples(dtaps, gtaps, findings, resyncs)
+        self._samples(dtaps, gtaps, findings, gp.tie_samples)
         for name, e in g.items():
             a = r.get(name, np.zeros(0))
             if name in ("drafts", "accepted_ids", "accepted_counts", "sampled_ids"):
