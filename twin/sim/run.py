@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -162,26 +163,12 @@ def simulate(cfg: SimConfig, progress: Callable[[float, int, int], None] | None 
     t0 = time.perf_counter()
     # the run allocates millions of small, acyclic objects; generational GC passes over them grow
     # with the heap and made wall time superlinear in the request count, so collect once at the end
-    gc_on = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_paused():
         env.run(until=eng.done if cfg.until is None else cfg.until)
-    finally:
-        if gc_on:
-            gc.enable()
     wall = time.perf_counter() - t0
     if progress:
         progress(env.now, len(sched.finished), total)
-    req_df = metrics.requests_frame(cfg.requests, rec)
-    steps = metrics.steps_frame(rec)
-    flags = risk.scan(rec, cfg.dep.topology.ep)
-    summ = metrics.summary(req_df, rec, cfg.slo_ms)
-    summ.update({"slots_per_partition": slots, "simulated_s": env.now, "wall_s": wall,
-                 "sim_s_per_wall_s": env.now / wall if wall else None, "steps": len(rec.steps),
-                 "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
-                 "kv_stats": dict(sched.kv.stats), "fidelity": cfg.fidelity})
-    return SimResult(cfg, slots, sched, rec, wall, env.now, req_df, steps, metrics.dispatches_frame(rec),
-                     metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ)
+    return _result(cfg, slots, sched, rec, wall, env.now)
 
 
 def _simulate_fleet(cfg: SimConfig, progress=None) -> SimResult:
@@ -202,25 +189,36 @@ def _simulate_fleet(cfg: SimConfig, progress=None) -> SimResult:
     sim.rec = rec = FleetRecorder(partitions=dep.partitions, k=dep.k, families=sim.kv.names)
     rec.sim = sim
     t0 = time.perf_counter()
-    gc_on = gc.isenabled()
-    gc.disable()                       # as the exact engine: no generational passes mid-run
-    try:
+    with _gc_paused():                 # as the exact engine: no generational passes mid-run
         sim.run(cfg.until)
-    finally:
-        if gc_on:
-            gc.enable()
     wall = time.perf_counter() - t0
     if progress:
         progress(sim.now, sim.finished, sim.N)
     sim.write_back()
     rec.finalize(sim)
+    return _result(cfg, slots, sim, rec, wall, sim.now)
+
+
+@contextmanager
+def _gc_paused():
+    gc_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc_on:
+            gc.enable()
+
+
+def _result(cfg: SimConfig, slots: int, sched, rec, wall: float, now: float) -> SimResult:
+    """Frames, risk flags and summary of a finished run (either fidelity's scheduler and recorder)."""
     req_df = metrics.requests_frame(cfg.requests, rec)
     steps = metrics.steps_frame(rec)
-    flags = risk.scan(rec, dep.topology.ep)
+    flags = risk.scan(rec, cfg.dep.topology.ep)
     summ = metrics.summary(req_df, rec, cfg.slo_ms)
-    summ.update({"slots_per_partition": slots, "simulated_s": sim.now, "wall_s": wall,
-                 "sim_s_per_wall_s": sim.now / wall if wall else None, "steps": len(rec.steps),
+    summ.update({"slots_per_partition": slots, "simulated_s": now, "wall_s": wall,
+                 "sim_s_per_wall_s": now / wall if wall else None, "steps": len(rec.steps),
                  "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
-                 "kv_stats": dict(sim.kv.stats), "fidelity": "fleet"})
-    return SimResult(cfg, slots, sim, rec, wall, sim.now, req_df, steps, metrics.dispatches_frame(rec),
+                 "kv_stats": dict(sched.kv.stats), "fidelity": cfg.fidelity})
+    return SimResult(cfg, slots, sched, rec, wall, now, req_df, steps, metrics.dispatches_frame(rec),
                      metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ)
