@@ -56,14 +56,12 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.depth = cfg.async_depth
         self.kv = PagePools.from_deployment(dep, slots)
         self.leases = LeaseManager(dep.partitions) if self.k else None
-        self.acceptance = cfg.acceptance
         # one uniform per request where the model has an inverse form (the same distribution)
         self._accept = getattr(cfg.acceptance, "counts_inverse", None) or cfg.acceptance.counts
         self.rng = np.random.default_rng(cfg.seed)
         self._fault_rng = np.random.default_rng(cfg.seed + 1213)
         self.hang_p = cfg.prefill_hang_probability if dep.topology.ep == 16 else 0.0
         self.G = dep.partitions
-        self._groups = np.arange(self.G)
         self._seed_cost: dict[int, tuple] = {}
         self._load_requests(cfg.requests)
         self.waiting: deque[int] = deque()
@@ -129,7 +127,6 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.entries: list[list] = [[] for _ in range(n)]
         self.drops: list[list] = [[] for _ in range(n)]        # (tokens, id, entry, family) tails held
         self.next_drop = np.full(n, NEVER, dtype=np.int64)
-        self.prefix_stats = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0, "fallbacks": 0}
 
     # ---- admission ---------------------------------------------------------------------------------
     def add_request(self, i: int) -> None:
