@@ -57,7 +57,6 @@ class PagePools:
         self.takes = np.zeros((G, self.F), dtype=np.int64)      # pages ever taken from each free queue
         self.align = page_alignment(families)
         self.block_pages = np.where(self.rolling, 0, self.align // self.pt)
-        self._full = ~self.rolling
         self.index: list[dict[int, Entry]] = [{} for _ in range(G)]
         self.load = np.zeros(G, dtype=np.int64)
         self.next_partition = 0
