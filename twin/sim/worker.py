@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from twin.abi import constants as C
 from twin.abi.batches import DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
-from twin.abi.lowering.drafter import seeding_waves  # noqa: F401  (re-exported: the worker's split)
+from twin.abi.lowering.drafter import seeding_waves
 
 
 @dataclass(frozen=True)
