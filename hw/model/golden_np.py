@@ -212,11 +212,14 @@ class GoldenStep:
         taps[("head", "sample")] = sampled
         return x, pools, target_hidden, logits, sampled
 
+    def _gate_scores(self, l, x):
+        """Layer l's unbiased router scores, sqrt(softplus(x W_gate^T))."""
+        return np.sqrt(np.logaddexp(0, x @ self.w["gate_w"][l].T))
+
     def _route(self, l, hn, ids, dev, resyncs, tol):
         m, w = self.cfg, self.w
         K = m.num_experts_per_tok
-        z = hn @ w["gate_w"][l].T
-        scores = np.sqrt(np.logaddexp(0, z)).astype(np.float32)
+        scores = self._gate_scores(l, hn).astype(np.float32)
         if l < m.num_hash_layers:
             route = w["tid2eid"][l][ids]
         else:
@@ -231,7 +234,7 @@ class GoldenStep:
                     tie = tol["route"] * max(1.0, abs(kth))
                     if hn_dev is not None and hn_dev.shape == hn.shape:
                         # the flip is explained if the gate input's observed error can move the scores that far
-                        b_dev = np.sqrt(np.logaddexp(0, hn_dev[t] @ w["gate_w"][l].T)) + w["gate_bias"][l]
+                        b_dev = self._gate_scores(l, hn_dev[t]) + w["gate_bias"][l]
                         tie = max(tie, 2 * float(np.abs(b_dev - biased[t]).max()))
                     if len(set(d.tolist())) == K and (d >= 0).all() and (d < m.n_routed_experts).all() \
                             and (biased[t, d] >= kth - tie).all():
