@@ -106,7 +106,7 @@ def lower_decode(batch: DecodeBatch, ctx: LoweringContext, *, grammar=None) -> D
         raise DispatchError(PROGRAM, "k", "k", k, f"one of {C.SUPPORTED_K}")
     groups = place(PROGRAM, batch, ctx, by_lease=k > 0)
     b = ctx.bind(PROGRAM)
-    R, tp, W = ctx.ranks, ctx.tp, ctx.model.sliding_window
+    W = ctx.model.sliding_window
     per_rank = ctx.local_requests
     out = {}
     for name in ("swa_slot_mapping", "hca_ori_slot_mapping", "csa_ori_slot_mapping", "csa_cmp_slot_mapping",

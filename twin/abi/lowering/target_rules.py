@@ -129,7 +129,7 @@ def _local_tables(v, active):
                 v.table_rows(n, t[r], "absolute", fam, st)
 
 def decode(v):
-    ctx, per, tp = v.ctx, v.ctx.local_requests, v.ctx.tp
+    ctx, per = v.ctx, v.ctx.local_requests
     active = _decode_status(v)
     v.replicated(["position_ids", *DECODE_SLOTS, *DECODE_GROUP_TABLES, "csa_cmp_freqs_cos", "hca_cmp_freqs_cos"])
     for n, (fam, kind) in DECODE_GROUP_TABLES.items():
