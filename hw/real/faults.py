@@ -337,8 +337,10 @@ class RealFault:
                 groups.setdefault(s.group, []).append((s, int(c), s.anchor - int(c), rows))
         edit = self.kind if edit == "fault" else edit
         stale = edit == "stale_draft_kv"
+        # a request that finished this dispatch has already given its lease back: its drafter row
+        # still ran (and is re-run below), but nothing is committed for it, so it cannot host a fault
         cands = [(grp, k) for grp, items in sorted(groups.items()) for k, (s, c, old, rows) in enumerate(items)
-                 if stale or (c < rows.size and old + c + S.QW < g.max_model_len)]
+                 if not s.released and (stale or (c < rows.size and old + c + S.QW < g.max_model_len))]
         if not cands:
             return out
         grp, pick = cands[int(self.rng.integers(len(cands)))]
@@ -365,9 +367,10 @@ class RealFault:
         new = dr[n0:]
         del dr[n0:]
         dr[at:at + len(new)] = new
-        items = groups[grp]
-        run.state = commit_drafts(run.state, [s.ref for s, *_ in items], drafts)
-        for (s, *_), cf in zip(items, conf):
+        live = [j for j, (s, *_) in enumerate(groups[grp]) if not s.released]
+        if live:
+            run.state = commit_drafts(run.state, [groups[grp][j][0].ref for j in live], drafts[live])
+        for (s, *_), cf in zip(groups[grp], conf):
             s.confidence = cf
         out = dict(out)
         out["drafts"] = np.stack([run.state.tokens[s.group, s.lease] for s in seqs])
