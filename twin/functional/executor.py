@@ -25,8 +25,7 @@ from twin.abi import constants as C
 from twin.abi.batches import PLACEHOLDER_TOKEN, DrafterBatch, DrafterItem
 from twin.abi.errors import AbiError
 from twin.abi.lowering import LoweringContext, lower, lower_bootstrap, validate
-from twin.abi.lowering.drafter import BOOTSTRAP, context_bucket
-from twin.sim.executor import DispatchTiming, StepResult
+from twin.sim.executor import DispatchTiming, StepResult, decode_timing, prefill_timing, seed_timing
 from twin.sim.worker import StepPlan
 
 from .agreement import check_decode, check_prefill
@@ -152,7 +151,7 @@ class GoldenExecutor:
                 s.anchor, s.current = b, int(sampled[i])
                 s.generated.append(s.current)
                 res.tokens[it.request_id] = [s.current]
-        res.dispatches.append(self._time_prefill(batch))
+        res.dispatches.append(prefill_timing(self.cost, batch, self.dep.partitions))
 
     def _seed(self, wave, res: StepResult) -> None:
         seqs = [self.seqs[it.request_id] for it in wave]
@@ -167,7 +166,7 @@ class GoldenExecutor:
         if rows:
             self._lowered(DrafterBatch(tuple(rows)))
         S.seed_wave(self.g, self.run, seqs)
-        res.dispatches.append(self._time_seed(wave))
+        res.dispatches.append(seed_timing(self.cost, wave))
 
     def _decode(self, plan: StepPlan, res: StepResult) -> None:
         items = [it for grp in plan.decode_groups for it in grp]
@@ -199,34 +198,10 @@ class GoldenExecutor:
                 res.tokens[s.req.request_id] = [s.current]
                 res.accepted[s.req.request_id] = 1
                 res.drafts[s.req.request_id] = 0
-        res.dispatches.append(self._time_decode(plan, seqs))
-
-    # ---- timing (the cost model's, so a golden run reports in the same virtual time) ----------------
-    def _time_prefill(self, batch) -> DispatchTiming:
-        G = self.dep.partitions
-        groups: list[list[tuple[int, int]]] = [[] for _ in range(G)]
-        for it in batch.items:
-            groups[it.partition].append((it.num_tokens, it.num_computed))
-        secs, parts = self.cost.prefill(groups) if self.cost else (0.0, {})
-        return DispatchTiming("prefill", secs, parts, {"requests_per_group": [len(g) for g in groups],
-                                                       "tokens_per_group": [sum(n for n, _ in g) for g in groups],
-                                                       "requests": [it.request_id for it in batch.items]})
-
-    def _time_seed(self, wave) -> DispatchTiming:
-        tail = max(min(C.SLIDING_WINDOW, it.prompt_len) for it in wave)
-        rows = context_bucket(BOOTSTRAP, -(-tail // C.TP_SIZE))
-        secs, parts = self.cost.seed(rows) if self.cost else (0.0, {})
-        return DispatchTiming("seed", secs, parts, {"requests": [it.request_id for it in wave]})
-
-    def _time_decode(self, plan: StepPlan, seqs) -> DispatchTiming:
+        # timed at the contexts after the step, as golden's anchors stand now
         by_rid = {s.req.request_id: s for s in seqs}
-        ctxs, owners = [], []
-        for grp in plan.decode_groups:
-            ctxs.append([by_rid[it.request_id].anchor + 1 for it in grp])
-            owners.append([(it.lease % C.TP_SIZE) if (self.k and it.lease is not None) else o % C.TP_SIZE
-                           for o, it in enumerate(grp)])
-        secs, parts = self.cost.decode(ctxs, owners) if self.cost else (0.0, {})
-        return DispatchTiming("decode", secs, parts, {"requests_per_group": [len(g) for g in plan.decode_groups]})
+        ctxs = [[by_rid[it.request_id].anchor + 1 for it in grp] for grp in plan.decode_groups]
+        res.dispatches.append(decode_timing(self.cost, plan.decode_groups, ctxs, self.k))
 
     # ---- results -----------------------------------------------------------------------------------
     def speculation(self) -> dict:

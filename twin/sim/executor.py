@@ -47,6 +47,35 @@ class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
+# ---- one dispatch's virtual time, shared by every executor that reports in the cost model's time ----
+# (cost None: an untimed run, every dispatch 0 s)
+def prefill_timing(cost: CostModel | None, batch, partitions: int) -> DispatchTiming:
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(partitions)]
+    for it in batch.items:
+        groups[it.partition].append((it.num_tokens, it.num_computed))
+    secs, parts = cost.prefill(groups) if cost is not None else (0.0, {})
+    return DispatchTiming("prefill", secs, parts, {"requests_per_group": [len(g) for g in groups],
+                                                   "tokens_per_group": [sum(n for n, _ in g) for g in groups],
+                                                   "requests": [it.request_id for it in batch.items]})
+
+
+def seed_timing(cost: CostModel | None, wave) -> DispatchTiming:
+    """A seeding wave: the bootstrap drafter's context bucket of the wave's longest 128-row tail band."""
+    tail = max(min(C.SLIDING_WINDOW, it.prompt_len) for it in wave)
+    rows = context_bucket(BOOTSTRAP, -(-tail // C.TP_SIZE))
+    secs, parts = cost.seed(rows) if cost is not None else (0.0, {})
+    return DispatchTiming("seed", secs, parts, {"requests": [it.request_id for it in wave]})
+
+
+def decode_timing(cost: CostModel | None, decode_groups, ctxs: list[list[int]], k: int) -> DispatchTiming:
+    """The decode tile; ctxs[g][i]: the context length of decode_groups[g][i].  A K=7 row runs on its
+    lease's owner rank, a K=0 row round-robin by its ordinal in the group."""
+    owners = [[it.lease % C.TP_SIZE if (k and it.lease is not None) else o % C.TP_SIZE for o, it in enumerate(grp)]
+              for grp in decode_groups]
+    secs, parts = cost.decode(ctxs, owners) if cost is not None else (0.0, {})
+    return DispatchTiming("decode", secs, parts, {"requests_per_group": [len(g) for g in decode_groups]})
+
+
 @dataclass
 class _ReqState:
     prompt_len: int
@@ -102,47 +131,35 @@ class CostModelExecutor:
         cm = self.cost
         G = self.dep.partitions
         for batch in plan.prefill:
-            groups: list[list[tuple[int, int]]] = [[] for _ in range(G)]
-            for it in batch.items:
-                groups[it.partition].append((it.num_tokens, it.num_computed))
-            secs, parts = cm.prefill(groups)
-            meta = {"requests_per_group": [len(g) for g in groups],
-                    "tokens_per_group": [sum(n for n, _ in g) for g in groups],
-                    "requests": [it.request_id for it in batch.items]}
+            t = prefill_timing(cm, batch, G)
             if self.hang_p and self._fault_rng.random() < self.hang_p:
                 res.error = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 fault model)"
                 res.dispatches.append(DispatchTiming("prefill", self.step_timeout, {"timeout": self.step_timeout},
-                                                     {**meta, "hang": True}))
+                                                     {**t.meta, "hang": True}))
                 return res
-            res.dispatches.append(DispatchTiming("prefill", secs, parts, meta))
+            res.dispatches.append(t)
             for it in batch.items:
                 if it.terminal:
                     st = self.state.setdefault(it.request_id, _ReqState(it.prompt_len))
                     st.committed = it.prompt_len
                     res.tokens[it.request_id] = self._tokens(st, 1)
         for wave in plan.seed_waves:
-            tail = max(min(C.SLIDING_WINDOW, it.prompt_len) for it in wave)
-            band = -(-tail // C.TP_SIZE)
-            rows = context_bucket(BOOTSTRAP, band)
-            secs, parts = cm.seed(rows)
-            res.dispatches.append(DispatchTiming("seed", secs, parts, {"requests": [it.request_id for it in wave]}))
+            res.dispatches.append(seed_timing(cm, wave))
         if plan.decode is not None:
             self._decode(plan, res)
         return res
 
     def _decode(self, plan: StepPlan, res: StepResult) -> None:
         k = self.dep.k
-        ctxs, owners, order = [], [], []
-        for g, items in enumerate(plan.decode_groups):
-            c, o = [], []
-            for ordinal, it in enumerate(items):
+        ctxs, order = [], []
+        for items in plan.decode_groups:
+            c = []
+            for it in items:
                 st = self.state.get(it.request_id) or self.state.setdefault(it.request_id, _ReqState(0))
                 c.append(st.committed + 1)
-                o.append(it.lease % C.TP_SIZE if (k and it.lease is not None) else ordinal % C.TP_SIZE)
                 order.append((it, st))
             ctxs.append(c)
-            owners.append(o)
-        secs, parts = self.cost.decode(ctxs, owners)
+        timing = decode_timing(self.cost, plan.decode_groups, ctxs, k)
         n = len(order)
         if k:
             fits = np.fromiter(((len(it.pending_drafts) > 0 and st.committed + C.DECODE_SEQ <= self.max_pos)
@@ -160,5 +177,4 @@ class CostModelExecutor:
             res.accepted[rid] = cnt
             res.drafts[rid] = k if f else 0
             st.committed += cnt
-        res.dispatches.append(DispatchTiming("decode", secs, parts, {
-            "requests_per_group": [len(g) for g in plan.decode_groups]}))
+        res.dispatches.append(timing)
