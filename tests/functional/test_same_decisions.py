@@ -61,11 +61,12 @@ def test_different_lengths_make_different_decisions(upstream_run):
 
 def test_golden_run_reports_the_cost_models_dispatch_times(upstream_run):
     """The golden executor times its dispatches with the cost-model executor's timing: at the same
-    decisions, every prefill and seed dispatch takes the same virtual seconds with the same parts."""
+    decisions, every dispatch takes the same virtual seconds with the same parts (a decode timed at the
+    contexts its requests enter the verify with, not the ones it leaves them at)."""
     sim, _ = _cost_run(upstream_run, "prompt")
     cols = ["step", "kind", "seconds", "requests_per_group", "tokens_per_group", "t_dense", "t_attention", "t_moe",
             "t_comm", "t_overhead"]
-    for kind in ("prefill", "seed"):
+    for kind in ("prefill", "seed", "decode"):
         g = upstream_run.sim.dispatches.query("kind == @kind")[cols].reset_index(drop=True)
         c = sim.dispatches.query("kind == @kind")[cols].reset_index(drop=True)
         assert len(g) > 0 and g.equals(c), kind

@@ -181,6 +181,7 @@ class GoldenExecutor:
         if self.check:
             check_decode(d, items, seqs, self.k)
         if self.k:
+            timing = self._time_decode(plan)
             acc = S.fused_step(self.g, self.run, seqs, draft_policy=self.draft_policy)
             for i, s in enumerate(seqs):
                 c = int(acc.counts[i])
@@ -193,15 +194,19 @@ class GoldenExecutor:
                 # split decode runs at the staged position and token, so upstream's re-prefill gap
                 # shows up as it does on the device
                 s.anchor, s.current = int(it.anchor), int(it.last_token)
+            timing = self._time_decode(plan)
             S.plain_step(self.g, self.run, seqs)
             for s in seqs:
                 res.tokens[s.req.request_id] = [s.current]
                 res.accepted[s.req.request_id] = 1
                 res.drafts[s.req.request_id] = 0
-        # timed at the contexts after the step, as golden's anchors stand now
-        by_rid = {s.req.request_id: s for s in seqs}
-        ctxs = [[by_rid[it.request_id].anchor + 1 for it in grp] for grp in plan.decode_groups]
-        res.dispatches.append(decode_timing(self.cost, plan.decode_groups, ctxs, self.k))
+        res.dispatches.append(timing)
+
+    def _time_decode(self, plan: StepPlan) -> DispatchTiming:
+        """Timed before the step, at each request's context as it enters the verify (its anchor + 1),
+        as the cost-model executor times it."""
+        ctxs = [[self.seqs[it.request_id].anchor + 1 for it in grp] for grp in plan.decode_groups]
+        return decode_timing(self.cost, plan.decode_groups, ctxs, self.k)
 
     # ---- results -----------------------------------------------------------------------------------
     def speculation(self) -> dict:
