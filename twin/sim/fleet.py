@@ -120,13 +120,39 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.detail: dict[int, str] = {}
         nan = lambda: np.full(n, np.nan)                       # noqa: E731
         self.first, self.last, self.end, self.admitted = nan(), nan(), nan(), nan()
-        # per request and family: logical pages, filled ring slots, own pages, pages held by an
-        # in-flight snapshot (one matrix, so a step gathers and scatters them once)
-        self.kv4 = np.zeros((4, n, F), dtype=np.int64)
-        self.L, self.S, self.own, self.pinned = self.kv4        # each contiguous (n x F)
+        # page rows live in fixed slots, one per running request (`slot`: request -> slot,
+        # `occ`: slot -> request, `spart`: slot -> partition): a step grows every slot at once
+        # (an idle slot grows to 0 tokens, which needs nothing) and writes the rows back whole,
+        # instead of gathering and scattering the running requests' rows of a request-indexed matrix
+        self.slot = np.full(n, -1, dtype=np.int64)
+        self._slots(max(1, self.max_running))
         self.entries: list[list] = [[] for _ in range(n)]
         self.drops: list[list] = [[] for _ in range(n)]        # (tokens, id, entry, family) tails held
         self.next_drop = np.full(n, NEVER, dtype=np.int64)
+
+    def _slots(self, m: int) -> None:
+        """Size the slot arrays to `m` slots, keeping the occupied ones (the running set is capped
+        at max_num_seqs, so this grows them only for a direct caller that runs more)."""
+        k = len(self.occ) if hasattr(self, "occ") else 0
+        # per slot and family: logical pages, filled ring slots, own pages, pages held by an
+        # in-flight snapshot (one matrix: a released slot is zeroed in one write)
+        kv4 = np.zeros((4, m, self.kv.F), dtype=np.int64)
+        occ, spart = np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
+        if k:
+            kv4[:, :k], occ[:k], spart[:k] = self.kv4, self.occ, self.spart
+        self.kv4, self.occ, self.spart = kv4, occ, spart
+        self.L, self.S, self.own, self.pinned = kv4             # each contiguous (slots x F)
+        self._tok = np.zeros(m, dtype=np.int64)                 # scratch: tokens each slot grows to
+        self._free_slots = list(range(m - 1, k - 1, -1))        # a stack: the lowest slot first
+
+    def _take_slot(self, i: int, p: int) -> int:
+        if not self._free_slots:
+            self._slots(2 * len(self.occ))
+        s = self._free_slots.pop()
+        self.slot[i] = s
+        self.occ[s] = i
+        self.spart[s] = p
+        return s
 
     # ---- admission ---------------------------------------------------------------------------------
     def add_request(self, i: int) -> None:
@@ -249,7 +275,12 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         kv = self.kv
         used = np.zeros_like(kv.free)
         live = self.part >= 0
-        np.add.at(used, self.part[live], self.own[live] + self.pinned[live])
+        sl = self.slot[live]
+        assert (sl >= 0).all() and len(set(sl.tolist())) == len(sl) and (self.occ[sl] == live.nonzero()[0]).all()
+        np.add.at(used, self.part[live], self.own[sl] + self.pinned[sl])
+        idle = np.ones(len(self.occ), dtype=bool)
+        idle[sl] = False
+        assert not self.kv4[:, idle].any(), "an idle slot holds pages"
         used += kv.live_entry_pages()
         assert (kv.free >= 0).all(), f"negative free pages {kv.free.tolist()}"
         assert (used == kv.cap[None, :] - kv.free).all(), f"page counts drift: used {used.tolist()} free {kv.free.tolist()}"

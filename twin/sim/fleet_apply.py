@@ -23,8 +23,11 @@ class FleetApply:
         if self.drops[i]:
             kv.drop_tails(self.drops[i], NEVER + 1, p)
             self.next_drop[i] = NEVER
-        kv.free[p] += self.own[i] + self.pinned[i]
-        self.own[i] = self.pinned[i] = self.L[i] = self.S[i] = 0
+        s = int(self.slot[i])
+        kv.free[p] += self.own[s] + self.pinned[s]
+        self.kv4[:, s] = 0
+        self.slot[i] = -1
+        self._free_slots.append(s)
         self.pins[i] = 0
         kv.load[p] -= 1
         self.part[i] = -1
@@ -82,8 +85,11 @@ class FleetApply:
             if self.drops[i]:
                 kv.drop_tails(self.drops[i], NEVER + 1, pi)
                 self.next_drop[i] = NEVER
-        kv.free += kv.per_cell(kv.cells(p), self.own.take(ids, axis=0) + self.pinned.take(ids, axis=0))
-        self.kv4[:, ids] = 0
+        sl = self.slot[ids]
+        kv.free += kv.per_cell(kv.cells(p), self.own.take(sl, axis=0) + self.pinned.take(sl, axis=0))
+        self.kv4[:, sl] = 0
+        self.slot[ids] = -1
+        self._free_slots.extend(sl.tolist())
         self.pins[ids] = 0
         kv.load -= np.bincount(p, minlength=self.G)
         self.part[ids] = -1
@@ -123,14 +129,16 @@ class FleetApply:
                                    self.entries[i], self.drops[i])
                 if self.drops[i]:
                     self.next_drop[i] = self.drops[i][0][0]
-                self.own[i] -= moved * kv.block_pages
+                if moved:
+                    self.own[self.slot[i]] -= moved * kv.block_pages
                 self.pub[i] = end
         # unpin: the pages detached into this step's snapshots go back to the pool
         self.pins[idx] -= 1
-        held = self.pinned.take(idx, axis=0)             # take: ~5x a 2-D fancy-index gather
+        sl = self.slot[idx]
+        held = self.pinned.take(sl, axis=0)              # take: ~5x a 2-D fancy-index gather
         if held.any():
-            kv.free += kv.per_cell(kv.cells(self.part[idx]), held)
-            self.pinned[idx] = 0
+            kv.free += kv.per_cell(kv.cells(self.spart[sl]), held)
+            self.pinned[sl] = 0
         if samples.all():
             s_idx, cnt, sp = idx, counts, spec
         else:

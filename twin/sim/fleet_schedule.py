@@ -106,31 +106,41 @@ class FleetSchedule:
     def _grow_all(self, act, tokens, cost) -> np.ndarray:
         """Grow every row's tables in order.  Per-partition cumulative needs find the first row a
         partition cannot hold; there (only) the latest arrival is preempted, same partition first,
-        and the row retried once.  Returns the mask of rows that were scheduled."""
+        and the row retried once.  Returns the mask of rows that were scheduled.
+
+        The growth runs over every page-row slot (a slot not scheduled grows to 0 tokens: it
+        needs nothing and keeps its rows), so the rows are read and written back whole; only the
+        overflow search reads them in the running order."""
         kv = self.kv
         n = len(act)
         keep = np.ones(n, dtype=bool)
         if not n:
             return keep
-        need, own, taken, det, wrapped, L2, S2 = kv.grow_rows(
-            tokens, self.L.take(act, axis=0), self.S.take(act, axis=0), self.pins[act] > 0)
-        part = self.part[act]
-        cells = kv.cells(part)
+        sl = self.slot.take(act)
+        tok = self._tok
+        tok[sl] = tokens
+        need, own, taken, det, wrapped, L2, S2 = kv.grow_rows(tok, self.L, self.S, self.pins.take(self.occ) > 0)
+        tok[sl] = 0
+        cells = kv.cells(self.spart)
         sums = kv.per_cell(cells, need)                    # exact below 2^53
         bad = sums > kv.free
+        gone = None
         if bad.any():
+            gone = []                                        # slots whose rows are not committed
             over = bad.any(axis=1).nonzero()[0]
             free = kv.free.astype(float)                     # free pages before this step's growth
+            part = self.part.take(act)
+            need_a = need.take(sl, axis=0)                   # the rows in the running order
             # per partition that runs out: its rows in order and their cumulative need; a row dropped
             # or preempted leaves the rows after it, pages a preemption frees add to what is free
             # (free only grows and needs only shrink here, so no other partition can run out).
             # Only rows that need pages are walked: one that needs none is never the first to
             # overflow, and the cumulative needs at the others are the same without it.
             groups = {}
-            some = need.any(axis=1)
+            some = need_a.any(axis=1)
             for g in over.tolist():
                 rows_g = ((part == g) & some).nonzero()[0]
-                groups[g] = (rows_g, need[rows_g].cumsum(axis=0))
+                groups[g] = (rows_g, need_a[rows_g].cumsum(axis=0))
             base = 0
             while True:
                 j = None
@@ -146,7 +156,7 @@ class FleetSchedule:
                 rows_j, cs_j = groups[pj]
                 kj = int(rows_j.searchsorted(j))
                 keep[j] = False
-                cs_j[kj:] -= need[j]
+                cs_j[kj:] -= need_a[j]
                 r = int(act[j])
                 victim = self._victim(r)
                 if victim is not None:
@@ -156,52 +166,52 @@ class FleetSchedule:
                         pv_row = int(part[v])
                         if keep[v] and pv_row in groups:
                             rows_v, cs_v = groups[pv_row]
-                            cs_v[int(rows_v.searchsorted(v)):] -= need[v]   # its growth here is undone
+                            cs_v[int(rows_v.searchsorted(v)):] -= need_a[v]   # its growth here is undone
                         keep[v] = False
                     pv = int(self.part[victim])
-                    free[pv] += self.own[victim] + self.pinned[victim]
+                    vs = int(self.slot[victim])
+                    free[pv] += self.own[vs] + self.pinned[vs]
+                    gone.append(vs)
                     self._preempt(victim, r)
                     before = cs_j[kj - 1] if kj else 0
-                    if (before + need[j] <= free[pj]).all():
+                    if (before + need_a[j] <= free[pj]).all():
                         keep[j] = True
-                        cs_j[kj:] += need[j]
+                        cs_j[kj:] += need_a[j]
                 base = j + 1
-        if keep.all():
-            sel = act
-            d_, r_ = (int(det.sum()) if det is not None else 0), int(wrapped.sum())
-        else:
-            k = keep.nonzero()[0]
-            sel = act[k]
-            L2, S2, own, need, taken = (x.take(k, axis=0) for x in (L2, S2, own, need, taken))
-            cells = kv.cells(part[k])
-            sums = kv.per_cell(cells, need)
+            if not keep.all():
+                gone.extend(sl[~keep].tolist())
+        if gone:
+            # rows not scheduled (dropped, or a preempted victim's released slot) keep what they hold
+            g = np.array(gone, dtype=np.int64)
+            need[g] = own[g] = taken[g] = wrapped[g] = 0
             if det is not None:
-                det = det.take(k, axis=0)
-            d_ = int(det.sum()) if det is not None else 0
-            r_ = int(wrapped.take(k, axis=0).sum())
-        self.L[sel] = L2
-        self.S[sel] = S2
-        self.own[sel] += own
+                det[g] = 0
+            L2[g] = self.L[g]
+            S2[g] = self.S[g]
+            sums = kv.per_cell(cells, need)
+        np.copyto(self.L, L2)
+        np.copyto(self.S, S2)
+        self.own += own
+        d_ = 0
         if det is not None:
-            self.pinned[sel] += det
+            self.pinned += det
+            d_ = int(det.sum())
         kv.free -= sums
         kv.takes += kv.per_cell(cells, taken)
         kv.stats["detaches"] += d_
-        kv.stats["rotations"] += r_ - d_
+        kv.stats["rotations"] += int(wrapped.sum()) - d_
         return keep
 
-    def _commit(self, idx, need, own, taken, L2, S2) -> None:
-        if not len(idx):
-            return
+    def _commit(self, i: int, s: int, need, own, taken, L2, S2) -> None:
         kv = self.kv
-        cells = kv.cells(self.part[idx])
-        kv.free -= kv.per_cell(cells, need)
-        kv.takes += kv.per_cell(cells, taken)
+        p = int(self.part[i])
+        kv.free[p] -= need[0]
+        kv.takes[p] += taken[0]
         det = need - own
-        self.own[idx] += own
-        self.pinned[idx] += det
-        self.L[idx] = L2
-        self.S[idx] = S2
+        self.own[s] += own[0]
+        self.pinned[s] += det[0]
+        self.L[s] = L2[0]
+        self.S[s] = S2[0]
         d = int(det.sum())
         kv.stats["detaches"] += d
         kv.stats["rotations"] += int((taken - own).sum()) - d
@@ -230,7 +240,8 @@ class FleetSchedule:
             if hit:
                 L, S, own = kv.attach(self.hashes[i], hit, p, self.entries[i], self.drops[i])
                 self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
-                self.L[i], self.S[i], self.own[i] = L, S, own
+                s = self._take_slot(i, p)
+                self.L[s], self.S[s], self.own[s] = L, S, own
                 self.part[i] = p
                 kv.load[p] += 1
                 nn = self._first_chunk(i, hit, budget)
@@ -247,7 +258,7 @@ class FleetSchedule:
                 kv.load[p] += 1
                 kv.free[p] -= need
                 kv.takes[p] += need
-                self.kv4[:, i] = row
+                self.kv4[:, self._take_slot(i, p)] = row
             self.waiting.popleft()
             self.status[i] = RUNNING
             self.computed[i] = hit
@@ -264,9 +275,10 @@ class FleetSchedule:
         return min(int(self.plen[i]) - computed, budget, self.max_seq - computed, self.chunk)
 
     def _grow_one(self, i: int, tokens: int) -> bool:
-        idx = np.array([i])
-        need, own, taken, L2, S2 = self.kv.growth(np.array([tokens]), self.L[idx], self.S[idx], self.pins[idx] > 0)
+        s = int(self.slot[i])
+        need, own, taken, L2, S2 = self.kv.growth(np.array([tokens]), self.L[s:s + 1], self.S[s:s + 1],
+                                                  self.pins[i:i + 1] > 0)
         if (need[0] > self.kv.free[self.part[i]]).any():
             return False
-        self._commit(idx, need, own, taken, L2, S2)
+        self._commit(i, s, need, own, taken, L2, S2)
         return True
