@@ -35,11 +35,17 @@ def o_proj_tp(o_packed, wo_a, wo_b, wo_b_scale, layout, *, nm, reduction: str = 
         raise AbiError("reduction", reduction, f"one of {REDUCTIONS}", where="o_proj_tp")
     if o_packed.shape[0] != layout.cfg.o_groups:
         raise AbiError("o_packed", tuple(o_packed.shape), f"[{layout.cfg.o_groups}, T, GI]", where="o_proj_tp")
-    scale = nm.asf(wo_b_scale)
     per_rank = []
     for r in range(layout.tp):                      # the ranks of one group: local index r
         gs = np.asarray(layout.o_groups_of(r))
         per_rank.append(group_contributions(o_packed[gs], wo_a[gs], wo_b[gs], nm=nm))
+    return fold(per_rank, wo_b_scale, nm=nm, reduction=reduction)
+
+
+def fold(per_rank, wo_b_scale, *, nm, reduction: str = "ordered"):
+    """per_rank[r]: the contributions of a group's local rank r (`group_contributions`) -> attn_out
+    [T, D] (bf16 values), reduced as `reduction` says (module docstring)."""
+    scale = nm.asf(wo_b_scale)
     out = 0.0
     if reduction == "ordered":
         for contribs in per_rank:

@@ -27,7 +27,7 @@ from golden.kernels.moe import gate, routed_expert, shared_expert
 from golden.ranks.collectives import rows_by_rank
 from golden.ranks.emulation import RankEmulation
 from golden.ranks.ep import SHARED_NAMES, tiled
-from golden.ranks.tp import group_contributions
+from golden.ranks.tp import fold, group_contributions
 from twin.abi.errors import AbiError
 
 
@@ -93,20 +93,10 @@ class DistPar(RankEmulation):
             mine = [c[:idx.size] for c in group_contributions(o_packed[gs][:, ii], lw["wo_a"][gs], lw["wo_b"][gs],
                                                               nm=nm)]
         parts = self._all_gather(mine, "tp_reduce")
-        scale = nm.asf(lw["wo_b_scale"])
         out = nm.xp.zeros((T, cfg.hidden_size), nm.f)
         for g, idx in groups.items():
-            acc = 0.0
-            for r in lay.group_ranks(g):                    # group-local rank order, as one rank folds them
-                part = 0.0
-                for c in parts[r]:
-                    if self.reduction == "ordered":
-                        acc = acc + c
-                    else:
-                        part = part + c
-                if self.reduction != "ordered":
-                    acc = acc + part * scale
-            out[idx] = nm.bf16(acc * scale) if self.reduction == "ordered" else nm.bf16(acc)
+            # group-local rank order, as one rank folds them
+            out[idx] = fold([parts[r] for r in lay.group_ranks(g)], lw["wo_b_scale"], nm=nm, reduction=self.reduction)
         return out
 
     # ---- EP: dispatch, experts, combine ------------------------------------------------------------
