@@ -3,8 +3,9 @@
 Per TP group one replica of `kv_caches [3 layers, 512 blocks, 32, 1, HD]` (the four ranks of the
 group hold identical copies; golden keeps one).  Position p of lease L in draft layer l lives in
 physical block `lease_block(L, p // 32, l)`, row p % 32; padding rows use the filler ring at blocks
-384..389, which no lease reaches.  The ring formulas are the lowering's (twin.abi.lowering.drafter),
-so the golden writes exactly where a lowered dispatch says.  Slots are -1 where nothing is written.
+384..389, which no lease reaches.  The ring formulas are the ABI's (twin.abi.caches' lease_block and
+filler_block, as slots in twin.abi.lowering.drafter), so the golden writes exactly where a lowered
+dispatch says.  Slots are -1 where nothing is written.
 """
 from __future__ import annotations
 
@@ -12,19 +13,16 @@ import numpy as np
 
 from twin.abi import constants as C
 from twin.abi.errors import AbiError
-from twin.abi.lowering.drafter import filler_ring_table, lease_ring_table, lease_slot
+from twin.abi.lowering.drafter import filler_ring_table, filler_slot, lease_ring_table, lease_slot
 
 
 def ring_slots(lease: int | None, positions, draft_layer: int) -> np.ndarray:
     """Flat pool rows of `positions` in `lease`'s ring (lease None: the filler ring); -1 stays -1."""
-    pos = np.asarray(positions, np.int64)
     if lease is None:
-        blk = C.DRAFTER_FILLER_BLOCK_BASE + (np.where(pos >= 0, pos, 0) // C.BLOCK_SIZE
-                                             + C.DSPARK_QUERY_WIDTH * draft_layer) % C.DRAFTER_BLOCKS_PER_LEASE
-        return np.where(pos >= 0, blk * C.BLOCK_SIZE + pos % C.BLOCK_SIZE, -1)
+        return filler_slot(positions, draft_layer)
     if not 0 <= lease < C.DRAFTER_LEASES_PER_GROUP:
         raise AbiError("lease", lease, f"0..{C.DRAFTER_LEASES_PER_GROUP - 1}", where="drafter ring")
-    return lease_slot(pos, lease, draft_layer)
+    return lease_slot(positions, lease, draft_layer)
 
 
 def block_table(lease: int | None, draft_layer: int, depth: int = C.ORI_MAX_BLOCKS) -> np.ndarray:

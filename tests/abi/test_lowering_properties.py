@@ -15,8 +15,8 @@ from lowering_batches import Pools, prefill_batch  # noqa: E402
 from twin.abi import FLASH, cache_families, constants as C, deployment  # noqa: E402
 from twin.abi.batches import DecodeBatch, DecodeItem  # noqa: E402
 from twin.abi.caches import filler_block, lease_block, ring_pages  # noqa: E402
-from twin.abi.lowering import (LoweringContext, filler_ring_table, lease_ring_table, lease_slot, lower_fused,  # noqa: E402
-                               lower_prefill)
+from twin.abi.lowering import (LoweringContext, filler_ring_table, filler_slot, lease_ring_table,  # noqa: E402
+                               lease_slot, lower_fused, lower_prefill)
 from twin.abi.lowering.primitives import (absolute_table, compressed_slot, paged_slot, ring_slot,  # noqa: E402
                                           ring_table, swa_window, trailing_ring_table)
 
@@ -60,6 +60,10 @@ def test_lease_ring_never_aliases_a_128_window_plus_7_query_rows(lease, anchor, 
     lb = int(pos[-1]) // 32
     assert tbl[lb] == lease_block(lease, lb, layer)
     assert filler_ring_table(layer, 12)[lb % 12] == filler_block(lb % 12, layer) >= C.DRAFTER_FILLER_BLOCK_BASE
+    # a padding row at the same positions: the filler ring's own slots, through the filler's block table
+    filler = filler_slot(pos, layer)
+    assert np.array_equal(paged_slot(pos, filler_ring_table(layer, C.ORI_MAX_BLOCKS), C.BLOCK_SIZE), filler)
+    assert (filler // C.BLOCK_SIZE >= C.DRAFTER_FILLER_BLOCK_BASE).all() and np.unique(filler).size == pos.size
 
 
 @settings(max_examples=300)

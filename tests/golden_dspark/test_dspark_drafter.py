@@ -29,6 +29,7 @@ def test_ring_slots_follow_the_lease_formula(lease, pos, layer):
     f = int(ring_slots(None, [pos], layer)[0])
     assert f == filler_block(pos // 32, layer) * 32 + pos % 32 and f >= C.DRAFTER_FILLER_BLOCK_BASE * 32
     assert block_table(lease, layer)[pos // 32] == lease_block(lease, pos // 32, layer)
+    assert ring_slots(None, [-1, pos], layer)[0] == ring_slots(lease, [-1, pos], layer)[0] == -1
 
 
 @settings(max_examples=100)

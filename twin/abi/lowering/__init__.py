@@ -11,8 +11,8 @@ pools, scratch and outputs belong to the executor, and `validate` checks them wh
 """
 from .context import DispatchError, LoweringContext, from_bf16_bits, to_bf16_bits
 from .decode import lower_decode
-from .drafter import (filler_ring_table, lease_ring_table, lease_slot, lower_bootstrap, lower_drafter, lower_markov,
-                      seeding_waves)
+from .drafter import (filler_ring_table, filler_slot, lease_ring_table, lease_slot, lower_bootstrap, lower_drafter,
+                      lower_markov, seeding_waves)
 from .fused import lower_fused
 from .grammar import Constraint, pack_rows, row_mode, unpack_allowed
 from .prefill import lower_prefill
@@ -35,5 +35,5 @@ def lower(batch, ctx: LoweringContext, **kw):
 
 __all__ = ["DispatchError", "LoweringContext", "from_bf16_bits", "to_bf16_bits", "lower_decode", "lower_fused",
            "lower_prefill", "lower_drafter", "lower_bootstrap", "lower_markov", "seeding_waves", "lease_ring_table",
-           "filler_ring_table", "lease_slot", "Constraint", "pack_rows", "row_mode", "unpack_allowed", "RULES",
-           "validate", "lower"]
+           "filler_ring_table", "filler_slot", "lease_slot", "Constraint", "pack_rows", "row_mode", "unpack_allowed",
+           "RULES", "validate", "lower"]

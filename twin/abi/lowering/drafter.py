@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import constants as C
 from ..batches import Dispatch, DrafterBatch
+from ..caches import filler_block, lease_block
 from . import checks
 from .context import DispatchError, LoweringContext, alloc, to_bf16_bits
 
@@ -26,20 +27,27 @@ LAYERS = 3
 
 def lease_ring_table(lease: int, layer: int, depth: int) -> np.ndarray:
     """Every logical entry of a drafter block table filled with the lease's rotating ring ids."""
-    lb = np.arange(depth)
-    return (lease * C.DRAFTER_BLOCKS_PER_LEASE + (lb + QW * layer) % C.DRAFTER_BLOCKS_PER_LEASE).astype(np.int32)
+    return np.asarray(lease_block(lease, np.arange(depth), layer)).astype(np.int32)
 
 
 def filler_ring_table(layer: int, depth: int) -> np.ndarray:
-    lb = np.arange(depth)
-    return (C.DRAFTER_FILLER_BLOCK_BASE + (lb + QW * layer) % C.DRAFTER_BLOCKS_PER_LEASE).astype(np.int32)
+    return np.asarray(filler_block(np.arange(depth), layer)).astype(np.int32)
+
+
+def _ring_slot(pos, block_of) -> np.ndarray:
+    p = np.asarray(pos, dtype=np.int64)
+    return np.where(p >= 0, block_of(p // C.BLOCK_SIZE) * C.BLOCK_SIZE + p % C.BLOCK_SIZE, -1)
 
 
 def lease_slot(pos, lease: int, layer: int) -> np.ndarray:
     """Drafter KV slot of absolute position `pos` in the lease's ring (-1 for pos < 0)."""
-    p = np.asarray(pos, dtype=np.int64)
-    blk = lease * C.DRAFTER_BLOCKS_PER_LEASE + (p // C.BLOCK_SIZE + QW * layer) % C.DRAFTER_BLOCKS_PER_LEASE
-    return np.where(p >= 0, blk * C.BLOCK_SIZE + p % C.BLOCK_SIZE, -1)
+    return _ring_slot(pos, lambda lb: lease_block(lease, lb, layer))
+
+
+def filler_slot(pos, layer: int) -> np.ndarray:
+    """The slot a padding row's position `pos` addresses in the filler ring (-1 for pos < 0); the
+    kernels read it, nothing writes it."""
+    return _ring_slot(pos, lambda lb: filler_block(lb, layer))
 
 
 def padded_batch(program: str, n: int) -> int:
