@@ -101,6 +101,9 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
                 if ends:
                     self.stop_end[i] = ends[0]
                     self._more_stops[i] = ends[1:]
+        self.fin = self.max_new.copy()                          # set at admission (max_new is capped there)
+        self._stops = bool((self.stop_end < NEVER).any())      # any planted stop string at all
+        self._plen = self.plen.tolist()
         order = sorted(range(n), key=lambda i: (self.reqs[i].arrival, self.rid[i]))
         self.rank = np.empty(n, dtype=np.int64)
         self.rank[order] = np.arange(n)                        # victim key: latest (arrival, id)
@@ -114,7 +117,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.lease = np.full(n, -1, dtype=np.int64)
         self.gen = np.full(n, -1, dtype=np.int64)
         self.committed, self.chunks, self.finish = z(), z(), z(np.int8)
-        self.pub = z()                                         # prompt blocks published (or attached)
+        self.pub = [0] * n                                     # prompt blocks published (or attached)
         self.in_pass = np.full(n, -1, dtype=np.int64)
         self._mark = np.zeros(n, dtype=bool)                  # scratch: requests leaving `running`
         self.detail: dict[int, str] = {}
@@ -144,6 +147,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.L, self.S, self.own, self.pinned = kv4             # each contiguous (slots x F)
         self._tok = np.zeros(m, dtype=np.int64)                 # scratch: tokens each slot grows to
         self._free_slots = list(range(m - 1, k - 1, -1))        # a stack: the lowest slot first
+        self._cells_all = None                                  # (partition, family) cells of every slot
 
     def _take_slot(self, i: int, p: int) -> int:
         if not self._free_slots:
@@ -152,6 +156,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.slot[i] = s
         self.occ[s] = i
         self.spart[s] = p
+        self._cells_all = None
         return s
 
     # ---- admission ---------------------------------------------------------------------------------
@@ -167,6 +172,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         if self.max_new[i] < 1:
             return self._finish(i, REJECTED, f"max_new_tokens {self.max_new[i]} < 1")
         self.max_new[i] = min(self.max_new[i], L - pl)
+        self.fin[i] = min(self.max_new[i], self.eos_at[i] + 1)
         if self.prefix and self.hashes[i] is None:
             self.hashes[i] = chained_hashes(self.reqs[i].prompt, self.kv.align)
         self.status[i] = WAITING

@@ -71,106 +71,118 @@ class FleetApply:
         self.finished += 1
 
     def _finish_running(self, ids: np.ndarray, codes: np.ndarray) -> None:
-        """`_finish` for running requests that end in one step, their pages released in bulk."""
+        """`_finish` for running requests that end in one step (a few: scalar writes in Python beat
+        a dozen fancy-index calls); the prefix references are released before any page returns,
+        as `_finish` one by one would see the pools."""
         kv = self.kv
-        self.status[ids] = FINISHED
-        self.ver[ids] += 1
-        self.finish[ids] = codes
-        self.ph[ids] = 0
-        self.tpif[ids] = False
-        p = self.part[ids]
-        for i, pi in zip(ids.tolist(), p.tolist()):
+        ids_l = ids.tolist()
+        status, ver, finish, ph, tpif, pins, end, part, slot = (
+            self.status, self.ver, self.finish, self.ph, self.tpif, self.pins, self.end, self.part, self.slot)
+        now = self.now
+        parts = []
+        for i, c in zip(ids_l, codes.tolist()):
+            status[i] = FINISHED
+            ver[i] += 1
+            finish[i] = c
+            ph[i] = pins[i] = 0
+            tpif[i] = False
+            end[i] = now
+            p = int(part[i])
+            parts.append(p)
             if self.entries[i]:
-                kv.release_entries(self.entries[i], pi)
+                kv.release_entries(self.entries[i], p)
             if self.drops[i]:
-                kv.drop_tails(self.drops[i], NEVER + 1, pi)
+                kv.drop_tails(self.drops[i], NEVER + 1, p)
                 self.next_drop[i] = NEVER
-        sl = self.slot[ids]
-        kv.free += kv.per_cell(kv.cells(p), self.own.take(sl, axis=0) + self.pinned.take(sl, axis=0))
-        self.kv4[:, sl] = 0
-        self.slot[ids] = -1
-        self._free_slots.extend(sl.tolist())
-        self.pins[ids] = 0
-        kv.load -= np.bincount(p, minlength=self.G)
-        self.part[ids] = -1
+        free, load, own, pinned, kv4 = kv.free, kv.load, self.own, self.pinned, self.kv4
+        for i, p in zip(ids_l, parts):
+            s = int(slot[i])
+            free[p] += own[s] + pinned[s]
+            kv4[:, s] = 0
+            slot[i] = part[i] = -1
+            load[p] -= 1
+            self._free_slots.append(s)
         gone = self._mark
         gone[ids] = True
         self.running = self.running[~gone[self.running]]
         gone[ids] = False
-        self._pending_ids.extend(ids.tolist())
-        self.end[ids] = self.now
-        self.finished += len(ids)
+        self._pending_ids.extend(ids_l)
+        self.finished += len(ids_l)
 
     # ---- apply (update_from_output + stop strings) -------------------------------------------------
     def apply(self, cmd: Command) -> None:
         idx = cmd.idx
         now = self.now
-        stale = self.ver[idx] != cmd.ver
+        stale = self.ver.take(idx) != cmd.ver
         if stale.any():
             s = idx[stale]
             self.discarded[s] += cmd.counts[stale]
-            ok = ~stale
-            idx, rows = idx[ok], ok.nonzero()[0]
+            rows = (~stale).nonzero()[0]
+            idx = idx.take(rows)
+            start, num_new, spec, samples, counts, pre = (a.take(rows) for a in (
+                cmd.start, cmd.num_new, cmd.spec, cmd.samples, cmd.counts, cmd.prefill))
         else:
             rows = None
-        take = (lambda a: a) if rows is None else (lambda a: a[rows])        # noqa: E731
-        start, num_new, spec, samples, counts, pre = (take(cmd.start), take(cmd.num_new), take(cmd.spec),
-                                                      take(cmd.samples), take(cmd.counts), take(cmd.prefill))
+            start, num_new, spec, samples, counts, pre = (cmd.start, cmd.num_new, cmd.spec, cmd.samples, cmd.counts,
+                                                          cmd.prefill)
         kv = self.kv
-        if self.prefix and pre.any():
-            conf = (start + num_new) // kv.align
-            pub = self.pub[idx]
-            nb = self.plen[idx] // kv.align
-            todo = (pre & (np.minimum(conf, nb) > pub)).nonzero()[0]
-            for j in todo.tolist():
-                i = int(idx[j])
-                end = int(min(conf[j], nb[j]))
-                moved = kv.publish(self.hashes[i], int(pub[j]), end, int(start[j] + num_new[j]), int(self.part[i]),
-                                   self.entries[i], self.drops[i])
-                if self.drops[i]:
-                    self.next_drop[i] = self.drops[i][0][0]
-                if moved:
-                    self.own[self.slot[i]] -= moved * kv.block_pages
-                self.pub[i] = end
+        if self.prefix and cmd.n_prefill:
+            # a few prefill rows: their publication in Python (a confirmed chunk indexes its blocks)
+            A, pub, plen = kv.align, self.pub, self._plen
+            pr = pre.nonzero()[0]
+            for i, st, nn in zip(idx.take(pr).tolist(), start.take(pr).tolist(), num_new.take(pr).tolist()):
+                end = min((st + nn) // A, plen[i] // A)
+                if end > pub[i]:
+                    moved = kv.publish(self.hashes[i], pub[i], end, st + nn, int(self.part[i]),
+                                       self.entries[i], self.drops[i])
+                    if self.drops[i]:
+                        self.next_drop[i] = self.drops[i][0][0]
+                    if moved:
+                        self.own[self.slot[i]] -= moved * kv.block_pages
+                    pub[i] = end
         # unpin: the pages detached into this step's snapshots go back to the pool
         self.pins[idx] -= 1
-        sl = self.slot[idx]
+        sl = self.slot.take(idx)
         held = self.pinned.take(sl, axis=0)              # take: ~5x a 2-D fancy-index gather
         if held.any():
-            kv.free += kv.per_cell(kv.cells(self.spart[sl]), held)
+            kv.free += kv.per_cell(kv.cells(self.spart.take(sl)), held)
             self.pinned[sl] = 0
         if samples.all():
             s_idx, cnt, sp = idx, counts, spec
         else:
-            s_idx = idx[samples]
-            if not len(s_idx):
+            s = samples.nonzero()[0]
+            if not len(s):
                 return
-            cnt, sp = counts[samples], spec[samples]
+            s_idx, cnt, sp = idx.take(s), counts.take(s), spec.take(s)
         self.tpif[s_idx] = False
-        n_out, mx = self.n_out[s_idx], self.max_new[s_idx]
-        eos_room = self.eos_at[s_idx] - n_out + 1                # tokens up to and including the EOS
-        retained = np.minimum(cnt, np.minimum(mx - n_out, np.maximum(eos_room, 1)))
+        # `fin`: the output length at which a request ends by EOS (its first planted EOS) or length
+        n_out, fin = self.n_out.take(s_idx), self.fin.take(s_idx)
+        retained = np.minimum(cnt, fin - n_out)
         L = n_out + retained
-        eos_hit = (eos_room >= 1) & (eos_room <= retained)
-        done = eos_hit | (L >= mx)
+        done = L >= fin
         self.n_out[s_idx] = L
-        live = ~done
-        l_idx, r_l, sp_l = s_idx[live], retained[live], sp[live]
-        self.ph[l_idx] -= 1 + sp_l
-        self.computed[l_idx] += r_l - 1 - sp_l
-        # streamed chunks (every sampled row retains >= 1 token)
-        self.rec.applied(s_idx, now, self.first, self.last, self.chunks, cmd, rows)
         if done.any():
+            live = ~done
+            l_idx, r_l, sp_l = s_idx[live], retained[live], sp[live]
+        else:
+            live, l_idx, r_l, sp_l = None, s_idx, retained, sp
+        sp_l = sp_l + 1
+        self.ph[l_idx] -= sp_l
+        self.computed[l_idx] += r_l - sp_l
+        # streamed chunks (every sampled row retains >= 1 token)
+        self.rec.applied(s_idx, now, self.first, self.last, self.chunks, cmd)
+        if live is not None:
             d = s_idx[done]
             self.dropped[d] += cnt[done] - retained[done]
-            self._finish_running(d, np.where(eos_hit[done], EOS, LENGTH))
+            self._finish_running(d, np.where(self.fin.take(d) == self.eos_at.take(d) + 1, EOS, LENGTH))
         # stop strings: the engine's check on the cumulative output after the step
-        L_l = L[live]
-        se = self.stop_end[l_idx]
-        got = (se > L_l - r_l) & (se <= L_l)
-        if got.any():
-            for i, end, Lx, n in zip(l_idx[got].tolist(), se[got].tolist(), L_l[got].tolist(), r_l[got].tolist()):
-                self._stop(i, end, Lx, n)
+        if self._stops:
+            L_l = L if live is None else L[live]
+            se = self.stop_end[l_idx]
+            got = (se > L_l - r_l) & (se <= L_l)
+            if got.any():
+                for i, end, Lx, n in zip(l_idx[got].tolist(), se[got].tolist(), L_l[got].tolist(), r_l[got].tolist()):
+                    self._stop(i, end, Lx, n)
 
     def _stop(self, i: int, end: int, L: int, n: int) -> None:
         if end < L:

@@ -14,7 +14,8 @@ class Command:
     """One step command as arrays over its scheduled rows (request index order = dispatch order)."""
 
     __slots__ = ("step_id", "idx", "num_new", "spec", "start", "prefill", "samples", "ver", "counts",
-                 "drafts", "dispatches", "error", "t_result", "decode_only")
+                 "drafts", "dispatches", "error", "t_result", "decode_only", "n_prefill",
+                 "accepted")
 
     def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, ver):
         self.step_id, self.idx, self.num_new, self.spec, self.start = step_id, idx, num_new, spec, start
@@ -24,3 +25,5 @@ class Command:
         self.error: str | None = None
         self.t_result = 0.0
         self.decode_only = False
+        self.n_prefill = 0
+        self.accepted = None            # (counts, drafted) of the decode rows, for the recorder

@@ -25,7 +25,7 @@ class FleetExecute:
         cmd.counts = np.zeros(n, dtype=np.int64)
         cmd.drafts = np.zeros(n, dtype=bool)
         pre = cmd.prefill
-        any_pre = bool(pre.any())
+        any_pre = cmd.n_prefill > 0
         cmd.decode_only = not any_pre
         dec = (~pre).nonzero()[0] if any_pre else None
         d_idx = idx[dec] if any_pre else idx
@@ -77,6 +77,7 @@ class FleetExecute:
                 cmd.counts[dec] = counts
                 cmd.drafts[dec] = fits
             self.committed[d_idx] = com + counts
+            cmd.accepted = (counts, fits)
             cmd.dispatches.append(("decode", secs, parts, {"requests_per_group": per.tolist()}))
         self.generated += int(cmd.counts.sum())
 

@@ -54,7 +54,7 @@ class FleetRecorder:
         self.events.append((now, "worker_error", None, {"step": step, "error": error}))
 
     def scheduled(self, cmd, sim) -> None:
-        n_pre = int(cmd.prefill.sum())
+        n_pre = cmd.n_prefill
         self.steps.append((cmd.step_id, sim.now, n_pre, len(cmd.idx) - n_pre, int((cmd.num_new + cmd.spec).sum()),
                            len(sim.waiting), len(sim.running), tuple(sim.kv.load.tolist())))
         self.wall.append(perf_counter())
@@ -64,27 +64,27 @@ class FleetRecorder:
     def dispatch(self, step: int, kind: str, start: float, secs: float, meta: dict, parts: dict) -> None:
         self.dispatches.append((step, kind, start, secs, meta, parts))
 
-    def applied(self, s_idx, now, first, last, chunks, cmd, rows) -> None:
-        f = first[s_idx]
-        new = np.isnan(f)
-        if new.any():
-            first[s_idx[new]] = now
-        if not new.all():
-            old = s_idx[~new]
-            self._itl.append(now - last[old])
+    def applied(self, s_idx, now, first, last, chunks, cmd) -> None:
+        # NaN for a request's first token (no previous one): dropped once, at finalize
+        self._itl.append(now - last.take(s_idx))
+        if cmd.n_prefill:                          # only a prefill's sample can be a first token
+            new = np.isnan(first.take(s_idx))
+            if new.any():
+                first[s_idx[new]] = now
         last[s_idx] = now
         chunks[s_idx] += 1
-        dec = ~cmd.prefill
-        if self.k and dec.any():
-            d = cmd.drafts[dec]
-            self.accept_hist += np.bincount(cmd.counts[dec][d], minlength=len(self.accept_hist))
-            self.fallbacks += int((~d).sum())
-        elif dec.any():
-            self.fallbacks += int(dec.sum())
+        if cmd.accepted is not None:               # the decode rows' (accepted counts, drafted)
+            counts, fits = cmd.accepted
+            nf = int(fits.sum()) if self.k else 0
+            if nf:
+                self.accept_hist += np.bincount(counts if nf == len(fits) else counts[fits],
+                                                minlength=len(self.accept_hist))
+            self.fallbacks += len(fits) - nf
 
     # ---- the raw rows `metrics` reads ---------------------------------------------------------------
     def finalize(self, sim) -> None:
         self.itl = np.concatenate(self._itl) if self._itl else np.zeros(0)
+        self.itl = self.itl[~np.isnan(self.itl)]
         if self._free:
             # one row per (step, partition, family), built from flat lists rather than nested loops
             G, F = self.partitions, len(self.families)

@@ -35,6 +35,7 @@ class FleetSchedule:
         self._step += 1
         samples = ~pre | (start + num_new >= self.plen[idx])
         cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver[idx])
+        cmd.n_prefill = int(pre.sum())
         self.pins[idx] += 1
         if self.leases is not None:
             for i in idx[pre & (self.lease[idx] < 0)].tolist():
@@ -70,14 +71,26 @@ class FleetSchedule:
         tokens = c + cost
         keep = self._grow_all(act, tokens, cost)
         if self.prefix:
-            due = (keep & (tokens > self.next_drop[act])).nonzero()[0]
+            due = tokens > self.next_drop.take(act)
+            if keep is not None:
+                due &= keep
+            due = due.nonzero()[0]
             if len(due):
+                # `PagePools.drop_tails` inline: a tail whose last holder leaves gets its FIFO position
+                # from the pools as they stand after this step's growth (read once)
                 ids = act.take(due)
+                drops, nd, tf = self.drops, self.next_drop, None
                 for i, t, p in zip(ids.tolist(), tokens.take(due).tolist(), self.part.take(ids).tolist()):
-                    d = self.drops[i]
-                    self.kv.drop_tails(d, t, p)
-                    self.next_drop[i] = d[0][0] if d else NEVER
-        if not keep.all():
+                    d = drops[i]
+                    while d and d[0][0] < t:
+                        _, _, e, f = d.pop(0)
+                        e.tail_refs[f] -= 1
+                        if not e.tail_refs[f]:
+                            if tf is None:
+                                tf = (self.kv.takes + self.kv.free).tolist()
+                            e.tail_evict[f] = tf[p][f]
+                    nd[i] = d[0][0] if d else NEVER
+        if keep is not None:
             act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
         return act, nn, spec, c, pre
 
@@ -103,17 +116,17 @@ class FleetSchedule:
         cost = nn + spec
         return act[keep], c[keep], pre[keep], nn[keep], spec[keep], cost[keep]
 
-    def _grow_all(self, act, tokens, cost) -> np.ndarray:
+    def _grow_all(self, act, tokens, cost) -> np.ndarray | None:
         """Grow every row's tables in order.  Per-partition cumulative needs find the first row a
         partition cannot hold; there (only) the latest arrival is preempted, same partition first,
-        and the row retried once.  Returns the mask of rows that were scheduled.
+        and the row retried once.  Returns the mask of rows that were scheduled (None: all were).
 
         The growth runs over every page-row slot (a slot not scheduled grows to 0 tokens: it
         needs nothing and keeps its rows), so the rows are read and written back whole; only the
         overflow search reads them in the running order."""
         kv = self.kv
         n = len(act)
-        keep = np.ones(n, dtype=bool)
+        keep = None
         if not n:
             return keep
         sl = self.slot.take(act)
@@ -121,12 +134,15 @@ class FleetSchedule:
         tok[sl] = tokens
         need, own, taken, det, wrapped, L2, S2 = kv.grow_rows(tok, self.L, self.S, self.pins.take(self.occ) > 0)
         tok[sl] = 0
-        cells = kv.cells(self.spart)
+        cells = self._cells_all
+        if cells is None:
+            cells = self._cells_all = kv.cells(self.spart)
         sums = kv.per_cell(cells, need)                    # exact below 2^53
         bad = sums > kv.free
         gone = None
         if bad.any():
             gone = []                                        # slots whose rows are not committed
+            keep = np.ones(n, dtype=bool)
             over = bad.any(axis=1).nonzero()[0]
             free = kv.free.astype(float)                     # free pages before this step's growth
             part = self.part.take(act)
@@ -178,7 +194,9 @@ class FleetSchedule:
                         keep[j] = True
                         cs_j[kj:] += need_a[j]
                 base = j + 1
-            if not keep.all():
+            if keep.all():
+                keep = None
+            else:
                 gone.extend(sl[~keep].tolist())
         if gone:
             # rows not scheduled (dropped, or a preempted victim's released slot) keep what they hold
