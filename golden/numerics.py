@@ -106,7 +106,12 @@ class Numerics:
         return self.xp.float64
 
     def asf(self, x):
-        """Widen any stored value (bf16, int8, f32) to the compute dtype."""
+        """Widen any stored value (bf16, int8, f32) to the compute dtype.
+
+        On NumPy an array already in the compute dtype comes back as it is, not copied: no kernel
+        writes into an array in place (set_rows copies the pool it writes)."""
+        if self.is_numpy:
+            return np.asarray(x, dtype=self.f)
         return self.xp.asarray(x).astype(self.f)
 
     def r32(self, x):
@@ -134,6 +139,10 @@ class Numerics:
     def state_dtype(self):
         return self.xp.float64 if self.exact else self.xp.float32
 
+    def contiguous(self, x):
+        """x in C order (a GEMM operand: BLAS is fastest on plain layouts); JAX decides its own."""
+        return np.ascontiguousarray(x) if self.is_numpy else x
+
     # ---- W8A8 --------------------------------------------------------------------------
     def q8(self, x):
         """Per-row symmetric INT8 over the last axis: (x_i8 as floats, dq [..., 1]).
@@ -151,8 +160,7 @@ class Numerics:
 
     def mm(self, a, b):
         """A float GEMM in the compute dtype (recorded when a `MatmulRecorder` is active)."""
-        if _RECORDERS:
-            _RECORDERS[-1].append(("f", tuple(a.shape), tuple(b.shape)))
+        _record("f", a, b)
         return a @ b
 
     def int_mm(self, a, b):
@@ -161,11 +169,13 @@ class Numerics:
         (f32 is not exact past 2^24 = 127*127*1040; float64 is exact for every ABI K.)  The
         result is the exact integer; the caller's scaling happens in the compute dtype."""
         if self.mode != "device":
+            _record("f", a, b)          # a float64 GEMM outside device mode
             return self.asf(a) @ self.asf(b)
         # f32 GEMMs are exact on K <= 1024 slices (|sum| < 2^24); the slices add in f64
-        if _RECORDERS:
-            _RECORDERS[-1].append(("i", tuple(a.shape), tuple(b.shape)))
+        _record("i", a, b)
         xp = self.xp
+        if self.is_numpy and np.ndim(a) == 2 and np.ndim(b) == 2 and np.shape(a)[-1]:
+            return _int_mm_np(a, b)
         a32, b32 = xp.asarray(a).astype(xp.float32), xp.asarray(b).astype(xp.float32)
         K = a32.shape[-1]
         out = 0.0
@@ -219,6 +229,29 @@ class Numerics:
         xp = self.xp
         flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
         return flat[xp.where(slots >= 0, slots, 0)]
+
+
+def _record(kind, a, b):
+    if _RECORDERS:
+        _RECORDERS[-1].append((kind, tuple(a.shape), tuple(b.shape)))
+
+
+def _int_mm_np(a, b):
+    """Numerics.int_mm on NumPy 2-D operands.  The products are exact integers in any order, so
+    only the layout is chosen, for speed: a weight passed transposed ([out, in] int8, read as
+    w.T) widens as it lies and multiplies from the left (C^T = W A^T) up to 128 rows, where
+    OpenBLAS's SGEMM against a transposed B is up to ~2-3x slower and a transposing widen costs
+    ~4x a plain one.  The slices add in f64 from 0.0, as the generic path does (a -0 sum becomes +0)."""
+    a32 = np.asarray(a, dtype=np.float32)
+    b = np.asarray(b)
+    left = b.flags.f_contiguous and not b.flags.c_contiguous and a32.shape[0] <= 128
+    w32 = b.T.astype(np.float32) if left else b.astype(np.float32)
+    out = None
+    for k0 in range(0, a32.shape[-1], EXACT_F32_K):
+        k1 = k0 + EXACT_F32_K
+        r = (w32[:, k0:k1] @ a32[:, k0:k1].T).T if left else a32[:, k0:k1] @ w32[k0:k1]
+        out = np.add(r, 0.0, dtype=np.float64, order="C") if out is None else out + r
+    return out
 
 
 DEVICE = Numerics("device")
