@@ -36,6 +36,37 @@ def test_put_get_round_trip_dedup_and_bf16(tmp_path):
     assert len(list((tmp_path / "packs").iterdir())) == 1
 
 
+def test_one_object_with_new_content_gets_a_new_hash_and_blob(tmp_path):
+    """A pool updated in place between two puts is the same object with other bytes: the second
+    put must hash what it holds now, and each hash keeps the bytes it had when it was put."""
+    s = RecordStore(tmp_path)
+    pool = np.zeros((4, 8), np.float32)
+    first = s.put(pool)
+    pool[2] = 1.5                               # in place: same id(), new content
+    second = s.put(pool)
+    assert second != first and second == content_hash(pool)
+    pool[3] = -2.0                              # changed again before the pack is written
+    s.flush_pack("p0")
+    fresh = RecordStore(tmp_path)
+    assert not fresh.get(first).any()
+    assert np.array_equal(fresh.get(second)[2], np.full(8, 1.5, np.float32)) and not fresh.get(second)[3].any()
+
+
+def test_reused_identities_never_answer_an_old_hash(tmp_path):
+    """Arrays dropped between puts free their identity for the next one (CPython reuses ids): every
+    put still answers the hash of its own bytes."""
+    s = RecordStore(tmp_path)
+    ids, hashes = set(), set()
+    for i in range(64):
+        a = np.full(16, i, np.int64)
+        ids.add(id(a))
+        h = s.put(a)
+        assert h == content_hash(a)
+        hashes.add(h)
+        del a
+    assert len(hashes) == 64 and len(ids) < 64        # ids were reused, hashes never were
+
+
 @settings(max_examples=30)
 @given(st.integers(0, 2**31 - 1), st.sets(st.integers(0, 23), max_size=10))
 def test_row_deltas_rebuild_the_state(tmp_path_factory, seed, rows):
