@@ -79,19 +79,61 @@ def moe_experts(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
     T, K = indices.shape
     sh = shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm)
     flat = np.asarray(indices).reshape(-1)
-    routed = np.zeros((T * K, x_i8.shape[1]), np.float64)
-    order = np.argsort(flat, kind="stable")
+    order = np.argsort(flat, kind="stable")            # routes grouped by expert, one sort
     bounds = np.searchsorted(flat[order], np.arange(cfg.n_routed_experts + 1))
-    rows_all, wts = order // K, np.asarray(weights).reshape(-1)
-    for e in range(cfg.n_routed_experts):
-        lo, hi = bounds[e], bounds[e + 1]
-        if lo == hi:
-            continue
-        routes = order[lo:hi]
-        rows = rows_all[lo:hi]
-        routed[routes] = routed_expert(x_i8[rows], x_scale[rows], expert(e), wts[routes], cfg=cfg, nm=nm)
+    wts = np.asarray(weights).reshape(-1)
+    if nm.is_numpy:
+        routed = _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, cfg=cfg, nm=nm)
+    else:
+        routed = np.zeros((T * K, x_i8.shape[1]), np.float64)
+        rows_all = order // K
+        for e in range(cfg.n_routed_experts):
+            lo, hi = bounds[e], bounds[e + 1]
+            if lo == hi:
+                continue
+            routes = order[lo:hi]
+            rows = rows_all[lo:hi]
+            routed[routes] = routed_expert(x_i8[rows], x_scale[rows], expert(e), wts[routes], cfg=cfg, nm=nm)
     out = nm.asf(sh)
     routed = routed.reshape(T, K, -1)
     for k in range(K):
         out = out + routed[:, k]
     return nm.bf16(out)
+
+
+def _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, *, cfg, nm):
+    """routed [T*K, D]: swiglu_expert's arithmetic with only the GEMMs per expert.  Every other
+    step is per row (or per row and column), so it runs once over all routes, each row with its
+    expert's scales: the same values as one swiglu_expert call per expert, in far fewer calls."""
+    import numpy as np
+    E, lim = cfg.n_routed_experts, cfg.swiglu_limit
+    T, D = x_i8.shape
+    lo_all, hi_all = bounds[0], bounds[E]
+    routes = order[lo_all:hi_all]
+    rows = routes // K
+    # the GEMM operands, made once (int8 values as f32 in device mode, as int_mm reads them)
+    op = (lambda a: np.asarray(a, np.float32)) if nm.mode == "device" else nm.asf
+    xs = op(x_i8)[rows]
+    used = [e for e in range(E) if bounds[e + 1] > bounds[e]]
+    ws = {e: expert(e) for e in used}
+    span = [(bounds[e] - lo_all, bounds[e + 1] - lo_all) for e in used]
+    n = rows.size
+    I = ws[used[0]]["routed_w1"].shape[0] if used else 0
+    g, u, s1, s3, s2 = (np.empty((n, I)), np.empty((n, I)), np.empty((n, I)), np.empty((n, I)), np.empty((n, D)))
+    for e, (lo, hi) in zip(used, span):
+        ew = ws[e]
+        g[lo:hi] = nm.int_mm(xs[lo:hi], ew["routed_w1"].T)
+        u[lo:hi] = nm.int_mm(xs[lo:hi], ew["routed_w3"].T)
+        s1[lo:hi], s3[lo:hi], s2[lo:hi] = ew["routed_w1_scale"], ew["routed_w3_scale"], ew["routed_w2_scale"]
+    xsc = nm.asf(x_scale)[rows]
+    g = np.minimum(nm.r32(g * xsc * s1), lim)
+    u = np.clip(nm.r32(u * xsc * s3), -lim, lim)
+    h_i8, h_dq = nm.q8(g / (1.0 + np.exp(-g)) * u)
+    h_dq = h_dq * wts[routes][:, None]
+    h32 = op(h_i8)
+    y = np.empty((n, D))
+    for e, (lo, hi) in zip(used, span):
+        y[lo:hi] = nm.int_mm(h32[lo:hi], ws[e]["routed_w2"].T)
+    routed = np.zeros((T * K, D), np.float64)
+    routed[routes] = nm.bf16(y * h_dq * s2)
+    return routed
