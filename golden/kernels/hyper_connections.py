@@ -28,9 +28,25 @@ def sinkhorn(logits, iters: int, hc_eps: float, nm):
     if not nm.is_numpy:    # one loop body: unrolled, XLA fuses the chain quadratically (compile time)
         from jax import lax
         return lax.fori_loop(0, iters - 1, rounds, c)
-    for i in range(iters - 1):
-        c = rounds(i, c)
-    return c
+    return _rounds_np(c, iters - 1, hc_eps)
+
+
+def _rounds_np(c, n, hc_eps):
+    """`rounds` n times on NumPy, in place on the [in, out, ...] layout: a 4-term sum over a
+    leading axis adds term by term in order, as NumPy's sum over a 4-long axis of [..., HC, HC]
+    does, so the bits are the same at a fraction of the calls (~20 rounds per hc_pre)."""
+    import numpy as np
+    ct = np.ascontiguousarray(np.moveaxis(c, (-2, -1), (0, 1)))
+    rs = np.empty((ct.shape[0], 1) + ct.shape[2:])
+    cs = np.empty((1,) + ct.shape[1:])
+    for _ in range(n):
+        np.add.reduce(ct, axis=1, keepdims=True, out=rs)
+        rs += hc_eps
+        ct /= rs
+        np.add.reduce(ct, axis=0, keepdims=True, out=cs)
+        cs += hc_eps
+        ct /= cs
+    return np.moveaxis(ct, (0, 1), (-2, -1))
 
 
 def collapse(x_hc, pre, nm):
