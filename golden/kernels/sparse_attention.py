@@ -14,6 +14,7 @@ from ..numerics import NEG_INF_ATTN
 from .rope import rope_tail
 
 TILE = 128
+CHUNK_BYTES = 4 << 20      # widened candidates per NumPy chunk (see sparse_attention)
 
 
 def gather_candidates(kv_cache, swa_indices, swa_lens, *, cmp_kv=None, cmp_rows=None, cmp_block_table=None,
@@ -95,10 +96,17 @@ def attend(q, K, valid, attn_sink, *, cfg, nm, tile=TILE):
 
 
 def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, rope_sin, *, cmp_kv=None,
-                     cmp_rows=None, cmp_block_table=None, req=None, cfg, nm, chunk=64):
-    """-> o [T, H, HD] (bf16 values), inverse-RoPE'd at each query's position."""
+                     cmp_rows=None, cmp_block_table=None, req=None, cfg, nm, chunk=None):
+    """-> o [T, H, HD] (bf16 values), inverse-RoPE'd at each query's position.
+
+    NumPy runs the tokens in chunks of `chunk` (default: as many as keep the widened candidates
+    near CHUNK_BYTES, so that the gather, both GEMMs and the softmax between them work in cache:
+    ~2x faster than 64-token chunks on SMALL; every token's arithmetic is the same in any chunk)."""
     xp = nm.xp
     T = q.shape[0]
+    if chunk is None:
+        n = -(-swa_indices.shape[1] // TILE) + (0 if cmp_rows is None else -(-cmp_rows.shape[1] // TILE))
+        chunk = max(1, CHUNK_BYTES // (n * TILE * q.shape[-1] * 8))
 
     def run(lo, hi):
         cr = None if cmp_rows is None else cmp_rows[lo:hi]
