@@ -12,6 +12,8 @@ Public API (see docs/lockstep.md):
     Fault, FaultBackend, KINDS                 hw.faults       fault injection
     build_run, parse_fault                     hw.runs         assembling a run (CLI, benchmark, tests)
     spawn_local, worker                        hw.distributed  multi-rank CP/TP/EP with torch.distributed
+    compose_kind                               hw.golden_adapter  the policy kind of a golden.compose tap site
+    limit_cpu_threads                          hw.threads      one BLAS / torch thread where golden and device share a CPU
     RealLockstep, build_real, TorchNumerics    hw.real         lockstep against golden's real compositions through
                                                                the real lowering (TINY; `--golden real`)
 
@@ -20,5 +22,21 @@ kinds run on) and `hw.real` (golden.compose / golden.dspark from lowered, valida
 
 Imports only twin.abi and golden (DESIGN.md); torch is imported when a torch backend is built,
 torch_npu only for device "npu", a PyPTO runtime only by `PyptoBackend.from_runtime`.  Nothing here
-is imported by `import hw`: each module is imported where it is used.
+is imported by `import hw`: the names above are `hw`'s own as well (`from hw import RecordStore`),
+each importing its module on first use; hw.real's come from `hw.real` the same way.
 """
+from .lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "backend": ("Backend", "StepResult", "TorchBackend"),
+    "pypto": ("PyptoBackend", "ProgramRunner"),
+    "golden_adapter": ("GoldenExecutor", "compose_kind"),
+    "lockstep": ("Lockstep", "LockstepRun", "replay"),
+    "tolerance": ("Policy", "Tolerance", "DEFAULT_TABLE"),
+    "compare": ("compare_tensor", "compare_pool", "Finding"),
+    "records": ("RecordStore", "Record", "content_hash"),
+    "faults": ("Fault", "FaultBackend", "KINDS"),
+    "runs": ("build_run", "parse_fault"),
+    "distributed": ("spawn_local", "worker"),
+    "threads": ("limit_cpu_threads",),
+})

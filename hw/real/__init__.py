@@ -20,11 +20,28 @@ Public API:
                                                                   sample, draft, tokens, hidden), report;
                                                                   carry="device" | "golden"; records and
                                                                   resume with a run_dir (record=True)
+    POOL_KIND                                  hw.real.lockstep   pool name -> its tolerance policy kind
     RealRecorder                               hw.real.records    dispatch records (hw.records.RecordStore)
     replay, restore                            hw.real.replay     offline replay of records; resume
     DistPar                                    hw.real.dist_par   golden.ranks' par as processes, one per rank
     rank_forward, spawn_local                  hw.real.ranks      the target forward over real collectives,
                                                                   checked on rank 0 (torchrun -m hw.real.ranks)
 
-Only twin.abi, golden and hw are imported (DESIGN.md); torch when a device side computes.
+Each name is also `hw.real`'s own (`from hw.real import build_real`), importing its module on first
+use, except `replay`: import it from `hw.real.replay` (once that module is loaded, the package's
+attribute `replay` is the module).  Only twin.abi, golden and hw are imported (DESIGN.md); torch
+when a device side computes.
 """
+from ..lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "numerics": ("TorchNumerics",),
+    "side": ("Side", "TapPar"),
+    "stream": ("Stream", "RealDispatch"),
+    "faults": ("RealFault", "REAL_KINDS", "ISSUE8_KINDS", "EXPECTED_STAGES", "run_case", "sweep_layers"),
+    "lockstep": ("RealLockstep", "build_real", "parse_real_fault", "POOL_KIND"),
+    "records": ("RealRecorder",),
+    "replay": ("restore",),
+    "dist_par": ("DistPar",),
+    "ranks": ("rank_forward", "spawn_local"),
+})
