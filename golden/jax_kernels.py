@@ -19,6 +19,7 @@ and each group's window union: positions max(0, first - W + 1) .. last.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -26,7 +27,8 @@ import numpy as np
 from jax import lax
 
 from .kernels.compressor import EXCLUDE, compressor, indexer_compressor
-from .kernels.hyper_connections import hc_post, hc_pre
+from .kernels.hyper_connections import hc_head, hc_post, hc_pre
+from .kernels.lm_head import lm_head
 from .kernels.indexer import PREFILL_SCORE_CAP, index_query
 from .kernels.moe import shared_expert, swiglu_expert
 from .kernels.o_proj import o_proj, pack_groups
@@ -34,7 +36,7 @@ from .kernels.qkv_proj_rope import qkv_proj_rope
 from .kernels.rmsnorm import rms_norm
 from .kernels.rope import rope_tail
 from .kernels.sparse_attention import TILE, csa_rows, hca_rows
-from .numerics import FP32_NEG_INF, NEG_INF_ATTN
+from .numerics import EXACT_F32_K, FP32_NEG_INF, NEG_INF_ATTN
 from .paged import PREFILL
 
 MOE_BLOCK = 16          # rows per expert block: small enough that padding stays < E * G rows
@@ -148,8 +150,9 @@ def _paged_rows(table, n, rpp):
 
 def _int_dots(spec, a, b, nm):
     """Dots of integer-valued operands: exact in f32 on the device path (|sum| < 2^24)."""
-    if nm.mode == "device":
-        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32)).astype(nm.f)
+    if nm.mode == "device":      # integers |v| <= 127: BF16 values, exact f32 sums
+        return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32).astype(nm.f)
     return jnp.einsum(spec, nm.asf(a), nm.asf(b))
 
 
@@ -185,14 +188,25 @@ def _tile(s, mask, K, nm):
     m = jnp.max(st, axis=-1)
     e = jnp.where(mask, jnp.exp(st - m[..., None]), 0.0)
     p = e if nm.mode == "official" else nm.bf16(e)
-    return m, jnp.sum(e, axis=-1), _per_group(p, K), jnp.any(mask, axis=-1)
+    return m, jnp.sum(e, axis=-1), _per_group(p, K, nm), jnp.any(mask, axis=-1)
 
 
-def _per_group(a, b):
-    """[G, S, H, N] x [G, N, D] -> [G, S, H, D] as one 3-D batched GEMM (XLA CPU runs the 4-D
-    einsum form ~1.4x slower)."""
+def _per_group(a, b, nm, contract_b=1):
+    """[G, S, H, N] x [G, N, D] (contract_b=1) or [G, D, N] (contract_b=2) -> [G, S, H, D] as one
+    3-D batched GEMM (XLA CPU runs the 4-D form ~1.4x slower)."""
     G, S, H, N = a.shape
-    return jnp.matmul(a.reshape(G, S * H, N), b).reshape(G, S, H, b.shape[-1])
+    y = dot(a.reshape(G, S * H, N), b, (((2,), (contract_b,)), ((0,), (0,))), nm)
+    return y.reshape(G, S, H, y.shape[-1])
+
+
+def dot(a, b, dims, nm):
+    """lax.dot_general(a, b, dims) in the compute dtype; inside nm.bf16_operands() (device mode)
+    with BF16 operands and f32 sums (see Fp32Numerics).  dims name the contracted axes: XLA CPU
+    keeps a BF16 dot BF16 only when no transpose sits between it and its operands (jnp.matmul of
+    a transposed operand falls back to f32 GEMMs)."""
+    if getattr(nm, "bf16_active", False):
+        return lax.dot_general(*nm.as_bf16(a, b), dims, preferred_element_type=jnp.float32)
+    return lax.dot_general(nm.asf(a), nm.asf(b), dims)
 
 
 def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, cmp_kv=None, cmp_rows=None,
@@ -204,7 +218,7 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
     grp = g["g_grp"]
     qg = _grid(nm.asf(q), g["g_tok"])                                       # [G, S, H, HD]
     Kw = nm.asf(nm.get_rows(kv_cache, g["g_win_slot"]))                     # [G, Wu, HD]
-    sw = _per_group(qg, jnp.swapaxes(Kw, 1, 2)) * cfg.softmax_scale
+    sw = _per_group(qg, Kw, nm, contract_b=2) * cfg.softmax_scale
     wt = g["g_win_tile"][:, :, None, :]
     tiles = [_tile(sw, wt == j, Kw, nm) for j in range(g["n_win_tiles"])]
     if cmp_rows is not None and n_cmp:
@@ -216,7 +230,7 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
             jnp.broadcast_to((r // TILE).astype(jnp.int32), cmp_rows.shape))[:, :n_cmp]
         tile_of = jnp.where(ok[grp], tile_of, -1)
         ct = _grid(tile_of + 1, g["g_tok"])[:, :, None, :] - 1                  # empty cells: -1
-        sc = _per_group(qg, jnp.swapaxes(Kc, 1, 2)) * cfg.softmax_scale
+        sc = _per_group(qg, Kc, nm, contract_b=2) * cfg.softmax_scale
         tiles += [_tile(sc, ct == j, Kc, nm) for j in range(-(-cmp_rows.shape[1] // TILE))]
     anys = jnp.stack([t[3] for t in tiles], -1)                              # [G, S, 1, nt]
     ms = jnp.stack([t[0] for t in tiles], -1)                                # [G, S, H, nt]
@@ -281,6 +295,15 @@ def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, fo
     pools = dict(pools)
     x_mixed, post, comb = hc_pre(x_hc, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg=cfg, nm=nm)
     x_n = rms_norm(x_mixed, w["attn_norm_w"], cfg=cfg, nm=nm)
+    with bf16_operands(nm):
+        attn_out, pools = _attention_core(x_n, w, pools, m, rope, g, cfg=cfg, nm=nm, form=form, ratio=ratio,
+                                          n_idx=n_idx, n_hca=n_hca)
+    return hc_post(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools
+
+
+def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca):
+    """qkv -> compressors and indexer -> KV write -> attention -> o_proj: every GEMM here multiplies
+    BF16 values (x_n, q, P and o are BF16 rounding points; the weights and pools BF16 or INT8)."""
     cos, sin = rope["swa"] if ratio == 0 else rope["compressed"]
     q, kv, qr, qr_scale = qkv_proj_rope(x_n, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], w["gamma_cq"],
                                         w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm)
@@ -321,6 +344,44 @@ def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, fo
                        cmp_block_table=m["hca_cmp_block_table"], n_cmp=n_hca)
     pools["kv_cache"] = nm.set_rows(pools["kv_cache"], m["ori_slot_mapping"], nm.store_bf16(kv))
     o = sparse_attention_grouped(q, pools["kv_cache"], w["attn_sink"], cos, sin, g, req=req, cfg=cfg, nm=nm, **cmp)
-    attn_out = o_proj(pack_groups(o, cfg=cfg), w["wo_a"], w["wo_b"], w["wo_b_scale"], cfg=cfg, nm=nm)
-    return hc_post(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools
+    return o_proj_grouped(o, w["wo_a"], w["wo_b"], w["wo_b_scale"], cfg=cfg, nm=nm), pools
 
+
+def o_proj_grouped(o, wo_a, wo_b, wo_b_scale, *, cfg, nm):
+    """golden.kernels.o_proj.o_proj on o [T, H, HD] (same rounding points, groups summed in
+    order), its GEMMs as dot_generals on the ABI layouts (wo_a [G, OL, GI], wo_b [G, D, OL])."""
+    if nm.mode != "device" or wo_b.shape[-1] > EXACT_F32_K:
+        return o_proj(pack_groups(o, cfg=cfg), wo_a, wo_b, wo_b_scale, cfg=cfg, nm=nm)
+    T, G = o.shape[0], cfg.o_groups
+    o_a = dot(o.reshape(T, G, cfg.o_group_in), wo_a, (((2,), (2,)), ((1,), (0,))), nm)    # [G, T, OL]
+    o_i8, dq = nm.q8(o_a)
+    out = 0.0
+    for g in range(G):          # exact integers: K = OL <= EXACT_F32_K
+        out = out + dot(o_i8[g], wo_b[g], (((1,), (1,)), ((), ())), nm) * dq[g]
+    return nm.bf16(out * nm.asf(wo_b_scale))
+
+
+def bf16_operands(nm):
+    """nm.bf16_operands() where nm has it (Fp32Numerics), else nothing."""
+    return nm.bf16_operands() if hasattr(nm, "bf16_operands") else contextlib.nullcontext()
+
+
+
+# ---- the head ---------------------------------------------------------------------------------
+def head(x_hc, model, logit_row_indices, *, cfg, nm):
+    """golden.compose.final_head (no taps): the LM head's GEMM multiplies BF16 values (the normed
+    hidden, the BF16 weight); greedy ids as greedy_sample's first maximum."""
+    h = hc_head(x_hc, model["hc_head_fn"], model["hc_head_scale"], model["hc_head_base"], cfg=cfg, nm=nm)
+    hn = rms_norm(h, model["final_norm_w"], cfg=cfg, nm=nm)
+    with bf16_operands(nm):
+        logits = lm_head(hn, model["lm_head_weight"], logit_row_indices, nm=nm)
+    return logits, first_max(logits)
+
+
+def first_max(logits):
+    """jnp.argmax's ids (the first maximum; the first NaN in a row holding one) as two plain
+    reductions: XLA CPU's (value, index) argmax reduction is ~10x slower."""
+    V = logits.shape[-1]
+    mx = jnp.max(logits, axis=-1, keepdims=True)
+    hit = (logits == mx) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)

@@ -28,8 +28,8 @@ import numpy as np
 
 from twin.abi.errors import AbiError
 
-from .compose import ForwardOut, Taps, _check_contiguous, final_head, moe_sublayer, rope_inputs
-from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, layout, moe_blocked
+from .compose import ForwardOut, Taps, _check_contiguous, moe_sublayer, rope_inputs
+from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, head, layout, moe_blocked
 from .jax_numerics import Fp32Numerics
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
@@ -37,26 +37,40 @@ from .numerics import BF16, Numerics
 from .paged import PREFILL, StepMeta
 
 EXPERT_KEYS = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
+# weights the kernels multiply as w.T (compressor projections, shared experts, LM head)
+READ_TRANSPOSED = ("csa_cmp_wkv", "csa_cmp_wgate", "csa_inner_wkv", "csa_inner_wgate", "hca_cmp_wkv", "hca_cmp_wgate",
+                   "shared_w1", "shared_w3", "shared_w2", "lm_head_weight")
 # stages the jitted step can hand back (compose.Taps names; the others exist only inside XLA fusions)
 JAX_TAP_STAGES = ("attn_in", "attn_x_hc", "ffn_x_mixed", "moe_indices", "moe_weights", "ffn_out", "x_hc")
 
 
 class JaxGolden:
-    def __init__(self, ckpt, cfg, mode: str = "device", compiler_options: dict | None = None):
+    def __init__(self, ckpt, cfg, mode: str = "device", compiler_options: dict | None = None,
+                 verify_bf16: bool = False):
         """compiler_options go to jax.jit (e.g. {"xla_backend_optimization_level": 0} trades step
-        speed for less compile time in tests)."""
+        speed for less compile time in tests).  verify_bf16: every BF16 GEMM also checks that its
+        operands are BF16 values (Fp32Numerics); forward() then sets `bf16_operands_ok`."""
         self.cfg = cfg
         self.compiler_options = compiler_options
-        self.nm = Fp32Numerics(mode, jnp)
+        self.nm = Fp32Numerics(mode, jnp, verify_bf16=verify_bf16)
+        self.bf16_operands_ok = None
         self.host_nm = Numerics(mode)
         L = cfg.num_hidden_layers
         # weights widened once to the compute dtype (exact: int8, bf16 and f32 values are f32 values);
-        # XLA would otherwise convert every weight on every step.  Index tables stay integers.
-        wide = lambda v: v if v.dtype.kind in "iu" and v.dtype.itemsize > 1 else v.astype(self.nm.f)
+        # XLA would otherwise convert every weight on every step.  Index tables stay integers.  In
+        # device mode BF16 and INT8 weights are held as BF16, the operand dtype of their GEMMs
+        # (see Fp32Numerics: INT8 values are BF16 values)
+        keep16 = lambda v: mode == "device" and (v.dtype == BF16 or v.dtype == np.int8)
+        wide = lambda v: (v if v.dtype.kind in "iu" and v.dtype.itemsize > 1 else
+                          v.astype(BF16) if keep16(v) else v.astype(self.nm.f))
         # device mode's routed expert matrices stay int8 (int8 x int8 -> int32 dots, see Fp32Numerics)
         ewide = (lambda v: v) if mode == "device" else wide
         with jax.enable_x64(True):
-            put = lambda d: {k: jnp.asarray(wide(np.asarray(v))) for k, v in d.items() if v is not None}
+            # matrices the kernels read transposed (w.T) held as [in, out], the layout XLA CPU's
+            # BF16 dot reads (against [out, in] it falls back to f32, ~2x slower); _abi_layout
+            # swaps them back in the step, where the kernel's own .T cancels that swap
+            put = lambda d: {k: jnp.asarray(_swap(wide(np.asarray(v))) if k in READ_TRANSPOSED else wide(np.asarray(v)))
+                             for k, v in d.items() if v is not None}
             self.layers = [put(ckpt.layer(l)) for l in range(L)]
             # a layer's routed experts stacked on a leading expert axis (one block reads one expert)
             # (the matrices as [E, in, out]: the layout the dot reads, see moe_blocked)
@@ -73,10 +87,11 @@ class JaxGolden:
         cfg, nm, n_win_tiles = self.cfg, self.nm, lay.n_win_tiles
 
         def step(model, layers, experts, pools, m, g, rope):
-            if hasattr(nm, "reads"):
-                nm.reads.clear()
+            nm.reads.clear()
+            nm.bf16_state[1].clear()
             taps = Taps(stages)
             g = dict(g, n_win_tiles=n_win_tiles)
+            model, layers = _abi_layout(model), [_abi_layout(w) for w in layers]
             ids = m["input_ids"]
             x_hc = lookup_embedding(ids, model["embed_weight"], cfg=cfg, nm=nm)[1]
             out = []
@@ -89,8 +104,11 @@ class JaxGolden:
                 x_hc = moe_sublayer(x_hc, layer, layers[layer], experts[layer], ids, cfg=cfg, nm=nm, taps=taps,
                                     moe=_moe_transposed)
                 out.append(p)
-            logits, sampled = final_head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
-            return logits, sampled, out, x_hc, {f"{l}:{s}": v for (l, s), v in taps.items()}
+            logits, sampled = head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
+            checks = nm.bf16_state[1]
+            ok = jnp.all(jnp.stack(checks)) if checks else None
+            checks.clear()                     # no tracer outlives its trace
+            return logits, sampled, out, x_hc, {f"{l}:{s}": v for (l, s), v in taps.items()}, ok
 
         self._fns[key] = jax.jit(step, donate_argnums=(3,) if donate else (), compiler_options=self.compiler_options)
         return self._fns[key]
@@ -137,7 +155,8 @@ class JaxGolden:
             fn = self._step_fn(meta.form, n_idx, n_hca, lay, donate, stages)
             args = (self.model, self.layers, self.experts, pools, m, g, rope)
             self._last = (fn, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args))
-            logits, sampled, out, x_hc, tapped = fn(*args)
+            logits, sampled, out, x_hc, tapped, ok = fn(*args)
+            self.bf16_operands_ok = None if ok is None else bool(ok)
             logits.block_until_ready()
         got = None
         if taps is not None:
@@ -172,6 +191,15 @@ class LayerPools(Mapping):
 
     def __len__(self):
         return len(self.raw)
+
+
+def _swap(v):
+    return np.ascontiguousarray(np.swapaxes(v, -1, -2))
+
+
+def _abi_layout(weights: dict) -> dict:
+    """The weights as the kernels take them (inside the step: a logical transpose XLA folds)."""
+    return {k: jnp.swapaxes(v, -1, -2) if k in READ_TRANSPOSED else v for k, v in weights.items()}
 
 
 def _moe_transposed(*a, **k):
