@@ -54,3 +54,26 @@ def test_capacity_reports_fit_and_misfit(capsys):
 def test_capacity_bad_input(capsys, argv, match):
     assert main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+def test_simulate_has_its_own_deployment_defaults_and_help(capsys, monkeypatch):
+    """simulate's saturating FLASH defaults (and the help that says so) leave the other commands' alone."""
+    import argparse
+
+    from twin.cli import build_parser
+    from twin.commands._common import add_deployment_args
+
+    monkeypatch.setenv("COLUMNS", "400")            # one help line per flag: no wrap inside a flag's name
+    p = build_parser()
+    sim, cap = vars(p.parse_args(["simulate"])), vars(p.parse_args(["capacity"]))
+    keys = ("max_model_len", "chunk", "max_num_seqs", "max_num_batched_tokens")
+    assert [sim[k] for k in keys] == [8192, 512, None, 8192]
+    assert [cap[k] for k in keys] == [1024, 2048, 16, 8192]
+    assert p.parse_args(["simulate", "--chunk", "64"]).chunk == 64
+    with pytest.raises(SystemExit):
+        p.parse_args(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(--long-prefill-token-threshold) (default 512 for simulate)" in text
+    assert "default: 64 per group, 256 at EP16" in text and "context ceiling (default 8192 for simulate)" in text
+    with pytest.raises(ValueError, match="'chunks'.*allowed.*'chunk'"):
+        add_deployment_args(argparse.ArgumentParser(), overrides={"chunks": (64, "typo")})

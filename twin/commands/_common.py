@@ -8,20 +8,32 @@ import sys
 from twin.abi import PRESETS
 
 
-def add_deployment_args(p: argparse.ArgumentParser, *, preset: str = "flash") -> None:
-    p.add_argument("--preset", default=preset, choices=sorted(PRESETS), help=f"model preset (default {preset})")
-    p.add_argument("--ep", type=int, default=16, help="expert-parallel world size = ranks (8 or 16; default 16)")
-    p.add_argument("--tp", type=int, default=4, help="ranks per TP group (4; 1 only for small presets)")
-    p.add_argument("--max-model-len", type=int, default=1024, help="context ceiling (default 1024)")
-    p.add_argument("--chunk", "--long-prefill-token-threshold", dest="chunk", type=int, default=2048,
-                   help="per-request prefill chunk (--long-prefill-token-threshold; default 2048)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="global token budget per step (default 8192, the documented DSpark command)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="max running requests (default 16)")
-    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=7, help="0 or 7 (default 7)")
-    p.add_argument("--utilization", "--npu-memory-utilization", dest="utilization", type=float, default=0.90,
-                   help="NPU memory utilization for KV sizing (default 0.90)")
-    p.add_argument("--temperature", type=float, default=0.0, help="must be 0: DSpark serving is greedy")
+def add_deployment_args(p: argparse.ArgumentParser, *, preset: str = "flash",
+                        overrides: dict[str, tuple[object, str]] | None = None) -> None:
+    """The deployment flags.  overrides: dest -> (default, help) for a command whose defaults differ
+    from the others' (simulate's saturating FLASH setup)."""
+    overrides, dests = dict(overrides or {}), []
+
+    def arg(*flags, dest: str, default, help: str, **kw) -> None:
+        dests.append(dest)
+        default, help = overrides.pop(dest, (default, help))
+        p.add_argument(*flags, dest=dest, default=default, help=help, **kw)
+
+    arg("--preset", dest="preset", default=preset, choices=sorted(PRESETS), help=f"model preset (default {preset})")
+    arg("--ep", dest="ep", type=int, default=16, help="expert-parallel world size = ranks (8 or 16; default 16)")
+    arg("--tp", dest="tp", type=int, default=4, help="ranks per TP group (4; 1 only for small presets)")
+    arg("--max-model-len", dest="max_model_len", type=int, default=1024, help="context ceiling (default 1024)")
+    arg("--chunk", "--long-prefill-token-threshold", dest="chunk", type=int, default=2048,
+        help="per-request prefill chunk (--long-prefill-token-threshold; default 2048)")
+    arg("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=8192,
+        help="global token budget per step (default 8192, the documented DSpark command)")
+    arg("--max-num-seqs", dest="max_num_seqs", type=int, default=16, help="max running requests (default 16)")
+    arg("-k", "--num-speculative-tokens", dest="k", type=int, default=7, help="0 or 7 (default 7)")
+    arg("--utilization", "--npu-memory-utilization", dest="utilization", type=float, default=0.90,
+        help="NPU memory utilization for KV sizing (default 0.90)")
+    arg("--temperature", dest="temperature", type=float, default=0.0, help="must be 0: DSpark serving is greedy")
+    if overrides:
+        raise ValueError(f"overrides: {sorted(overrides)} are not deployment arguments (allowed: {dests})")
 
 
 def deployment_from_args(args):

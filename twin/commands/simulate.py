@@ -10,18 +10,18 @@ from pathlib import Path
 
 from ._common import add_deployment_args, deployment_from_args, print_json
 
-DEFAULTS = dict(max_model_len=8192, chunk=512, max_num_seqs=None, max_num_batched_tokens=8192)
-HELP = dict(max_model_len="context ceiling", chunk="per-request prefill chunk (--long-prefill-token-threshold)",
-            max_num_seqs="max running requests (at most 64 per TP group; default: 64 per group, 256 at EP16)",
-            max_num_batched_tokens="global token budget per step (a K=7 decode request costs 8)")
+# the simulator's defaults: a saturating FLASH serving setup (dest -> (default, help))
+DEPLOYMENT = {
+    "max_model_len": (8192, "context ceiling (default 8192 for simulate)"),
+    "chunk": (512, "per-request prefill chunk (--long-prefill-token-threshold) (default 512 for simulate)"),
+    "max_num_seqs": (None, "max running requests (at most 64 per TP group; default: 64 per group, 256 at EP16)"),
+    "max_num_batched_tokens": (8192, "global token budget per step (a K=7 decode request costs 8) "
+                                     "(default 8192 for simulate)"),
+}
 
 
 def add_arguments(p) -> None:
-    add_deployment_args(p)
-    for a in p._actions:                     # the simulator's defaults: a saturating FLASH serving setup
-        if a.dest in DEFAULTS:
-            a.default = DEFAULTS[a.dest]
-            a.help = HELP[a.dest] if DEFAULTS[a.dest] is None else f"{HELP[a.dest]} (default {DEFAULTS[a.dest]} for simulate)"
+    add_deployment_args(p, overrides=DEPLOYMENT)
     w = p.add_argument_group("workload (default: the bundled twin/sim/data/default_workload.json)")
     w.add_argument("--workload", help="a workload spec JSON file (keys: docs/simulation.md)")
     w.add_argument("--trace", help="replay a JSONL request trace instead of a generated workload")
