@@ -103,7 +103,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
                     self._more_stops[i] = ends[1:]
         self.fin = self.max_new.copy()                          # set at admission (max_new is capped there)
         self._stops = bool((self.stop_end < NEVER).any())      # any planted stop string at all
-        self._plen = self.plen.tolist()
+        self._plen = self.plen.tolist()                         # read one at a time in Python
         order = sorted(range(n), key=lambda i: (self.reqs[i].arrival, self.rid[i]))
         self.rank = np.empty(n, dtype=np.int64)
         self.rank[order] = np.arange(n)                        # victim key: latest (arrival, id)
@@ -186,7 +186,8 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
     def run(self, until: float | None = None) -> None:
         dev = self.dev
         order = np.argsort(self.arrival, kind="stable")
-        arr = self.arrival[order]
+        arr = self.arrival[order].tolist()
+        order = order.tolist()
         ai, n = 0, len(order)
         inflight: deque[Command] = deque()
         discard: set[int] = set()
@@ -196,7 +197,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
                                                  dev.lifecycle, dev.host_reclaim)
         while True:
             while ai < n and arr[ai] <= self.now:
-                self.add_request(int(order[ai]))
+                self.add_request(order[ai])
                 ai += 1
             if until is not None and self.now >= until:
                 return
@@ -230,8 +231,8 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
                     if ai < n and arr[ai] < cmd.t_result:
                         # arrivals while waiting join the queue at their own times (no scheduling)
                         while ai < n and arr[ai] < cmd.t_result:
-                            self.now = max(self.now, float(arr[ai]))
-                            self.add_request(int(order[ai]))
+                            self.now = max(self.now, arr[ai])
+                            self.add_request(order[ai])
                             ai += 1
                     self.now = cmd.t_result
                 if cmd.step_id in discard:
@@ -248,7 +249,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
             if not self.has_work:
                 if ai == n:
                     return
-                self.now = max(self.now, float(arr[ai]))
+                self.now = max(self.now, arr[ai])
                 continue
             self.break_stall()
 

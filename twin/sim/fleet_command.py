@@ -15,7 +15,7 @@ class Command:
 
     __slots__ = ("step_id", "idx", "num_new", "spec", "start", "prefill", "samples", "ver", "counts",
                  "drafts", "dispatches", "error", "t_result", "decode_only", "n_prefill",
-                 "accepted")
+                 "accepted", "tokens")
 
     def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, ver):
         self.step_id, self.idx, self.num_new, self.spec, self.start = step_id, idx, num_new, spec, start
@@ -27,3 +27,4 @@ class Command:
         self.decode_only = False
         self.n_prefill = 0
         self.accepted = None            # (counts, drafted) of the decode rows, for the recorder
+        self.tokens = 0                 # scheduled tokens (num_new + spec over the rows)

@@ -69,6 +69,9 @@ class PagePools:
         self._max_span = max(self._span)
         self._full_idx = np.flatnonzero(~self.rolling).tolist()
         self._roll_idx = np.flatnonzero(self.rolling).tolist()
+        # the rolling families by ascending span: one boundary's tails then arrive in drop order
+        # (appended, not inserted; equal spans keep family order, as an insertion after equals would)
+        self._roll_by_span = sorted(self._roll_idx, key=lambda f: (self._span[f], f))
         # ceil(tokens / page_tokens) per family for every length a table can reach: one gather
         # per step instead of an integer division over (requests x families)
         self._ceil = -(-np.arange(max_tokens + 1)[:, None] // self.pt)
@@ -215,7 +218,7 @@ class PagePools:
             e.refs += 1
             entries.append(e)
         if e is not None:
-            self._hold_tail(e, hit, self._roll_idx, drops)
+            self._hold_tail(e, hit, self._roll_by_span, drops)
         L = hit // self.pt
         tail = np.where(self.rolling, np.minimum(self.tail, np.minimum(L, self.maxb)), 0)
         free -= tail
@@ -247,7 +250,8 @@ class PagePools:
             h = hashes[j]
             e = idx.get(h)
             b = (j + 1) * A
-            covered = [f for f in self._roll_idx if confirmed <= b + self._span[f]] if b >= confirmed - self._max_span else ()
+            covered = ([f for f in self._roll_by_span if confirmed <= b + self._span[f]]
+                       if b >= confirmed - self._max_span else ())
             if e is not None and self._alive(e, p):
                 stale = [f for f in covered if e.tail_refs[f] == 0 and tk[f] >= e.tail_evict[f]]
                 if stale:

@@ -31,11 +31,11 @@ class FleetRecorder:
 
     def admitted(self, i: int, hit: int, fallback: bool, now: float) -> None:
         sim = self.sim
-        if np.isnan(sim.admitted[i]):
+        if sim.admitted[i] != sim.admitted[i]:           # NaN: the first admission
             sim.admitted[i] = now
             p = self.prefix
             p["queries"] += 1
-            p["query_tokens"] += int(sim.plen[i])
+            p["query_tokens"] += sim._plen[i]
             p["hits"] += hit > 0
             p["hit_tokens"] += hit
             p["fallbacks"] += fallback
@@ -55,7 +55,7 @@ class FleetRecorder:
 
     def scheduled(self, cmd, sim) -> None:
         n_pre = cmd.n_prefill
-        self.steps.append((cmd.step_id, sim.now, n_pre, len(cmd.idx) - n_pre, int((cmd.num_new + cmd.spec).sum()),
+        self.steps.append((cmd.step_id, sim.now, n_pre, len(cmd.idx) - n_pre, cmd.tokens,
                            len(sim.waiting), len(sim.running), tuple(sim.kv.load.tolist())))
         self.wall.append(perf_counter())
         self.cpu.append(process_time())

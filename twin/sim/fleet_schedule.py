@@ -21,40 +21,50 @@ class FleetSchedule:
                 self.leases.release(i)
         finished_ids, self._pending_ids = self._pending_ids, []
         budget = self.budget
-        rows = self._phase1(budget)
-        budget -= int((rows[1] + rows[2]).sum()) if len(rows[0]) else 0
-        new = self._phase2(budget)
+        rows, used, n_pre = self._phase1(budget)
+        new = self._phase2(budget - used)
         if len(rows[0]) == 0 and not new:
             self._pending_ids[:0] = finished_ids
             return None
         if new:
-            cols = [np.concatenate([r, np.asarray(c, dtype=r.dtype)]) for r, c in zip(rows, zip(*new))]
+            cols = [np.concatenate([r, c]) for r, c in zip(rows, zip(*new))]
+            n_pre += len(new)
         else:
             cols = rows
         idx, num_new, spec, start, pre = cols
         self._step += 1
-        samples = ~pre | (start + num_new >= self.plen[idx])
-        cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver[idx])
-        cmd.n_prefill = int(pre.sum())
+        end = start + num_new
+        samples = end >= self.plen.take(idx) if n_pre else np.ones(len(idx), dtype=bool)
+        if n_pre:
+            samples |= ~pre
+        cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver.take(idx))
+        cmd.n_prefill = n_pre
+        cmd.tokens = used + sum(x[1] for x in new)     # the budget the step uses (new rows: no drafts)
         self.pins[idx] += 1
-        if self.leases is not None:
-            for i in idx[pre & (self.lease[idx] < 0)].tolist():
-                try:
-                    self.lease[i], self.gen[i] = self.leases.reserve(i, int(self.part[i]))
-                except LeasesExhausted as e:
-                    cmd.error = cmd.error or str(e)
         # advance_after_schedule (spec is 0 on every row that does not sample: prefill chunks)
-        self.computed[idx] += num_new + spec
+        self.computed[idx] = end + spec
         self.ph[idx] += samples + spec
-        if self.k:
-            self.tpif[idx[samples & pre]] = True
+        if n_pre:
+            pre_idx = idx[pre]
+            if self.leases is not None:
+                lease = self.lease
+                for i in pre_idx.tolist():
+                    if lease[i] < 0:
+                        try:
+                            lease[i], self.gen[i] = self.leases.reserve(i, int(self.part[i]))
+                        except LeasesExhausted as e:
+                            cmd.error = cmd.error or str(e)
+            if self.k:
+                self.tpif[idx[samples & pre]] = True
         return cmd
 
     def _phase1(self, budget: int):
+        """The running requests' rows (idx, num_new, spec, start, prefill), the budget they use
+        and how many are prefill chunks."""
         run = self.running
         empty = np.zeros(0, dtype=np.int64)
         if not len(run):
-            return empty, empty, empty, empty, np.zeros(0, dtype=bool)
+            return (empty, empty, empty, empty, np.zeros(0, dtype=bool)), 0, 0
         act = run[~self.tpif[run]]
         c = self.computed[act]
         pl = self.plen[act]
@@ -66,8 +76,10 @@ class FleetSchedule:
             act, c, pre, nn = act[ok], c[ok], pre[ok], nn[ok]
         spec = np.where(pre, 0, np.maximum(np.minimum(self.k, self.max_seq - c - nn), 0))
         cost = nn + spec
-        if int(cost.sum()) > budget:
+        used = int(cost.sum())
+        if used > budget:
             act, c, pre, nn, spec, cost = self._budget_scan(act, c, pre, nn, spec, cost, budget)
+            used = int(cost.sum())
         tokens = c + cost
         keep = self._grow_all(act, tokens, cost)
         if self.prefix:
@@ -91,8 +103,9 @@ class FleetSchedule:
                             e.tail_evict[f] = tf[p][f]
                     nd[i] = d[0][0] if d else NEVER
         if keep is not None:
-            act, c, nn, spec, pre = act[keep], c[keep], nn[keep], spec[keep], pre[keep]
-        return act, nn, spec, c, pre
+            act, c, nn, spec, pre, cost = act[keep], c[keep], nn[keep], spec[keep], pre[keep], cost[keep]
+            used = int(cost.sum())
+        return (act, nn, spec, c, pre), used, int(pre.sum())
 
     def _budget_scan(self, act, c, pre, nn, spec, cost, budget):
         """The sequential budget walk, from the first request that does not fit in full."""
@@ -251,7 +264,7 @@ class FleetSchedule:
             i = self.waiting[0]
             if self.in_pass[i] == self._pass:
                 break
-            pl = int(self.plen[i])
+            pl = self._plen[i]
             hit, p, fallback = 0, None, False
             if self.prefix:
                 hit, p = kv.lookup(self.hashes[i], pl - self.max_hit_offset)
@@ -267,7 +280,7 @@ class FleetSchedule:
                     self._release_kv(i)
                     hit, fallback = 0, True
             if not hit:
-                nn = self._first_chunk(i, 0, budget)
+                nn = min(pl, budget, self.max_seq, self.chunk)           # `_first_chunk(i, 0, budget)`
                 need, row = kv.first_rows(nn)
                 p = kv.choose_partition(need)
                 if p is None:
@@ -290,7 +303,7 @@ class FleetSchedule:
         return new
 
     def _first_chunk(self, i: int, computed: int, budget: int) -> int:
-        return min(int(self.plen[i]) - computed, budget, self.max_seq - computed, self.chunk)
+        return min(self._plen[i] - computed, budget, self.max_seq - computed, self.chunk)
 
     def _grow_one(self, i: int, tokens: int) -> bool:
         s = int(self.slot[i])
