@@ -2,7 +2,9 @@
 
 1. small-preset decode step (SMALL, 16 requests x 8 rows against a resident prefix):
    - the NumPy step against the same GEMMs alone (every GEMM the step ran, recorded with
-     `MatmulRecorder` and replayed on ready operands: what is left is golden's own overhead);
+     `MatmulRecorder` and replayed on ready operands: what is left is golden's own overhead),
+     the two interleaved, wall and CPU time (step_over_gemms_cpu: the steadier of the two on a
+     loaded machine);
    - the JAX path (the whole step in one jit; device mode accumulates in FP32, the device
      contract's accumulator; per-request candidate gathers, expert-block MoE) against the NumPy
      step, with its first calls (trace + compile + run) reported apart, twice: NumPy pools in
@@ -15,7 +17,8 @@
 
 Targets (issue 4): step <= 2x its GEMMs; JAX >= 5x faster than NumPy on the small decode step.
 Threads: NumPy's BLAS and XLA both get one thread by default (--blas-threads, --xla-threads; XLA's
-setting is fixed when JAX starts, so it applies to the whole process).
+setting is fixed when JAX starts, so it applies to the whole process).  Heap: freed temporaries are
+kept for reuse (golden.heap.retain_heap; --default-heap for glibc's own thresholds).
 
     python benchmarks/golden_speed.py [--skip-flash] [--reps 3] [--modes device,exact]
 """
@@ -32,6 +35,7 @@ import numpy as np
 from golden.blas import blas_threads
 from golden.checkpoint import SyntheticCheckpoint
 from golden.compose import Session, forward, layer_step, rope_inputs, device_meta
+from golden.heap import retain_heap
 from golden.numerics import EXACT_F32_K, MatmulRecorder, Numerics
 from golden.paged import DECODE, Span, alloc_caches, assign_blocks, lower
 from twin.abi.presets import FLASH, SMALL
@@ -49,6 +53,11 @@ def _median_time(fn, reps):
 def _replay(records, reps):
     """Time the recorded GEMMs alone on operands made once (int GEMMs as the f32 K-slices the
     golden runs, float GEMMs in float64)."""
+    return _median_time(_replayer(records), reps)
+
+
+def _replayer(records):
+    """A function that runs the recorded GEMMs alone (operands made here, once)."""
     rng = np.random.default_rng(0)
     made = {}                 # operands by (kind, shape): one 2048 x 4096 weight serves all experts
 
@@ -67,7 +76,25 @@ def _replay(records, reps):
             else:
                 for k0 in range(0, a.shape[-1], EXACT_F32_K):
                     a[..., k0:k0 + EXACT_F32_K] @ b[k0:k0 + EXACT_F32_K]
-    return _median_time(run, reps)
+    return run
+
+
+def _step_vs_gemms(step, records, reps):
+    """The NumPy step and its GEMMs alone, interleaved (load from other processes falls on both
+    alike): medians of wall and CPU time, and the step's ratio to its GEMMs in each."""
+    runs = {"step": step, "gemms": _replayer(records)}
+    wall, cpu = {k: [] for k in runs}, {k: [] for k in runs}
+    for _ in range(reps):
+        for k, fn in runs.items():
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            wall[k].append(time.perf_counter() - t)
+            cpu[k].append(time.process_time() - c)
+    w = {k: float(np.median(v)) for k, v in wall.items()}
+    c = {k: float(np.median(v)) for k, v in cpu.items()}
+    return {"numpy_step_s": w["step"], "gemms_alone_s": w["gemms"], "step_over_gemms": w["step"] / w["gemms"],
+            "numpy_step_cpu_s": c["step"], "gemms_alone_cpu_s": c["gemms"],
+            "step_over_gemms_cpu": c["step"] / c["gemms"]}
 
 
 def _widen(records, reps):
@@ -94,12 +121,11 @@ def small_decode(reps: int, jax_too: bool = True, mode: str = "device") -> dict:
     step()
     with MatmulRecorder() as rec:
         ref = step()
-    t_mm = _replay(rec, reps)
+    side = _step_vs_gemms(step, rec, reps)
+    t_mm = side["gemms_alone_s"]
     out = {"preset": cfg.name, "mode": mode, "requests": B, "rows_per_request": S, "resident_prefix": prefix,
-           "gemms_alone_s": t_mm, "gemm_calls": len(rec), "target_step_over_gemms": 2.0}
+           "gemm_calls": len(rec), **side, "target_step_over_gemms": 2.0}
     if not jax_too:
-        t_step = _median_time(step, reps)
-        out.update({"numpy_step_s": t_step, "step_over_gemms": t_step / t_mm})
         return out
     from golden.jax_path import JaxGolden
     jg = JaxGolden(ck, cfg, mode)
@@ -196,8 +222,11 @@ def main(argv=None):
     ap.add_argument("--blas-threads", type=int, default=1)
     ap.add_argument("--xla-threads", type=int, default=1, help="1: one XLA CPU thread; 0: XLA's default")
     ap.add_argument("--modes", default="device", help="numerics modes of the small decode step, comma separated")
+    ap.add_argument("--default-heap", action="store_true",
+                    help="leave glibc's heap thresholds as they are (default: golden.heap.retain_heap)")
     a = ap.parse_args(argv)
     old = blas_threads(a.blas_threads)
+    heap = "default" if a.default_heap else (retain_heap() or "default (not glibc)")
     if a.xla_threads == 1:     # read when the JAX backend starts (no JAX computation has run yet)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
@@ -206,7 +235,7 @@ def main(argv=None):
     res = {"benchmark": "golden_speed", "machine": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
            "blas_threads": a.blas_threads if old is not None else "unchanged",
-           "xla_threads": "default" if a.xla_threads == 0 else 1}
+           "xla_threads": "default" if a.xla_threads == 0 else 1, "heap": heap}
     for mode in a.modes.split(","):
         res["small_decode" if mode == "device" else f"small_decode_{mode}"] = small_decode(a.reps, not a.skip_jax, mode)
     if not a.skip_flash:
