@@ -239,12 +239,12 @@ def _record(kind, a, b):
 def _int_mm_np(a, b):
     """Numerics.int_mm on NumPy 2-D operands.  The products are exact integers in any order, so
     only the layout is chosen, for speed: a weight passed transposed ([out, in] int8, read as
-    w.T) widens as it lies and multiplies from the left (C^T = W A^T) up to 128 rows, where
+    w.T) widens as it lies and multiplies from the left (C^T = W A^T) up to 64 rows, where
     OpenBLAS's SGEMM against a transposed B is up to ~2-3x slower and a transposing widen costs
     ~4x a plain one.  The slices add in f64 from 0.0, as the generic path does (a -0 sum becomes +0)."""
     a32 = np.asarray(a, dtype=np.float32)
     b = np.asarray(b)
-    left = b.flags.f_contiguous and not b.flags.c_contiguous and a32.shape[0] <= 128
+    left = b.flags.f_contiguous and not b.flags.c_contiguous and a32.shape[0] <= 64
     w32 = b.T.astype(np.float32) if left else b.astype(np.float32)
     out = None
     for k0 in range(0, a32.shape[-1], EXACT_F32_K):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..numerics import NEG_INF_ATTN
+from ..numerics import BF16, NEG_INF_ATTN
 from .rope import rope_tail
 
 TILE = 128
@@ -77,14 +77,28 @@ def attend(q, K, valid, attn_sink, *, cfg, nm, tile=TILE):
         # orientation does not show; exact mode keeps q K^T (its products round, and OpenBLAS's
         # kernels for the two orientations add them differently)
         s = nm.mm(K, nm.contiguous(nm.asf(q).transpose(0, 2, 1))).transpose(0, 2, 1)
-    s = s * cfg.softmax_scale
     v = valid.reshape(T, 1, nt, tile)
-    s = xp.where(v, s.reshape(T, -1, nt, tile), NEG_INF_ATTN)
-    m = xp.max(s, axis=-1)
-    e = xp.where(v, xp.exp(s - m[..., None]), 0.0)
+    if nm.is_numpy:     # the same steps in place on one C-order buffer (fewer passes over [T, H, N])
+        e = np.multiply(s, cfg.softmax_scale, order="C").reshape(T, -1, nt, tile)
+        off = ~v
+        np.copyto(e, NEG_INF_ATTN, where=off)
+        m = np.max(e, axis=-1)
+        np.subtract(e, m[..., None], out=e)
+        np.exp(e, out=e)
+        np.copyto(e, 0.0, where=off)
+    else:
+        s = xp.where(v, (s * cfg.softmax_scale).reshape(T, -1, nt, tile), NEG_INF_ATTN)
+        m = xp.max(s, axis=-1)
+        e = xp.where(v, xp.exp(s - m[..., None]), 0.0)
     l_t = xp.sum(e, axis=-1)
-    p = e if nm.mode == "official" else nm.bf16(e)           # the device rounds P to bf16
-    o_t = nm.mm(p.transpose(0, 2, 1, 3), K.reshape(T, nt, tile, HD)).transpose(0, 2, 1, 3)
+    if nm.is_numpy and nm.mode == "device":
+        # P rounded to bf16 and widened straight into the PV GEMM's [T, nt, H, tile] operand (a
+        # plain layout is faster for OpenBLAS; bf16 products are exact, as in `s` above)
+        pt = np.empty((T, nt, e.shape[1], tile))
+        np.copyto(pt.transpose(0, 2, 1, 3), e.astype(np.float32).astype(BF16))
+    else:
+        pt = (e if nm.mode == "official" else nm.bf16(e)).transpose(0, 2, 1, 3)   # the device rounds P to bf16
+    o_t = nm.mm(pt, K.reshape(T, nt, tile, HD)).transpose(0, 2, 1, 3)
     any_t = xp.any(v, axis=-1)                               # [T, 1, nt]
     has = xp.any(any_t, axis=-1)                             # [T, 1]
     M = xp.max(xp.where(any_t, m, -xp.inf), axis=-1)
