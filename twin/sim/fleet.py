@@ -53,6 +53,8 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.max_hit_offset = max(1, lim.speculative_prefix_cache_replay_tokens)
         self.max_preemptions = cfg.max_preemptions
         self.stop_token_mode = cfg.stop_check == "token"
+        if cfg.async_depth not in (1, 2):         # as the exact scheduler; `apply` relies on it
+            raise ConfigError("async_depth", cfg.async_depth, "1 (synchronous) or 2 (async scheduling)")
         self.depth = cfg.async_depth
         self.kv = PagePools.from_deployment(dep, slots)
         self.leases = LeaseManager(dep.partitions) if self.k else None
@@ -128,6 +130,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         # (an idle slot grows to 0 tokens, which needs nothing) and writes the rows back whole,
         # instead of gathering and scattering the running requests' rows of a request-indexed matrix
         self.slot = np.full(n, -1, dtype=np.int64)
+        self._pinned_any = False                                # some slot holds pinned pages
         self._slots(max(1, self.max_running))
         self.entries: list[list] = [[] for _ in range(n)]
         self.drops: list[list] = [[] for _ in range(n)]        # (tokens, id, entry, family) tails held
@@ -148,6 +151,12 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self._tok = np.zeros(m, dtype=np.int64)                 # scratch: tokens each slot grows to
         self._free_slots = list(range(m - 1, k - 1, -1))        # a stack: the lowest slot first
         self._cells_all = None                                  # (partition, family) cells of every slot
+
+    def _slot_cells(self) -> np.ndarray:
+        """The (partition, family) cell of every slot's page row (an idle slot's rows are zero)."""
+        if self._cells_all is None:
+            self._cells_all = self.kv.cells(self.spart)
+        return self._cells_all
 
     def _take_slot(self, i: int, p: int) -> int:
         if not self._free_slots:

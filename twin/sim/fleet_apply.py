@@ -142,11 +142,12 @@ class FleetApply:
                     pub[i] = end
         # unpin: the pages detached into this step's snapshots go back to the pool
         self.pins[idx] -= 1
-        sl = self.slot.take(idx)
-        held = self.pinned.take(sl, axis=0)              # take: ~5x a 2-D fancy-index gather
-        if held.any():
-            kv.free += kv.per_cell(kv.cells(self.spart.take(sl)), held)
-            self.pinned[sl] = 0
+        # at depth <= 2 a growth pins pages only for the requests of the one step in flight, which
+        # is this one: every pinned page is this step's (a stale row's went back with its release)
+        if self._pinned_any:
+            kv.free += kv.per_cell(self._slot_cells(), self.pinned)
+            self.pinned.fill(0)
+            self._pinned_any = False
         if samples.all():
             s_idx, cnt, sp = idx, counts, spec
         else:

@@ -147,9 +147,7 @@ class FleetSchedule:
         tok[sl] = tokens
         need, own, taken, det, wrapped, L2, S2 = kv.grow_rows(tok, self.L, self.S, self.pins.take(self.occ) > 0)
         tok[sl] = 0
-        cells = self._cells_all
-        if cells is None:
-            cells = self._cells_all = kv.cells(self.spart)
+        cells = self._slot_cells()
         sums = kv.per_cell(cells, need)                    # exact below 2^53
         bad = sums > kv.free
         gone = None
@@ -170,17 +168,21 @@ class FleetSchedule:
             for g in over.tolist():
                 rows_g = ((part == g) & some).nonzero()[0]
                 groups[g] = (rows_g, need_a[rows_g].cumsum(axis=0))
-            base = 0
+
+            def first_bad(g: int, base: int) -> int | None:
+                rows_g, cs_g = groups[g]
+                k0 = int(rows_g.searchsorted(base))
+                bad = (cs_g[k0:] > free[g]).any(axis=1)
+                return int(rows_g[k0 + int(bad.argmax())]) if bad.any() else None
+
+            # each partition's first row that overflows, recomputed only where a drop or a
+            # preemption changed its sums or free pages (elsewhere it lies past the row handled)
+            firsts = {g: first_bad(g, 0) for g in groups}
             while True:
-                j = None
-                for g, (rows_g, cs_g) in groups.items():
-                    k0 = int(rows_g.searchsorted(base))
-                    bad = (cs_g[k0:] > free[g]).any(axis=1)
-                    if bad.any():
-                        first = int(rows_g[k0 + int(bad.argmax())])
-                        j = first if j is None else min(j, first)
+                j = min((f for f in firsts.values() if f is not None), default=None)
                 if j is None:
                     break
+                changed = {int(part[j])}
                 pj = int(part[j])
                 rows_j, cs_j = groups[pj]
                 kj = int(rows_j.searchsorted(j))
@@ -196,8 +198,11 @@ class FleetSchedule:
                         if keep[v] and pv_row in groups:
                             rows_v, cs_v = groups[pv_row]
                             cs_v[int(rows_v.searchsorted(v)):] -= need_a[v]   # its growth here is undone
+                            changed.add(pv_row)
                         keep[v] = False
                     pv = int(self.part[victim])
+                    if pv in groups:
+                        changed.add(pv)
                     vs = int(self.slot[victim])
                     free[pv] += self.own[vs] + self.pinned[vs]
                     gone.append(vs)
@@ -206,7 +211,8 @@ class FleetSchedule:
                     if (before + need_a[j] <= free[pj]).all():
                         keep[j] = True
                         cs_j[kj:] += need_a[j]
-                base = j + 1
+                for g in changed:
+                    firsts[g] = first_bad(g, j + 1)
             if keep.all():
                 keep = None
             else:
@@ -227,6 +233,7 @@ class FleetSchedule:
         if det is not None:
             self.pinned += det
             d_ = int(det.sum())
+            self._pinned_any = self._pinned_any or d_ > 0
         kv.free -= sums
         kv.takes += kv.per_cell(cells, taken)
         kv.stats["detaches"] += d_
@@ -241,6 +248,7 @@ class FleetSchedule:
         det = need - own
         self.own[s] += own[0]
         self.pinned[s] += det[0]
+        self._pinned_any = self._pinned_any or bool(det.any())
         self.L[s] = L2[0]
         self.S[s] = S2[0]
         d = int(det.sum())
