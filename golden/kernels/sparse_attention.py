@@ -17,8 +17,19 @@ TILE = 128
 CHUNK_BYTES = 4 << 20      # widened candidates per NumPy chunk (see sparse_attention)
 
 
+def candidate_buffers(T, W, n, cmp_kv, hd, *, nm, tile=TILE):
+    """NumPy buffers K [T, N, HD], valid [T, N] for gather_candidates, pad columns filled: zeros
+    after the window, compressed row 0 after the compressed rows (never valid: probability 0)."""
+    Wp = -(-W // tile) * tile
+    K = np.empty((T, Wp + (-(-n // tile) * tile), hd), nm.f)
+    K[:, W:Wp] = 0.0
+    if n:
+        K[:, Wp + n:] = cmp_kv.reshape(-1, hd)[0]
+    return K, np.zeros(K.shape[:2], bool)
+
+
 def gather_candidates(kv_cache, swa_indices, swa_lens, *, cmp_kv=None, cmp_rows=None, cmp_block_table=None,
-                      req=None, nm, tile=TILE):
+                      req=None, nm, tile=TILE, buffers=None):
     """K [T, N, HD] and valid [T, N], N padded to a multiple of `tile`.
 
     Pad columns: zeros after the window, compressed row 0 after the compressed rows (never valid,
@@ -37,15 +48,14 @@ def gather_candidates(kv_cache, swa_indices, swa_lens, *, cmp_kv=None, cmp_rows=
         cmp = nm.get_rows(cmp_kv, xp.where(ok, ent * rpp + cmp_rows % rpp, -1))
     np_ = Wp + (-(-n // tile) * tile)
     if nm.is_numpy:
-        # one f64 buffer, each part widened as it is copied in (no widened copies concatenated)
-        K = np.empty((T, np_, win.shape[-1]), nm.f)
+        # one f64 buffer, each part widened as it is copied in (no widened copies concatenated);
+        # `buffers` (from candidate_buffers) already hold the pad columns: only rows are written
+        K, v = buffers if buffers is not None else candidate_buffers(T, W, n, cmp_kv, win.shape[-1], nm=nm)
+        K, v = K[:T], v[:T]
         K[:, :W] = win
-        K[:, W:Wp] = 0.0
-        v = np.zeros((T, np_), bool)
         v[:, :W] = valid
         if n:
             K[:, Wp:Wp + n] = cmp
-            K[:, Wp + n:] = cmp_kv.reshape(-1, cmp.shape[-1])[0]
             v[:, Wp:Wp + n] = ok
         return K, v
     K = nm.asf(win)
@@ -122,11 +132,16 @@ def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, ro
         n = -(-swa_indices.shape[1] // TILE) + (0 if cmp_rows is None else -(-cmp_rows.shape[1] // TILE))
         chunk = max(1, CHUNK_BYTES // (n * TILE * q.shape[-1] * 8))
 
+    # NumPy: one candidate buffer serves every chunk (its pad columns written once, and in cache)
+    n_cmp = 0 if cmp_rows is None else cmp_rows.shape[1]
+    buffers = (candidate_buffers(min(chunk, T), swa_indices.shape[1], n_cmp, cmp_kv, q.shape[-1], nm=nm)
+               if nm.is_numpy else None)
+
     def run(lo, hi):
         cr = None if cmp_rows is None else cmp_rows[lo:hi]
         K, valid = gather_candidates(kv_cache, swa_indices[lo:hi], swa_lens[lo:hi], cmp_kv=cmp_kv, cmp_rows=cr,
                                      cmp_block_table=cmp_block_table, req=None if req is None else req[lo:hi],
-                                     nm=nm)
+                                     nm=nm, buffers=buffers)
         return attend(q[lo:hi], K, valid, attn_sink, cfg=cfg, nm=nm)
 
     if nm.is_numpy and T > chunk:
