@@ -63,7 +63,8 @@ def pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_table, *, r
     kv = xp.where(valid[..., None], kv, 0.0)
     sc = xp.where(valid[..., None], sc, -xp.inf)
     m = xp.max(sc, axis=1, keepdims=True)
-    e = xp.where(valid[..., None], xp.exp(sc - m), 0.0)
+    # exp only of valid scores (exp(-inf) is ~4x slower in NumPy's SIMD exp); the rest is 0
+    e = xp.where(valid[..., None], xp.exp(xp.where(valid[..., None], sc - m, 0.0)), 0.0)
     return xp.sum(e * kv, axis=1) / xp.sum(e, axis=1)
 
 
