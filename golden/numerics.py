@@ -228,6 +228,11 @@ class Numerics:
         """Rows of a paged pool at flat slots (slot < 0 reads row 0; callers mask)."""
         xp = self.xp
         flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
+        if self.is_numpy:       # take (clip: a slot < 0 reads row 0) gathers ~2x faster than indexing
+            slots = np.asarray(slots)
+            if slots.size and slots.max() >= flat.shape[0]:
+                raise AbiError("slots", int(slots.max()), f"pool slots < {flat.shape[0]}", where="get_rows")
+            return np.take(flat, slots, axis=0, mode="clip")
         return flat[xp.where(slots >= 0, slots, 0)]
 
 
