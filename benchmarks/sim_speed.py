@@ -13,8 +13,13 @@
    package as committed at git REF, side by side with the working tree, in alternating
    subprocesses (`--repeat` rounds), so a before/after ratio comes from one run on one machine
    under the same load.
+5. With `--baseline REF --instructions N`: instead of timing, the instructions each side executes
+   in `simulate` on the N-request burst, counted by valgrind's callgrind (instrumentation switched
+   on around the call only): a before/after ratio that does not move with the machine's load
+   (it does not see cache misses; ~25 s per 1,000 requests per side).
 
     python benchmarks/sim_speed.py [--quick] [--fidelity exact|fleet|both] [--baseline f938e96 [--repeat 3]]
+    python benchmarks/sim_speed.py --fidelity fleet --baseline f938e96 --instructions 1000
 """
 from __future__ import annotations
 
@@ -127,6 +132,45 @@ def in_subprocess(root: str, n: int, fidelity: str = "exact") -> dict:
     return json.loads(out.stdout)
 
 
+def instructions(root: str, n: int, fidelity: str) -> dict:
+    """Instructions in `simulate` (callgrind, switched on around the call) with `twin` from `root`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "callgrind.out")
+        env = {**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": "0"}     # the same string hashes
+        res = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                              sys.executable, os.path.abspath(__file__), "--worker", str(n), "--root", root,
+                              "--fidelity", fidelity, "--count"], env=env, capture_output=True, text=True, check=True)
+        with open(out) as f:
+            total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    return {"instructions": total, "steps": got["steps"], "simulated_s": got["simulated_s"],
+            "package": got["package"]}
+
+
+def count_worker(n: int, fidelity: str) -> dict:
+    """`simulate` with callgrind's instrumentation on around it (callgrind_control toggles it)."""
+    from twin.sim.run import SimConfig, simulate
+
+    simulate(SimConfig(dep(), workload(20), **({"fidelity": fidelity} if fidelity != "exact" else {})))  # imports
+    cfg = SimConfig(dep(), workload(n), **({"fidelity": fidelity} if fidelity != "exact" else {}))
+    toggle = ["callgrind_control", "-i"]
+    subprocess.run([*toggle, "on", str(os.getpid())], capture_output=True, check=True)
+    res = simulate(cfg)
+    subprocess.run([*toggle, "off", str(os.getpid())], capture_output=True, check=True)
+    return {"steps": len(res.steps), "simulated_s": res.sim_s}
+
+
+def compare_instructions(ref: str, n: int, fidelity: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        arch = subprocess.run(["git", "-C", ROOT, "archive", ref, "twin"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=arch, check=True)
+        base, cur = instructions(tmp, n, fidelity), instructions(ROOT, n, fidelity)
+    assert cur["package"].startswith(ROOT) and not base["package"].startswith(ROOT), "wrong package measured"
+    return {"baseline_ref": ref, "fidelity": fidelity, "requests": n, "baseline": base, "current": cur,
+            "instruction_ratio": cur["instructions"] / base["instructions"],
+            "same_run": (base["steps"], base["simulated_s"]) == (cur["steps"], cur["simulated_s"])}
+
+
 def compare(ref: str, sizes: tuple[int, ...], repeat: int, fidelity: str = "exact") -> dict:
     """Baseline (the package at git `ref`) and the working tree, alternating, same sizes."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -174,14 +218,26 @@ def main() -> None:
     ap.add_argument("--fidelity", default="both", choices=("exact", "fleet", "both"))
     ap.add_argument("--baseline", metavar="REF", help="also measure the twin package at this git ref, side by side")
     ap.add_argument("--repeat", type=int, default=1, help="alternating rounds for --baseline (best of each side)")
+    ap.add_argument("--instructions", type=int, metavar="N",
+                    help="with --baseline: count instructions (callgrind) on an N-request burst instead of timing")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, args.root or ROOT)
     if args.worker:
         import twin
 
-        print(json.dumps({**run(args.worker, args.fidelity), "package": os.path.dirname(twin.__file__)}))
+        got = count_worker(args.worker, args.fidelity) if args.count else run(args.worker, args.fidelity)
+        print(json.dumps({**got, "package": os.path.dirname(twin.__file__)}))
+        return
+    if args.instructions:
+        if not args.baseline:
+            ap.error("--instructions N needs --baseline REF")
+        if args.instructions < 1:
+            ap.error(f"--instructions {args.instructions}: a request count >= 1")
+        print(json.dumps({"benchmark": "sim_speed", "instructions": compare_instructions(
+            args.baseline, args.instructions, "exact" if args.fidelity == "both" else args.fidelity)}, indent=2))
         return
     small, big = (200, 2000) if args.quick else (1000, 10000)
     if args.baseline:

@@ -80,7 +80,6 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
     def _load_requests(self, reqs) -> None:
         self.reqs = list(reqs)
         n = self.N = len(self.reqs)
-        F = self.kv.F
         self.rid = [r.request_id for r in self.reqs]
         if len(set(self.rid)) != n:
             dup = next(x for x in self.rid if self.rid.count(x) > 1)
