@@ -167,7 +167,8 @@ class Numerics:
         """A GEMM of integer-valued operands with an exact int32 accumulator, widened to f32.
 
         (f32 is not exact past 2^24 = 127*127*1040; float64 is exact for every ABI K.)  The
-        result is the exact integer; the caller's scaling happens in the compute dtype."""
+        result is the exact integer (NumPy device mode: as f32 where one K slice covers it, which
+        holds it exactly, else float64); the caller's scaling happens in the compute dtype."""
         if self.mode != "device":
             _record("f", a, b)          # a float64 GEMM outside device mode
             return self.asf(a) @ self.asf(b)
@@ -251,6 +252,8 @@ def _int_mm_np(a, b):
     b = np.asarray(b)
     left = b.flags.f_contiguous and not b.flags.c_contiguous and a32.shape[0] <= 64
     w32 = b.T.astype(np.float32) if left else b.astype(np.float32)
+    if a32.shape[-1] <= EXACT_F32_K:      # one slice: its f32 sum is the exact integer
+        return np.ascontiguousarray((w32 @ a32.T).T) if left else a32 @ w32
     out = None
     for k0 in range(0, a32.shape[-1], EXACT_F32_K):
         k1 = k0 + EXACT_F32_K
