@@ -114,7 +114,7 @@ class FleetApply:
         idx = cmd.idx
         now = self.now
         stale = self.ver.take(idx) != cmd.ver
-        if stale.any():
+        if np.count_nonzero(stale):
             s = idx[stale]
             self.discarded[s] += cmd.counts[stale]
             rows = (~stale).nonzero()[0]
@@ -148,7 +148,7 @@ class FleetApply:
             kv.free += kv.per_cell(self._slot_cells(), self.pinned)
             self.pinned.fill(0)
             self._pinned_any = False
-        if samples.all():
+        if np.count_nonzero(samples) == len(samples):
             s_idx, cnt, sp = idx, counts, spec
         else:
             s = samples.nonzero()[0]
@@ -162,7 +162,7 @@ class FleetApply:
         L = n_out + retained
         done = L >= fin
         self.n_out[s_idx] = L
-        if done.any():
+        if np.count_nonzero(done):
             live = ~done
             l_idx, r_l, sp_l = s_idx[live], retained[live], sp[live]
         else:
@@ -181,7 +181,7 @@ class FleetApply:
             L_l = L if live is None else L[live]
             se = self.stop_end[l_idx]
             got = (se > L_l - r_l) & (se <= L_l)
-            if got.any():
+            if np.count_nonzero(got):
                 for i, end, Lx, n in zip(l_idx[got].tolist(), se[got].tolist(), L_l[got].tolist(), r_l[got].tolist()):
                     self._stop(i, end, Lx, n)
 

@@ -121,7 +121,7 @@ class PagePools:
         taken = own + wrap
         np.maximum(L, tgt, out=tgt)
         np.maximum(S, size, out=size)
-        if pinned.any():
+        if np.count_nonzero(pinned):
             det = wrap * pinned[:, None]
             return own + det, own, taken, det, wrap, tgt, size
         return own, own, taken, None, wrap, tgt, size

@@ -69,13 +69,13 @@ class FleetRecorder:
         self._itl.append(now - last.take(s_idx))
         if cmd.n_prefill:                          # only a prefill's sample can be a first token
             new = np.isnan(first.take(s_idx))
-            if new.any():
+            if np.count_nonzero(new):
                 first[s_idx[new]] = now
         last[s_idx] = now
         chunks[s_idx] += 1
         if cmd.accepted is not None:               # the decode rows' (accepted counts, drafted)
             counts, fits = cmd.accepted
-            nf = int(fits.sum()) if self.k else 0
+            nf = int(np.count_nonzero(fits)) if self.k else 0
             if nf:
                 self.accept_hist += np.bincount(counts if nf == len(fits) else counts[fits],
                                                 minlength=len(self.accept_hist))

@@ -72,7 +72,7 @@ class FleetSchedule:
         nn = np.minimum(np.minimum(pl + self.n_out[act] + self.ph[act] - c, budget), self.max_seq - c)
         nn = np.where(pre, np.minimum(nn, self.chunk), nn)
         ok = nn > 0
-        if not ok.all():
+        if np.count_nonzero(ok) != len(ok):
             act, c, pre, nn = act[ok], c[ok], pre[ok], nn[ok]
         spec = np.where(pre, 0, np.maximum(np.minimum(self.k, self.max_seq - c - nn), 0))
         cost = nn + spec
@@ -105,7 +105,7 @@ class FleetSchedule:
         if keep is not None:
             act, c, nn, spec, pre, cost = act[keep], c[keep], nn[keep], spec[keep], pre[keep], cost[keep]
             used = int(cost.sum())
-        return (act, nn, spec, c, pre), used, int(pre.sum())
+        return (act, nn, spec, c, pre), used, int(np.count_nonzero(pre))
 
     def _budget_scan(self, act, c, pre, nn, spec, cost, budget):
         """The sequential budget walk, from the first request that does not fit in full."""
@@ -151,7 +151,7 @@ class FleetSchedule:
         sums = kv.per_cell(cells, need)                    # exact below 2^53
         bad = sums > kv.free
         gone = None
-        if bad.any():
+        if np.count_nonzero(bad):
             gone = []                                        # slots whose rows are not committed
             keep = np.ones(n, dtype=bool)
             over = bad.any(axis=1).nonzero()[0]
@@ -173,7 +173,7 @@ class FleetSchedule:
                 rows_g, cs_g = groups[g]
                 k0 = int(rows_g.searchsorted(base))
                 bad = (cs_g[k0:] > free[g]).any(axis=1)
-                return int(rows_g[k0 + int(bad.argmax())]) if bad.any() else None
+                return int(rows_g[k0 + int(bad.argmax())]) if np.count_nonzero(bad) else None
 
             # each partition's first row that overflows, recomputed only where a drop or a
             # preemption changed its sums or free pages (elsewhere it lies past the row handled)
@@ -213,7 +213,7 @@ class FleetSchedule:
                         cs_j[kj:] += need_a[j]
                 for g in changed:
                     firsts[g] = first_bad(g, j + 1)
-            if keep.all():
+            if np.count_nonzero(keep) == n:
                 keep = None
             else:
                 gone.extend(sl[~keep].tolist())
