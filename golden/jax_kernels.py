@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .jax_select import first_max, top_k_desc
 from .kernels.compressor import EXCLUDE, compressor, indexer_compressor
 from .kernels.hyper_connections import hc_head, hc_post, hc_pre
 from .kernels.lm_head import lm_head
@@ -174,7 +175,7 @@ def lightning_indexer_grouped(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale,
     s = jnp.sum(jnp.maximum(dots * q_scale * ks[grp][:, None, :], 0.0) * w[:, :, None], axis=1)
     keep = ok[grp] & (jnp.arange(C)[None, :] < visible[:, None])
     score = jnp.where(keep, nm.r32(s), FP32_NEG_INF)
-    order = jnp.argsort(-score, axis=-1, stable=True)[:, :IK].astype(jnp.int32)
+    order = top_k_desc(score, IK)
     kk = jnp.minimum(visible, IK)
     topk = jnp.where(jnp.arange(order.shape[1])[None, :] < kk[:, None], order, -1)
     if order.shape[1] < IK:
@@ -298,7 +299,17 @@ def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, fo
     with bf16_operands(nm):
         attn_out, pools = _attention_core(x_n, w, pools, m, rope, g, cfg=cfg, nm=nm, form=form, ratio=ratio,
                                           n_idx=n_idx, n_hca=n_hca)
-    return hc_post(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools
+    return hc_post_streams(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools
+
+
+def hc_post_streams(x, residual, post, comb, *, cfg, nm):
+    """golden.kernels.hyper_connections.hc_post with the [HC, HC] stream mix as a sum of products
+    over the input streams (XLA CPU runs the per-token 4 x 4 batched GEMM ~2x slower; written as
+    chained multiply-adds instead, XLA fuses it into the next hc_post and recomputes it per read)."""
+    c = comb.reshape(-1, cfg.hc_mult, cfg.hc_mult)                      # [T, in, out]
+    mix = jnp.sum(c[:, :, :, None] * nm.asf(residual)[:, :, None, :], axis=1)
+    y = post[:, :, None] * nm.asf(x)[:, None, :] + mix
+    return nm.bf16(y) if nm.mode == "official" else nm.r32(y)
 
 
 def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca):
@@ -366,22 +377,13 @@ def bf16_operands(nm):
     return nm.bf16_operands() if hasattr(nm, "bf16_operands") else contextlib.nullcontext()
 
 
-
 # ---- the head ---------------------------------------------------------------------------------
 def head(x_hc, model, logit_row_indices, *, cfg, nm):
     """golden.compose.final_head (no taps): the LM head's GEMM multiplies BF16 values (the normed
-    hidden, the BF16 weight); greedy ids as greedy_sample's first maximum."""
+    hidden, the BF16 weight); greedy ids as greedy_sample's (first maximum)."""
     h = hc_head(x_hc, model["hc_head_fn"], model["hc_head_scale"], model["hc_head_base"], cfg=cfg, nm=nm)
     hn = rms_norm(h, model["final_norm_w"], cfg=cfg, nm=nm)
     with bf16_operands(nm):
         logits = lm_head(hn, model["lm_head_weight"], logit_row_indices, nm=nm)
     return logits, first_max(logits)
 
-
-def first_max(logits):
-    """jnp.argmax's ids (the first maximum; the first NaN in a row holding one) as two plain
-    reductions: XLA CPU's (value, index) argmax reduction is ~10x slower."""
-    V = logits.shape[-1]
-    mx = jnp.max(logits, axis=-1, keepdims=True)
-    hit = (logits == mx) | jnp.isnan(logits)
-    return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)

@@ -28,8 +28,9 @@ import numpy as np
 
 from twin.abi.errors import AbiError
 
-from .compose import ForwardOut, Taps, _check_contiguous, moe_sublayer, rope_inputs
-from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, head, layout, moe_blocked
+from .compose import ForwardOut, Taps, _check_contiguous, rope_inputs
+from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, head, layout
+from .jax_moe import moe_sublayer
 from .jax_numerics import Fp32Numerics
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
@@ -37,6 +38,10 @@ from .numerics import BF16, Numerics
 from .paged import PREFILL, StepMeta
 
 EXPERT_KEYS = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
+# XLA may otherwise drop a BF16 rounding point (an f32 -> bf16 -> f32 pair) where fusion puts it
+# inside one loop ("excess precision"): e.g. o_proj's bf16 output read by hc_post moved the
+# residual stream by ~1 BF16 ulp and doubled SMALL's divergence from NumPy at layer 0
+XLA_OPTIONS = {"xla_allow_excess_precision": False}
 # weights the kernels multiply as w.T (compressor projections, shared experts, LM head)
 READ_TRANSPOSED = ("csa_cmp_wkv", "csa_cmp_wgate", "csa_inner_wkv", "csa_inner_wgate", "hca_cmp_wkv", "hca_cmp_wgate",
                    "shared_w1", "shared_w3", "shared_w2", "lm_head_weight")
@@ -47,11 +52,11 @@ JAX_TAP_STAGES = ("attn_in", "attn_x_hc", "ffn_x_mixed", "moe_indices", "moe_wei
 class JaxGolden:
     def __init__(self, ckpt, cfg, mode: str = "device", compiler_options: dict | None = None,
                  verify_bf16: bool = False):
-        """compiler_options go to jax.jit (e.g. {"xla_backend_optimization_level": 0} trades step
-        speed for less compile time in tests).  verify_bf16: every BF16 GEMM also checks that its
+        """compiler_options go to jax.jit on top of XLA_OPTIONS (e.g.
+        {"xla_backend_optimization_level": 0} trades step speed for less compile time in tests).  verify_bf16: every BF16 GEMM also checks that its
         operands are BF16 values (Fp32Numerics); forward() then sets `bf16_operands_ok`."""
         self.cfg = cfg
-        self.compiler_options = compiler_options
+        self.compiler_options = {**XLA_OPTIONS, **(compiler_options or {})}
         self.nm = Fp32Numerics(mode, jnp, verify_bf16=verify_bf16)
         self.bf16_operands_ok = None
         self.host_nm = Numerics(mode)
@@ -101,8 +106,7 @@ class JaxGolden:
                                                      nm=nm, form=form, ratio=cfg.compress_ratios[layer],
                                                      n_idx=n_idx, n_hca=n_hca)
                 taps.put(layer, "attn_x_hc", x_hc)
-                x_hc = moe_sublayer(x_hc, layer, layers[layer], experts[layer], ids, cfg=cfg, nm=nm, taps=taps,
-                                    moe=_moe_transposed)
+                x_hc = moe_sublayer(x_hc, layer, layers[layer], experts[layer], ids, cfg=cfg, nm=nm, taps=taps)
                 out.append(p)
             logits, sampled = head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
             checks = nm.bf16_state[1]
@@ -200,10 +204,6 @@ def _swap(v):
 def _abi_layout(weights: dict) -> dict:
     """The weights as the kernels take them (inside the step: a logical transpose XLA folds)."""
     return {k: jnp.swapaxes(v, -1, -2) if k in READ_TRANSPOSED else v for k, v in weights.items()}
-
-
-def _moe_transposed(*a, **k):
-    return moe_blocked(*a, transposed=True, **k)
 
 
 def _to_bits(pools, donate: bool) -> dict:
