@@ -90,13 +90,10 @@ def attend(q, K, valid, attn_sink, *, cfg, nm, tile=TILE):
     v = valid.reshape(T, 1, nt, tile)
     if nm.is_numpy:     # the same steps in place on one C-order buffer (fewer passes over [T, H, N])
         e = np.multiply(s, cfg.softmax_scale, order="C").reshape(T, -1, nt, tile)
-        off = ~v
-        np.copyto(e, NEG_INF_ATTN, where=off)
-        m = np.max(e, axis=-1)
+        m = np.max(e, axis=-1, where=v, initial=NEG_INF_ATTN)     # = max(where(v, s, NEG))
         np.subtract(e, m[..., None], out=e)
-        np.copyto(e, 0.0, where=off)      # masked: exp(0), not exp(-1e20): NumPy's SIMD exp takes
-        np.exp(e, out=e)                  # ~7x longer on arguments that underflow; zeroed next
-        np.copyto(e, 0.0, where=off)
+        np.exp(e, out=e, where=v)         # valid only: NumPy's SIMD exp takes ~7x longer on the
+        np.copyto(e, 0.0, where=~v)       # masked (underflowing) arguments; those are 0
     else:
         s = xp.where(v, (s * cfg.softmax_scale).reshape(T, -1, nt, tile), NEG_INF_ATTN)
         m = xp.max(s, axis=-1)
