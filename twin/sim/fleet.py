@@ -1,8 +1,9 @@
 """The fleet fidelity: the same scheduler, pipeline and cost model over struct-of-arrays state.
 
 `SimConfig(fidelity="fleet")` runs here instead of the exact engine (docs/simulation.md,
-"Fidelity").  Running requests are numpy arrays indexed by request; one step is a fixed number
-of array operations whatever the batch size:
+"Fidelity").  Requests are numpy arrays indexed by request, and the running ones' page rows sit in
+fixed slots (one per running request); one step is a fixed number of array operations whatever
+the batch size:
 
 - phase 1 (running, in order, global token budget, K=7 costing 8, chunked prefill) and the
   table growth are vectorised; a growth that does not fit is found by per-partition cumulative
