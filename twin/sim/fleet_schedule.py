@@ -182,8 +182,8 @@ class FleetSchedule:
                 j = min((f for f in firsts.values() if f is not None), default=None)
                 if j is None:
                     break
-                changed = {int(part[j])}
                 pj = int(part[j])
+                changed = {pj}                               # partitions whose first overflow may move
                 rows_j, cs_j = groups[pj]
                 kj = int(rows_j.searchsorted(j))
                 keep[j] = False
