@@ -221,3 +221,29 @@ def test_pool_hot_path_equals_the_growth_formula(seed, n, pinned_share):
     want = np.zeros((DEP.partitions, kv.F), dtype=np.int64)
     np.add.at(want, part, taken)
     assert (kv.per_cell(kv.cells(part), taken) == want).all()
+
+
+def test_page_row_slots_are_reused_and_grow_keeping_rows():
+    """Page rows live in fixed slots: a released slot is zeroed and taken again, and taking more
+    slots than the running cap (only a direct caller can) doubles the arrays, rows kept."""
+    cfg = SimConfig(DEP, generate(WorkloadSpec(num_requests=120, seed=1)), fidelity="fleet")
+    device = DeviceLimits.load()
+    sim = FleetSim(cfg, startup_slots(cfg, device), CostModel(DEP, 3, device), device, None)
+    cap = len(sim.occ)
+    assert cap == DEP.limits.max_num_seqs
+    for i in range(cap + 1):
+        s = sim._take_slot(i, i % DEP.partitions)
+        sim.kv4[:, s] = i + 1
+    assert len(sim.occ) == 2 * cap
+    for i in range(cap + 1):
+        s = int(sim.slot[i])
+        assert sim.occ[s] == i and sim.spart[s] == i % DEP.partitions and (sim.kv4[:, s] == i + 1).all()
+    assert len(set(sim.slot[:cap + 1].tolist())) == cap + 1
+    sim.part[5] = 5 % DEP.partitions
+    sim.kv.load[sim.part[5]] += 1
+    freed = int(sim.slot[5])
+    sim.kv.free[sim.part[5]] -= sim.own[freed] + sim.pinned[freed]      # as if taken from the pools
+    sim._release_kv(5)
+    assert sim.slot[5] == -1 and not sim.kv4[:, freed].any()
+    assert (sim.kv.free == sim.kv.cap).all() and not sim.kv.load.any()    # its pages went back
+    assert sim._take_slot(cap + 1, 0) == freed
