@@ -14,13 +14,13 @@ class Command:
     """One step command as arrays over its scheduled rows (request index order = dispatch order)."""
 
     __slots__ = ("step_id", "idx", "num_new", "spec", "start", "prefill", "samples", "ver", "counts",
-                 "drafts", "dispatches", "error", "t_result", "decode_only", "n_prefill",
+                 "dispatches", "error", "t_result", "decode_only", "n_prefill",
                  "accepted", "tokens")
 
     def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, ver):
         self.step_id, self.idx, self.num_new, self.spec, self.start = step_id, idx, num_new, spec, start
         self.prefill, self.samples, self.ver = prefill, samples, ver      # ver: the stale-result check
-        self.counts = self.drafts = None
+        self.counts = None
         self.dispatches: list = []
         self.error: str | None = None
         self.t_result = 0.0

@@ -23,7 +23,6 @@ class FleetExecute:
         cm, idx = self.cost, cmd.idx
         n = len(idx)
         cmd.counts = np.zeros(n, dtype=np.int64)
-        cmd.drafts = np.zeros(n, dtype=bool)
         pre = cmd.prefill
         any_pre = cmd.n_prefill > 0
         cmd.decode_only = not any_pre
@@ -31,9 +30,10 @@ class FleetExecute:
         d_idx = idx[dec] if any_pre else idx
         part = self.part[d_idx]
         per = np.bincount(part, minlength=self.G)
-        owner = self.lease[d_idx] % C.TP_SIZE if self.k else None
+        lease = self.lease.take(d_idx) if self.k else None
+        owner = lease % C.TP_SIZE if self.k else None
         if cmd.error is None and len(d_idx):
-            cmd.error = self._tile_error(per, part, owner, self.lease[d_idx] >= 0 if self.k else None)
+            cmd.error = self._tile_error(per, part, owner, lease >= 0 if self.k else None)
         if cmd.error:
             cmd.dispatches.append(("error", cm.device.dispatch_overhead, {}, {"error": cmd.error}))
             return
@@ -60,8 +60,10 @@ class FleetExecute:
             com = self.committed[d_idx]
             k = self.k
             if k:
-                anchor = (cmd.start + cmd.num_new - 1) if dec is None else (cmd.start[dec] + cmd.num_new[dec] - 1)
-                fits = (anchor + k < self.max_seq) & (com + C.DECODE_SEQ <= self.max_seq)
+                # drafts fit when the anchor (the chunk's last position) + K and the committed
+                # context + the verify rows stay inside max_seq
+                end = (cmd.start + cmd.num_new) if dec is None else (cmd.start.take(dec) + cmd.num_new.take(dec))
+                fits = (end < self.max_seq - k + 1) & (com <= self.max_seq - C.DECODE_SEQ)
                 counts = self._accept(m, fits, self.rng)
             else:
                 owner = np.zeros(m, dtype=np.int64)           # K=0: ordinal % TP within the group
@@ -72,10 +74,9 @@ class FleetExecute:
                 counts = np.ones(m, dtype=np.int64)
             secs, parts = cm.decode_arrays(com + 1, part, owner)
             if dec is None:
-                cmd.counts, cmd.drafts = counts, fits
+                cmd.counts = counts
             else:
                 cmd.counts[dec] = counts
-                cmd.drafts[dec] = fits
             self.committed[d_idx] = com + counts
             cmd.accepted = (counts, fits)
             cmd.dispatches.append(("decode", secs, parts, {"requests_per_group": per.tolist()}))

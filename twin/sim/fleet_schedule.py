@@ -69,12 +69,13 @@ class FleetSchedule:
         c = self.computed[act]
         pl = self.plen[act]
         pre = c < pl
-        nn = np.minimum(np.minimum(pl + self.n_out[act] + self.ph[act] - c, budget), self.max_seq - c)
+        room = self.max_seq - c
+        nn = np.minimum(np.minimum(pl + self.n_out[act] + self.ph[act] - c, budget), room)
         nn = np.where(pre, np.minimum(nn, self.chunk), nn)
         ok = nn > 0
         if np.count_nonzero(ok) != len(ok):
-            act, c, pre, nn = act[ok], c[ok], pre[ok], nn[ok]
-        spec = np.where(pre, 0, np.maximum(np.minimum(self.k, self.max_seq - c - nn), 0))
+            act, c, pre, nn, room = act[ok], c[ok], pre[ok], nn[ok], room[ok]
+        spec = np.where(pre, 0, np.maximum(np.minimum(self.k, room - nn), 0))
         cost = nn + spec
         used = int(cost.sum())
         if used > budget:
