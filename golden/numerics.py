@@ -247,7 +247,9 @@ def _int_mm_np(a, b):
     only the layout is chosen, for speed: a weight passed transposed ([out, in] int8, read as
     w.T) widens as it lies and multiplies from the left (C^T = W A^T) up to 64 rows, where
     OpenBLAS's SGEMM against a transposed B is up to ~2-3x slower and a transposing widen costs
-    ~4x a plain one.  The slices add in f64 from 0.0, as the generic path does (a -0 sum becomes +0)."""
+    ~4x a plain one.  One K slice comes back as its f32 integers (exact); more slices add in f64
+    from 0.0, as the generic path does.  (The one difference: an all -0 product sum stays -0 in
+    f32 where the generic path's 0.0 + s gives +0; both are the integer 0.)"""
     a32 = np.asarray(a, dtype=np.float32)
     b = np.asarray(b)
     left = b.flags.f_contiguous and not b.flags.c_contiguous and a32.shape[0] <= 64

@@ -115,10 +115,12 @@ def _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, *, cfg, nm):
     op = (lambda a: np.asarray(a, np.float32)) if nm.mode == "device" else nm.asf
     xs = op(x_i8)[rows]
     used = [e for e in range(E) if bounds[e + 1] > bounds[e]]
+    if not used:
+        return np.zeros((T * K, D), np.float64)
     ws = {e: expert(e) for e in used}
     span = [(bounds[e] - lo_all, bounds[e + 1] - lo_all) for e in used]
     n = rows.size
-    I = ws[used[0]]["routed_w1"].shape[0] if used else 0
+    I = ws[used[0]]["routed_w1"].shape[0]
     g, u, s1, s3, s2 = (np.empty((n, I)), np.empty((n, I)), np.empty((n, I)), np.empty((n, I)), np.empty((n, D)))
     for e, (lo, hi) in zip(used, span):
         ew = ws[e]
