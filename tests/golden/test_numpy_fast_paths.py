@@ -1,0 +1,122 @@
+"""The NumPy golden's fast paths give the bits of the plain formulations they replace: int GEMM
+layouts, np.take gathers, in-place Sinkhorn rounds, grouped routed experts, chunked attention."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from golden.compose import SHARED_NAMES
+from golden.heap import retain_heap
+from golden.kernels.hyper_connections import sinkhorn
+from golden.kernels.moe import moe_experts, routed_expert, shared_expert
+from golden.kernels.sparse_attention import sparse_attention
+from golden.numerics import BF16, Numerics
+from golden_testlib import DEVICE
+from twin.abi.errors import AbiError
+from twin.abi.presets import SMALL
+
+
+@settings(max_examples=30)
+@given(m=st.sampled_from([1, 3, 64, 65, 130]), k=st.sampled_from([1, 7, 1024, 1025, 2100]),
+       n=st.sampled_from([1, 5, 128]), transposed=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_int_mm_is_the_integer_product_in_every_layout(m, k, n, transposed, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-127, 128, (m, k)).astype(np.float64)
+    w = rng.integers(-127, 128, (n, k) if transposed else (k, n), dtype=np.int8)
+    b = w.T if transposed else w                       # an [out, in] weight read as w.T, or [in, out]
+    got = DEVICE.int_mm(a, b)
+    assert got.shape == (m, n) and got.flags.c_contiguous
+    assert np.array_equal(got, (a.astype(np.int64) @ b.astype(np.int64)).astype(np.float64))
+
+
+def test_get_rows_reads_row_zero_below_and_refuses_past_the_pool():
+    pool = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    rows = DEVICE.get_rows(pool, np.array([[5, -1], [0, -7]]))
+    flat = pool.reshape(6, 4)
+    assert np.array_equal(rows, np.stack([[flat[5], flat[0]], [flat[0], flat[0]]]))
+    with pytest.raises(AbiError, match="slots=6"):
+        DEVICE.get_rows(pool, np.array([6]))
+
+
+def _sinkhorn_reference(logits, iters, eps):
+    c = np.exp(logits - logits.max(-1, keepdims=True))
+    c = c / c.sum(-1, keepdims=True) + eps
+    c = c / (c.sum(-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdims=True) + eps)
+        c = c / (c.sum(-2, keepdims=True) + eps)
+    return c
+
+
+@settings(max_examples=25)
+@given(t=st.integers(1, 40), scale=st.floats(0.01, 30.0), iters=st.integers(1, 25), seed=st.integers(0, 2 ** 16))
+def test_sinkhorn_in_place_rounds_are_bit_identical(t, scale, iters, seed):
+    logits = np.random.default_rng(seed).standard_normal((t, 4, 4)) * scale
+    got = sinkhorn(logits, iters, 1e-6, DEVICE)
+    assert np.array_equal(got, _sinkhorn_reference(logits, iters, 1e-6))
+
+
+@pytest.mark.parametrize("mode", ["device", "exact", "official"])
+def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mode):
+    cfg, nm, layer = SMALL, Numerics(mode), 4
+    w, expert = small_ckpt.layer(layer), (lambda e: small_ckpt.expert(layer, e))
+    rng = np.random.default_rng(7)
+    T, K = 40, cfg.num_experts_per_tok
+    x_i8 = rng.integers(-127, 128, (T, cfg.hidden_size)).astype(np.float64)
+    x_scale = rng.uniform(1e-3, 1e-2, (T, 1))
+    idx = np.stack([rng.choice(cfg.n_routed_experts // 2, K, replace=False) for _ in range(T)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1.0, (T, K))
+    shared = {k: w[k] for k in SHARED_NAMES}
+    got = moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
+    routed = np.zeros((T, K, cfg.hidden_size))
+    for e in np.unique(idx):
+        t, k = np.nonzero(idx == e)
+        routed[t, k] = routed_expert(x_i8[t], x_scale[t], expert(int(e)), wts[t, k], cfg=cfg, nm=nm)
+    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
+    for k in range(K):
+        out = out + routed[:, k]
+    assert np.array_equal(got, nm.bf16(out))
+
+
+@pytest.mark.parametrize("mode", ["device", "exact"])
+def test_attention_chunks_do_not_change_bits(mode):
+    cfg, nm = SMALL, Numerics(mode)
+    rng = np.random.default_rng(3)
+    T, H, HD, pages, rpp = 20, cfg.num_attention_heads, cfg.head_dim, 8, 32
+    bf = lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)
+    q = bf(rng.standard_normal((T, H, HD)))
+    kv = rng.standard_normal((pages, rpp, 1, HD)).astype(np.float32).astype(BF16)
+    cmp_kv = rng.standard_normal((4, 16, 1, HD)).astype(np.float32).astype(BF16)
+    swa = rng.integers(-1, pages * rpp, (T, 128)).astype(np.int32)
+    lens = rng.integers(0, 129, T).astype(np.int32)
+    cmp_rows = np.where(rng.random((T, 40)) < 0.8, rng.integers(0, 60, (T, 40)), -1).astype(np.int32)
+    table = np.array([[2, 0, 3, -1]], np.int32)
+    cos = bf(np.cos(rng.uniform(0, 6, (T, cfg.qk_rope_head_dim))))
+    sin = bf(np.sin(rng.uniform(0, 6, (T, cfg.qk_rope_head_dim))))
+    sink = rng.standard_normal(H).astype(np.float32)
+    run = lambda chunk: sparse_attention(q, kv, swa, lens, sink, cos, sin, cmp_kv=cmp_kv, cmp_rows=cmp_rows,
+                                         cmp_block_table=table, req=np.zeros(T, np.int32), cfg=cfg, nm=nm,
+                                         chunk=chunk)
+    whole = run(T)
+    assert np.isfinite(whole).all() and np.abs(whole).max() > 0
+    for chunk in (1, 7, None):
+        assert np.array_equal(run(chunk), whole)
+
+
+def test_device_scores_orientation_gives_the_same_bits():
+    """Device mode scores as (K q^T)^T; on bf16 values it is the q K^T GEMM's bits."""
+    rng = np.random.default_rng(5)
+    bf = lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)
+    for n in (128, 256, 640):
+        q, K = bf(rng.standard_normal((6, 8, 128))), bf(rng.standard_normal((6, n, 128)))
+        assert np.array_equal((K @ np.ascontiguousarray(q.transpose(0, 2, 1))).transpose(0, 2, 1),
+                              q @ K.transpose(0, 2, 1))
+
+
+def test_retain_heap_names_bad_thresholds():
+    with pytest.raises(AbiError, match="mmap_mib=0"):
+        retain_heap(0)
+    with pytest.raises(AbiError, match="trim_mib=4"):
+        retain_heap(8, 4)
+    got = retain_heap()
+    assert got is None or got == {"mmap_threshold_mib": 32, "trim_threshold_mib": 64}
