@@ -18,8 +18,13 @@
    on around the call only): a before/after ratio that does not move with the machine's load
    (it does not see cache misses; ~25 s per 1,000 requests per side).
 
+6. With `--digest`: no timing; a hash per run of the summary and the request, step, dispatch and
+   occupancy frames (the 2,000-request burst and tests/sim/fleet_workloads.py's four agreement
+   workloads, one fidelity), to show that a speed change left the results bit-identical.
+
     python benchmarks/sim_speed.py [--quick] [--fidelity exact|fleet|both] [--baseline f938e96 [--repeat 3]]
     python benchmarks/sim_speed.py --fidelity fleet --baseline f938e96 --instructions 1000
+    python benchmarks/sim_speed.py --fidelity fleet --digest
 """
 from __future__ import annotations
 
@@ -171,6 +176,31 @@ def compare_instructions(ref: str, n: int, fidelity: str) -> dict:
             "same_run": (base["steps"], base["simulated_s"]) == (cur["steps"], cur["simulated_s"])}
 
 
+def digests(fidelity: str) -> dict:
+    """sha256 (16 hex digits) of each run's summary (less its wall times) and result frames."""
+    import dataclasses
+    import hashlib
+
+    import pandas as pd
+
+    from twin.sim.run import SimConfig, simulate
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "sim"))
+    from fleet_workloads import WORKLOADS
+
+    runs = {"burst2000": SimConfig(dep(), workload(2000))}
+    runs.update({name: make() for name, make in WORKLOADS.items()})
+    out = {}
+    for name, cfg in runs.items():
+        res = simulate(dataclasses.replace(cfg, fidelity=fidelity))
+        h = hashlib.sha256(json.dumps({k: v for k, v in res.summary.items() if k not in ("wall_s", "sim_s_per_wall_s")},
+                                      sort_keys=True, default=str).encode())
+        for frame in (res.requests, res.steps, res.dispatches, res.occupancy):
+            h.update(pd.util.hash_pandas_object(frame.astype(str), index=True).values.tobytes())
+        out[name] = h.hexdigest()[:16]
+    return out
+
+
 def compare(ref: str, sizes: tuple[int, ...], repeat: int, fidelity: str = "exact") -> dict:
     """Baseline (the package at git `ref`) and the working tree, alternating, same sizes."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,6 +250,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="alternating rounds for --baseline (best of each side)")
     ap.add_argument("--instructions", type=int, metavar="N",
                     help="with --baseline: count instructions (callgrind) on an N-request burst instead of timing")
+    ap.add_argument("--digest", action="store_true", help="hash each run's results instead of timing")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
@@ -230,6 +261,10 @@ def main() -> None:
 
         got = count_worker(args.worker, args.fidelity) if args.count else run(args.worker, args.fidelity)
         print(json.dumps({**got, "package": os.path.dirname(twin.__file__)}))
+        return
+    if args.digest:
+        fid = "exact" if args.fidelity == "both" else args.fidelity
+        print(json.dumps({"benchmark": "sim_speed", "fidelity": fid, "digests": digests(fid)}, indent=2))
         return
     if args.instructions:
         if not args.baseline:
