@@ -46,7 +46,7 @@ def _rounds_np(c, n, hc_eps):
         np.add.reduce(ct, axis=0, keepdims=True, out=cs)
         cs += hc_eps
         ct /= cs
-    return np.moveaxis(ct, (0, 1), (-2, -1))
+    return np.ascontiguousarray(np.moveaxis(ct, (0, 1), (-2, -1)))     # C order, as `rounds` gives
 
 
 def collapse(x_hc, pre, nm):
