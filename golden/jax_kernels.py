@@ -160,13 +160,23 @@ def _int_dots(spec, a, b, nm):
 def lightning_indexer_grouped(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_weights_proj,
                               csa_hadamard_idx, rope_cos, rope_sin, idx_kv_cache, idx_kv_scale, idx_block_table,
                               req, positions, cache_lens, g, *, cfg, nm, cap, n_candidates):
-    """golden.kernels.indexer.lightning_indexer, candidates gathered once per request -> topk."""
+    """golden.kernels.indexer.lightning_indexer, candidates gathered once per request -> topk.
+
+    With at most min(index_topk, TILE) candidates (n_candidates is static) every candidate is
+    selected: the top min(visible, IK) = visible of a row are then exactly its rows c < visible
+    (the visible ones outscore the rest; an unmapped visible one ties with the invisible ones at
+    FP32_NEG_INF and precedes them by index).  They are returned in index order instead of score
+    order without scoring; attention reads them all in its first compressed tile either way, so
+    its result is the same but for the f32 summation order inside that tile."""
     IK, C = cfg.index_topk, n_candidates
     T = x.shape[0]
+    visible = jnp.minimum(jnp.minimum(cache_lens[req], (positions + 1) // 4), cap)
+    if C <= min(IK, TILE):
+        c = jnp.arange(IK, dtype=jnp.int32)
+        return jnp.where(c[None, :] < visible[:, None], c[None, :], -1)
     q_i8, q_scale = index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx,
                                 rope_cos, rope_sin, cfg=cfg, nm=nm)
     w = nm.r32(nm.mm(nm.asf(x), nm.asf(csa_weights_proj)) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5))
-    visible = jnp.minimum(jnp.minimum(cache_lens[req], (positions + 1) // 4), cap)
     grp = g["g_grp"]
     slot, ok = _paged_rows(idx_block_table[g["g_req"]], C, idx_kv_cache.shape[1])
     k = nm.get_rows(idx_kv_cache, slot)                                   # [G, C, IHD]
