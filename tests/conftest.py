@@ -3,6 +3,10 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+from golden.heap import retain_heap
+
+retain_heap()       # the suite's golden steps reuse freed temporaries (golden.heap): ~15% of a step
+
 # derandomize: a landing run draws the examples the local run drew (a random find belongs to an
 # exploring run, HYPOTHESIS_PROFILE=thorough, not to a merge gate)
 settings.register_profile("ci", deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,

@@ -39,6 +39,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from golden.heap import retain_heap
     from hw.report import ReportWriter
     from hw.runs import build_run, parse_fault
     from hw.threads import limit_cpu_threads
@@ -46,6 +47,7 @@ def run(args) -> int:
 
     if args.device == "cpu":
         limit_cpu_threads(1)
+        retain_heap()           # golden's temporaries reused, not re-faulted (golden.heap)
 
     con = Console()
     run_dir = Path(args.run_dir)
