@@ -6,7 +6,8 @@
      the two interleaved, wall and CPU time (step_over_gemms_cpu: the steadier of the two on a
      loaded machine);
    - the JAX path (the whole step in one jit; device mode accumulates in FP32, the device
-     contract's accumulator; per-request candidate gathers, expert-block MoE) against the NumPy
+     contract's accumulator, with BF16 GEMM operands where both are BF16 values; per-request
+     candidate gathers, expert-block MoE, sort-free top-k) against the NumPy
      step, with its first calls (trace + compile + run) reported apart, twice: NumPy pools in
      (compose.forward's signature: the pools are copied into JAX first) and resident pools (a
      decode loop carries the returned pools, donated, so the writes happen in place); wall and
@@ -160,6 +161,9 @@ def small_decode(reps: int, jax_too: bool = True, mode: str = "device") -> dict:
                 "jax_step_s": w["jax"], "jax_step_resident_pools_s": w["jax_resident"],
                 "jax_speedup": w["numpy"] / w["jax"], "jax_speedup_resident_pools": w["numpy"] / w["jax_resident"],
                 "cpu_s": c, "jax_speedup_resident_pools_cpu": c["numpy"] / c["jax_resident"],
+                # XLA's runtime runs independent ops of the step on a second thread whatever the
+                # thread flags say: > 1 where that thread found work (and a free core)
+                "jax_cpu_over_wall": c["jax_resident"] / w["jax_resident"],
                 "jax_over_numpy_gemms_alone": w["jax_resident"] / t_mm,
                 "jax_logit_rows": int(L.shape[0]),
                 "jax_rows_within_kernel_math_tol": int(np.sum((cos >= 0.99) & (rl2 <= 0.10))),
