@@ -45,12 +45,14 @@ Weights (`golden.checkpoint`)
         W8A8: int8 `.weight` + f32 `.weight_scale`); save_checkpoint(ckpt, dir); real_names(cfg)
 
 JAX (`golden.jax_path`, `golden.jax_numerics`)
-    JaxGolden(ckpt, cfg, mode, compiler_options=None).forward(meta, caches, donate=False, taps=None,
-        extents=None)  - the whole step in one jit (key: form, candidate-count buckets, layout);
-        device mode accumulates in FP32 (Fp32Numerics: kernel-math's rounding points, exact INT8
-        GEMMs), exact mode in float64; equal to NumPy within kernel-math's FP32 tolerances
-        (tie-aware); pools come back as JAX arrays (to_numpy(tree) converts), donate=True
-        updates them in place; taps from JAX_TAP_STAGES
+    JaxGolden(ckpt, cfg, mode, compiler_options=None, verify_bf16=False).forward(meta, caches,
+        donate=False, taps=None, extents=None)  - the whole step in one jit (key: form,
+        candidate-count buckets, layout); device mode accumulates in FP32 (Fp32Numerics: BF16
+        operands where both factors are BF16 values, kernel-math's rounding points, exact INT8
+        GEMMs; verify_bf16 checks the operands and sets `bf16_operands_ok`), exact mode in float64;
+        equal to NumPy within kernel-math's FP32 tolerances (tie-aware); pools come back as JAX
+        arrays (to_numpy(tree) converts), donate=True updates them in place; taps from
+        JAX_TAP_STAGES
 
 Building on it (Golden II): run `forward` with `Taps(stages=["attn_in", "x_hc"])`, take
 `target_hidden(...)` for the drafter input, call `layer_step` for draft layers with your own

@@ -3,37 +3,16 @@
 in expert blocks (`golden.jax_kernels.moe_blocked`) and hc_post as stream multiply-adds."""
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from .compose import SHARED_NAMES
 from .jax_kernels import hc_post_streams, moe_blocked
 from .jax_select import top_k_desc
 from .kernels.hyper_connections import hc_pre
-from .kernels.moe import _softplus, gate
-from .kernels.rmsnorm import rms_scale
+from .kernels.moe import gate
 
 
 def gate_topk(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, nm):
-    """golden.kernels.moe.gate, same values and rounding points; hash layers are the kernel's."""
-    if layer < cfg.num_hash_layers:
-        return gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, layer=layer, cfg=cfg, nm=nm)
-    x = nm.asf(x_mixed)
-    inv_rms = rms_scale(x, nm, cfg.rms_norm_eps)
-    xg = x * nm.asf(norm_w)
-    if nm.mode == "official":         # official routes the bf16 ffn_norm output (kernel-math §7 #8)
-        xn = nm.bf16(xg * inv_rms)
-        logits = nm.mm(xn, nm.asf(gate_w).T)
-        x_i8, x_scale = nm.q8(xn)
-    else:
-        logits = inv_rms * nm.mm(xg, nm.asf(gate_w).T)
-        x_i8, dq = nm.q8(xg)
-        x_scale = dq * inv_rms
-    x_scale = nm.r32(x_scale)
-    scores = nm.r32(jnp.sqrt(_softplus(nm.r32(logits), jnp)))
-    idx = top_k_desc(scores + nm.asf(gate_bias), cfg.num_experts_per_tok)
-    sel = jnp.take_along_axis(scores, idx, axis=-1)
-    weights = nm.r32(sel / jnp.sum(sel, axis=-1, keepdims=True) * cfg.routed_scaling_factor)
-    return x_i8, x_scale, idx, weights
+    """golden.kernels.moe.gate, same values and rounding points, its top-k without a sort."""
+    return gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, layer=layer, cfg=cfg, nm=nm, top_k=top_k_desc)
 
 
 def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None):

@@ -16,8 +16,10 @@ def _softplus(x, xp):
     return xp.maximum(x, 0.0) + xp.log1p(xp.exp(-xp.abs(x)))
 
 
-def gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, nm, num_tokens=None):
-    """-> x_norm_i8 [T, D], x_norm_scale [T, 1], indices [T, K] int32, weights [T, K]."""
+def gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, nm, num_tokens=None, top_k=None):
+    """-> x_norm_i8 [T, D], x_norm_scale [T, 1], indices [T, K] int32, weights [T, K].
+    top_k(biased_scores, k): the k best experts per row, best first, ties to the lower id (the
+    default is a stable descending argsort; the JAX path passes a sort-free equivalent)."""
     xp = nm.xp
     x = nm.asf(x_mixed)
     inv_rms = rms_scale(x, nm, cfg.rms_norm_eps)
@@ -35,8 +37,10 @@ def gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, 
     K = cfg.num_experts_per_tok
     if layer < cfg.num_hash_layers:
         idx = xp.asarray(tid2eid)[xp.asarray(input_ids)].astype(xp.int32)
-    else:
+    elif top_k is None:
         idx = xp.argsort(-(scores + nm.asf(gate_bias)), axis=-1, stable=True)[:, :K].astype(xp.int32)
+    else:
+        idx = top_k(scores + nm.asf(gate_bias), K)
     sel = xp.take_along_axis(scores, idx, axis=-1)
     weights = nm.r32(sel / xp.sum(sel, axis=-1, keepdims=True) * cfg.routed_scaling_factor)
     if num_tokens is not None:        # rows >= num_tokens: scale 0, expert 0, weight 0
