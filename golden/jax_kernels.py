@@ -27,14 +27,14 @@ import numpy as np
 from jax import lax
 
 from .jax_select import first_max, top_k_desc
-from .kernels.compressor import EXCLUDE, compressor, indexer_compressor
+from .kernels.compressor import EXCLUDE, compress_project, indexer_compressor, pool_rows
 from .kernels.hyper_connections import hc_head, hc_post, hc_pre
 from .kernels.lm_head import lm_head
 from .kernels.indexer import PREFILL_SCORE_CAP, index_query
 from .kernels.moe import shared_expert, swiglu_expert
 from .kernels.o_proj import o_proj, pack_groups
 from .kernels.qkv_proj_rope import qkv_proj_rope
-from .kernels.rmsnorm import rms_norm
+from .kernels.rmsnorm import rms_norm, rmsnorm_f
 from .kernels.rope import rope_tail
 from .kernels.sparse_attention import TILE, csa_rows, hca_rows
 from .numerics import EXACT_F32_K, FP32_NEG_INF, NEG_INF_ATTN
@@ -116,10 +116,35 @@ def layout(meta, group: int = GROUP) -> Layout:
 def compressor_sel(x, sel, sel_ok, positions, req, first_pos, compress_state, state_block_table,
                    state_slot_mapping, cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *,
                    ratio, cfg, nm, missing=EXCLUDE):
-    """golden.kernels.compressor.compressor with `sel` given (a static-length list of rows)."""
-    return compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping,
-                      cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, ratio=ratio, cfg=cfg,
-                      nm=nm, missing=missing, selection=(sel, sel_ok))[:2]
+    """golden.kernels.compressor.compressor with `sel` given (a static-length list of rows), its
+    pooling skipped at run time when no row of `sel` is a real boundary (a ratio-128 compressor's
+    decode step mostly: 16 padded windows of 128 rows otherwise pooled for nothing)."""
+    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
+
+    def rows(state):
+        pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_block_table, ratio=ratio, nm=nm,
+                           missing=missing)
+        nm.reads.pop(id(state), None)               # a tracer of the branch: see _if_any_boundary
+        y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
+        if nm.mode == "official":                   # FP8 round trip of the compressed KV (§8 (b))
+            R = cfg.qk_rope_head_dim
+            y = jnp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
+        return nm.bf16(y)
+
+    y = _if_any_boundary(sel_ok, rows, compress_state, (sel.shape[0], cmp_kv.shape[-1]), nm)
+    cmp_kv = nm.set_rows(cmp_kv, jnp.where(sel_ok, cmp_slot_mapping[sel], -1), nm.store_bf16(y))
+    compress_state = nm.set_rows(compress_state, state_slot_mapping, jnp.concatenate([kvp, scp], -1))
+    return cmp_kv, compress_state
+
+
+def _if_any_boundary(sel_ok, rows, state, shape, nm):
+    """rows(state) when any of sel_ok, else zeros (then written nowhere): one compiled step
+    whatever the call's boundary count.  The state pool read inside the branch is recorded as read
+    through the branch's result, so that its later commit (nm.set_rows) still follows the read
+    and updates the pool in place."""
+    y = lax.cond(jnp.any(sel_ok), rows, lambda st: jnp.zeros(shape, nm.f), state)
+    nm.reads[id(state)] = (state, y)
+    return y
 
 
 def indexer_compressor_sel(x, sel, sel_ok, positions, req, first_pos, inner_state, state_block_table,
