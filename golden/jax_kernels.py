@@ -115,11 +115,12 @@ def layout(meta, group: int = GROUP) -> Layout:
 # ---- compressors: pool the host-selected boundary tokens only ---------------------------------
 def compressor_sel(x, sel, sel_ok, positions, req, first_pos, compress_state, state_block_table,
                    state_slot_mapping, cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *,
-                   ratio, cfg, nm, missing=EXCLUDE):
+                   ratio, cfg, nm, missing=EXCLUDE, proj=None):
     """golden.kernels.compressor.compressor with `sel` given (a static-length list of rows), its
     pooling skipped at run time when no row of `sel` is a real boundary (a ratio-128 compressor's
-    decode step mostly: 16 padded windows of 128 rows otherwise pooled for nothing)."""
-    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
+    decode step mostly: 16 padded windows of 128 rows otherwise pooled for nothing).  proj: the
+    (x @ wkv.T, x @ wgate.T) products already computed (`fused_projections`)."""
+    kvp, scp = _compress_rows(x, wkv, wgate, ape, positions, ratio, nm, proj)
 
     def rows(state):
         pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_block_table, ratio=ratio, nm=nm,
@@ -147,14 +148,68 @@ def _if_any_boundary(sel_ok, rows, state, shape, nm):
     return y
 
 
+def _compress_rows(x, wkv, wgate, ape, positions, ratio, nm, proj):
+    """compress_project's (kv, score) rows, from its products when given (same rounding points)."""
+    if proj is None:
+        return compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
+    return nm.r32(proj[0]), nm.r32(proj[1] + nm.asf(ape)[positions % ratio])
+
+
 def indexer_compressor_sel(x, sel, sel_ok, positions, req, first_pos, inner_state, state_block_table,
                            state_slot_mapping, idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate,
-                           inner_ape, inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm):
-    """golden.kernels.compressor.indexer_compressor with `sel` given."""
+                           inner_ape, inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm, proj=None):
+    """golden.kernels.compressor.indexer_compressor with `sel` given; proj as in compressor_sel."""
+    if proj is not None:
+        kvp, scp = _compress_rows(x, inner_wkv, inner_wgate, inner_ape, positions, 4, nm, proj)
+        pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
+        y = nm.bf16(rope_tail(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm))
+        y_q, dq = nm.q8(nm.bf16(nm.mm(y, nm.asf(hadamard))))          # device mode only (see fused_projections)
+        slots = jnp.where(sel_ok, idx_slot_mapping[sel], -1)
+        return (nm.set_rows(idx_kv_cache, slots, y_q), nm.set_rows(idx_kv_scale, slots, dq),
+                nm.set_rows(inner_state, state_slot_mapping, jnp.concatenate([kvp, scp], -1)))
     return indexer_compressor(x, positions, req, first_pos, inner_state, state_block_table, state_slot_mapping,
                               idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate, inner_ape,
                               inner_norm_w, hadamard, cmp_cos, cmp_sin, cfg=cfg, nm=nm,
                               selection=(sel, sel_ok))[:3]
+
+
+# ---- one GEMM for the projections of the attn-normed activations ----------------------------
+X_PROJ = "x_proj"       # a layer's fused [D, sum of outs] matrix (device mode, see fused_projections)
+X_PROJ_KEYS = {0: ("wq_a", "wkv"),
+               4: ("wq_a", "wkv", "csa_cmp_wkv", "csa_cmp_wgate", "csa_inner_wkv", "csa_inner_wgate"),
+               128: ("wq_a", "wkv", "hca_cmp_wkv", "hca_cmp_wgate")}
+
+
+def fuse_projections(w: dict, ratio: int, xp):
+    """A layer's stored weights with the [in, out] matrices that multiply the attn-normed x
+    (X_PROJ_KEYS) replaced by one concatenation along out, and their (name, width) in order."""
+    keys = X_PROJ_KEYS[ratio]
+    fused = {k: v for k, v in w.items() if k not in keys}
+    fused[X_PROJ] = xp.concatenate([w[k] for k in keys], axis=1)
+    return fused, tuple((k, int(w[k].shape[1])) for k in keys)
+
+
+def fused_projections(x_n, w, split, nm):
+    """name -> x_n @ w[name] for the fused names: one GEMM, its columns split.  Device mode only:
+    there every product is a BF16 dot with f32 sums, so one wider GEMM changes nothing but XLA's
+    summation order (official mode's qkv input is an FP8 round trip the compressors do not see)."""
+    y = dot(x_n, w[X_PROJ], (((1,), (0,)), ((), ())), nm)
+    out, c = {}, 0
+    for k, n in split:
+        out[k], c = y[:, c:c + n], c + n
+    return out
+
+
+def qkv_rope_from(qr_p, kv_p, wq_b, wq_b_scale, gamma_cq, gamma_ckv, rope_cos, rope_sin, *, cfg, nm):
+    """golden.kernels.qkv_proj_rope.qkv_proj_rope after its two GEMMs (x @ wq_a, x @ wkv given;
+    device mode: no FP8 step on kv)."""
+    eps, T = cfg.rms_norm_eps, qr_p.shape[0]
+    qr, qr_scale = nm.q8(rmsnorm_f(qr_p, gamma_cq, nm, eps))
+    q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
+    q = rmsnorm_f(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), None, nm, eps)
+    q = nm.bf16(rope_tail(q, rope_cos[:, None, :], rope_sin[:, None, :], nm))
+    kv = rope_tail(rmsnorm_f(kv_p, gamma_ckv, nm, eps), rope_cos, rope_sin, nm)
+    return q, nm.bf16(kv), qr, qr_scale
 
 
 # ---- per-request candidate gathers ------------------------------------------------------------
@@ -326,14 +381,14 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
 
 
 # ---- the attention sub-layer on the grouped kernels -------------------------------------------
-def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca):
+def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None):
     """golden.compose.attention_sublayer with the JAX kernels above (same order and pools)."""
     pools = dict(pools)
     x_mixed, post, comb = hc_pre(x_hc, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg=cfg, nm=nm)
     x_n = rms_norm(x_mixed, w["attn_norm_w"], cfg=cfg, nm=nm)
     with bf16_operands(nm):
         attn_out, pools = _attention_core(x_n, w, pools, m, rope, g, cfg=cfg, nm=nm, form=form, ratio=ratio,
-                                          n_idx=n_idx, n_hca=n_hca)
+                                          n_idx=n_idx, n_hca=n_hca, split=split)
     return hc_post_streams(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools
 
 
@@ -347,12 +402,18 @@ def hc_post_streams(x, residual, post, comb, *, cfg, nm):
     return nm.bf16(y) if nm.mode == "official" else nm.r32(y)
 
 
-def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca):
+def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None):
     """qkv -> compressors and indexer -> KV write -> attention -> o_proj: every GEMM here multiplies
     BF16 values (x_n, q, P and o are BF16 rounding points; the weights and pools BF16 or INT8)."""
     cos, sin = rope["swa"] if ratio == 0 else rope["compressed"]
-    q, kv, qr, qr_scale = qkv_proj_rope(x_n, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], w["gamma_cq"],
-                                        w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm)
+    pr = fused_projections(x_n, w, split, nm) if split else {}
+    pj = lambda a, b: (pr[a], pr[b]) if pr else None
+    if pr:
+        q, kv, qr, qr_scale = qkv_rope_from(pr["wq_a"], pr["wkv"], w["wq_b"], w["wq_b_scale"], w["gamma_cq"],
+                                            w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm)
+    else:
+        q, kv, qr, qr_scale = qkv_proj_rope(x_n, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], w["gamma_cq"],
+                                            w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm)
     pos, req, first = m["position_ids"], m["req"], m["first_pos"]
     cmp = {}
     if ratio == 4:
@@ -360,13 +421,15 @@ def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n
         sel, ok = g["g_sel4"], g["g_sel_ok4"]
         pools["csa_cmp_kv"], pools["csa_compress_state"] = compressor_sel(
             x_n, sel, ok, pos, req, first, pools["csa_compress_state"], m["csa_compress_state_block_table"],
-            m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w["csa_cmp_wkv"],
-            w["csa_cmp_wgate"], w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm)
+            m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w.get("csa_cmp_wkv"),
+            w.get("csa_cmp_wgate"), w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm,
+            proj=pj("csa_cmp_wkv", "csa_cmp_wgate"))
         pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"] = indexer_compressor_sel(
             x_n, sel, ok, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
             m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
-            m["csa_idx_slot_mapping"], w["csa_inner_wkv"], w["csa_inner_wgate"], w["csa_inner_ape"],
-            w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm)
+            m["csa_idx_slot_mapping"], w.get("csa_inner_wkv"), w.get("csa_inner_wgate"), w["csa_inner_ape"],
+            w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm,
+            proj=pj("csa_inner_wkv", "csa_inner_wgate"))
         cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
         topk = lightning_indexer_grouped(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
                                          w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin, pools["idx_kv_cache"],
@@ -381,8 +444,9 @@ def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n
         pools["hca_cmp_kv"], pools["hca_compress_state"] = compressor_sel(
             x_n, g["g_sel128"], g["g_sel_ok128"], pos, req, first, pools["hca_compress_state"],
             m["hca_compress_state_block_table"], m["hca_state_slot_mapping"], pools["hca_cmp_kv"],
-            m["hca_cmp_slot_mapping"], w["hca_cmp_wkv"], w["hca_cmp_wgate"], w["hca_cmp_ape"], w["hca_cmp_norm_w"],
-            hcos, hsin, ratio=128, cfg=cfg, nm=nm, missing=ZERO if form == PREFILL else EXCLUDE)
+            m["hca_cmp_slot_mapping"], w.get("hca_cmp_wkv"), w.get("hca_cmp_wgate"), w["hca_cmp_ape"], w["hca_cmp_norm_w"],
+            hcos, hsin, ratio=128, cfg=cfg, nm=nm, missing=ZERO if form == PREFILL else EXCLUDE,
+            proj=pj("hca_cmp_wkv", "hca_cmp_wgate"))
         cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
         if n_hca:
             cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm,

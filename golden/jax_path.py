@@ -29,7 +29,7 @@ import numpy as np
 from twin.abi.errors import AbiError
 
 from .compose import ForwardOut, Taps, _check_contiguous, rope_inputs
-from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, head, layout
+from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, fuse_projections, head, layout
 from .jax_moe import moe_sublayer
 from .jax_numerics import Fp32Numerics
 from .kernels.embedding import lookup_embedding
@@ -77,6 +77,11 @@ class JaxGolden:
             put = lambda d: {k: jnp.asarray(_swap(wide(np.asarray(v))) if k in READ_TRANSPOSED else wide(np.asarray(v)))
                              for k, v in d.items() if v is not None}
             self.layers = [put(ckpt.layer(l)) for l in range(L)]
+            # device mode: the matrices that multiply the attn-normed x as one [D, outs] GEMM
+            self.splits = [None] * L
+            if mode == "device":
+                for l in range(L):
+                    self.layers[l], self.splits[l] = fuse_projections(self.layers[l], cfg.compress_ratios[l], jnp)
             # a layer's routed experts stacked on a leading expert axis (one block reads one expert)
             # (the matrices as [E, in, out]: the layout the dot reads, see moe_blocked)
             tr = lambda k, v: np.ascontiguousarray(np.swapaxes(v, 1, 2)) if k in TRANSPOSED_KEYS else v
@@ -104,7 +109,7 @@ class JaxGolden:
                 taps.put(layer, "attn_in", x_hc)
                 x_hc, p = attention_sublayer_grouped(x_hc, layer, layers[layer], pools[layer], m, rope, g, cfg=cfg,
                                                      nm=nm, form=form, ratio=cfg.compress_ratios[layer],
-                                                     n_idx=n_idx, n_hca=n_hca)
+                                                     n_idx=n_idx, n_hca=n_hca, split=self.splits[layer])
                 taps.put(layer, "attn_x_hc", x_hc)
                 x_hc = moe_sublayer(x_hc, layer, layers[layer], experts[layer], ids, cfg=cfg, nm=nm, taps=taps)
                 out.append(p)
