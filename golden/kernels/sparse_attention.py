@@ -106,8 +106,11 @@ def attend(q, K, valid, attn_sink, *, cfg, nm, tile=TILE):
         np.copyto(pt.transpose(0, 2, 1, 3), e.astype(np.float32).astype(BF16))
     else:
         pt = (e if nm.mode == "official" else nm.bf16(e)).transpose(0, 2, 1, 3)   # the device rounds P to bf16
-    o_t = nm.mm(pt, K.reshape(T, nt, tile, HD)).transpose(0, 2, 1, 3)
+    o_raw = nm.mm(pt, K.reshape(T, nt, tile, HD))            # [T, nt, H, HD]
     any_t = xp.any(v, axis=-1)                               # [T, 1, nt]
+    if nm.is_numpy:
+        return _combine_tiles_np(m, l_t, o_raw, any_t, nm.asf(attn_sink))
+    o_t = o_raw.transpose(0, 2, 1, 3)
     has = xp.any(any_t, axis=-1)                             # [T, 1]
     M = xp.max(xp.where(any_t, m, -xp.inf), axis=-1)
     M = xp.where(has, M, 0.0)
@@ -115,6 +118,32 @@ def attend(q, K, valid, attn_sink, *, cfg, nm, tile=TILE):
     o = xp.sum(a[..., None] * o_t, axis=2)
     den = xp.sum(a * l_t, axis=2) + xp.exp(nm.asf(attn_sink)[None, :] - M)
     return xp.where(has[..., None], o / den[..., None], 0.0)
+
+
+def _combine_tiles_np(m, l_t, o_raw, any_t, sink):
+    """attend's tile combination on NumPy, with the generic code's bits and no [T, H, nt, HD]
+    temporary: its sum over the tile axis (not the innermost one) adds tile by tile in order from
+    0.0 (so a -0 term sums to +0), as the loop here does.  One tile: its weight exp(m - M) is
+    exactly 1 (M = m), or the row is masked to 0 either way."""
+    has = np.any(any_t, axis=-1)                             # [T, 1]
+    nt = m.shape[-1]
+    if nt == 1:
+        M = np.where(has, m[..., 0], 0.0)
+        o = o_raw[:, 0] + 0.0
+        den = l_t[..., 0] + np.exp(sink[None, :] - M)
+    else:
+        M = np.max(np.where(any_t, m, -np.inf), axis=-1)
+        M = np.where(has, M, 0.0)
+        a = np.where(any_t, np.exp(m - M[..., None]), 0.0)      # [T, H, nt]
+        o = a[..., 0, None] * o_raw[:, 0]
+        o += 0.0
+        tmp = np.empty_like(o)
+        for j in range(1, nt):
+            o += np.multiply(a[..., j, None], o_raw[:, j], out=tmp)
+        den = np.sum(a * l_t, axis=2) + np.exp(sink[None, :] - M)
+    o /= den[..., None]
+    o[~has[:, 0]] = 0.0
+    return o
 
 
 def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, rope_sin, *, cmp_kv=None,

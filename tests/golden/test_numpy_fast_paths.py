@@ -9,7 +9,7 @@ from golden.compose import SHARED_NAMES
 from golden.heap import retain_heap
 from golden.kernels.hyper_connections import sinkhorn
 from golden.kernels.moe import moe_experts, routed_expert, shared_expert
-from golden.kernels.sparse_attention import sparse_attention
+from golden.kernels.sparse_attention import _combine_tiles_np, sparse_attention
 from golden.numerics import BF16, Numerics
 from golden_testlib import DEVICE
 from twin.abi.errors import AbiError
@@ -101,6 +101,36 @@ def test_attention_chunks_do_not_change_bits(mode):
     assert np.isfinite(whole).all() and np.abs(whole).max() > 0
     for chunk in (1, 7, None):
         assert np.array_equal(run(chunk), whole)
+
+
+def _combine_tiles_generic(m, l_t, o_raw, any_t, sink):
+    """attend's tile combination as written for every namespace."""
+    o_t = o_raw.transpose(0, 2, 1, 3)
+    has = np.any(any_t, axis=-1)
+    M = np.max(np.where(any_t, m, -np.inf), axis=-1)
+    M = np.where(has, M, 0.0)
+    a = np.where(any_t, np.exp(m - M[..., None]), 0.0)
+    o = np.sum(a[..., None] * o_t, axis=2)
+    den = np.sum(a * l_t, axis=2) + np.exp(sink[None, :] - M)
+    return np.where(has[..., None], o / den[..., None], 0.0)
+
+
+@settings(max_examples=40)
+@given(t=st.integers(1, 12), nt=st.sampled_from([1, 2, 3, 5, 9]), empty=st.floats(0.0, 0.6),
+       seed=st.integers(0, 2 ** 16))
+def test_tile_combination_gives_the_generic_bits(t, nt, empty, seed):
+    """Tiles with no valid candidate (m = the masking value) and rows with none at all included;
+    9 tiles: the denominator's sum over tiles is pairwise there, as in the generic code."""
+    rng = np.random.default_rng(seed)
+    H, HD = 8, 16
+    any_t = rng.random((t, 1, nt)) >= empty
+    m = np.where(any_t, rng.standard_normal((t, H, nt)) * 4, -1e20)
+    l_t = np.where(any_t, rng.uniform(1, 50, (t, H, nt)), 0.0)
+    o_raw = rng.standard_normal((t, nt, H, HD)) * (rng.random((t, nt, 1, 1)) < 0.9)
+    sink = rng.standard_normal(H)
+    got = _combine_tiles_np(m, l_t, o_raw, any_t, sink)
+    want = _combine_tiles_generic(m, l_t, o_raw, any_t, sink)
+    assert got.shape == want.shape and np.array_equal(got.view(np.int64), want.view(np.int64))
 
 
 def test_device_scores_orientation_gives_the_same_bits():
