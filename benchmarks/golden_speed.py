@@ -7,7 +7,8 @@
      loaded machine);
    - the JAX path (the whole step in one jit; device mode accumulates in FP32, the device
      contract's accumulator, with BF16 GEMM operands where both are BF16 values; per-request
-     candidate gathers, expert-block MoE, sort-free top-k) against the NumPy
+     candidate gathers, expert-block MoE, sort-free top-k, compressor pooling only in a call
+     with a real boundary, one GEMM for the projections of the normed activations) against the NumPy
      step, with its first calls (trace + compile + run) reported apart, twice: NumPy pools in
      (compose.forward's signature: the pools are copied into JAX first) and resident pools (a
      decode loop carries the returned pools, donated, so the writes happen in place); wall and
