@@ -15,7 +15,7 @@ so pooling never reads a row this call writes.
 from __future__ import annotations
 
 from .rmsnorm import rmsnorm_f
-from .rope import rope_tail
+from .rope import rope_tail, rope_tail_bf16
 
 EXCLUDE, ZERO = "exclude", "zero"     # how a missing (unmapped) state row enters the softmax
 
@@ -112,7 +112,7 @@ def indexer_compressor(x, positions, req, first_pos, inner_state, state_block_ta
     kvp, scp = compress_project(x, inner_wkv, inner_wgate, inner_ape, positions, ratio=4, nm=nm)
     sel, is_b = selection if selection is not None else boundary_selection(positions, 4, nm)
     pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
-    y = nm.bf16(rope_tail(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm))
+    y = rope_tail_bf16(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
     y = nm.bf16(nm.mm(y, nm.asf(hadamard)))
     if nm.mode == "device":
         y_q, dq = nm.q8(y)

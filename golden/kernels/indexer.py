@@ -8,7 +8,7 @@ score order (stable: lower index first on ties), the rest -1, offset 0 (pypto co
 from __future__ import annotations
 
 from ..numerics import FP32_NEG_INF
-from .rope import rope_tail
+from .rope import rope_tail_bf16
 
 PREFILL_SCORE_CAP = 2048          # RAW_TOKEN_CAP 8192 / 4
 
@@ -18,7 +18,7 @@ def index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx
     T = qr.shape[0]
     q = nm.int_mm(qr, csa_idx_wq_b) * qr_scale * nm.asf(csa_idx_wq_b_scale)
     q = q.reshape(T, cfg.index_n_heads, cfg.index_head_dim)
-    q = nm.bf16(rope_tail(q, rope_cos[:, None, :], rope_sin[:, None, :], nm))
+    q = rope_tail_bf16(q, rope_cos[:, None, :], rope_sin[:, None, :], nm)
     q = nm.mm(q, nm.asf(csa_hadamard_idx))
     if nm.mode == "device":
         return nm.q8(q)

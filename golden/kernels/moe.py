@@ -125,12 +125,15 @@ def _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, *, cfg, nm):
     span = [(bounds[e] - lo_all, bounds[e + 1] - lo_all) for e in used]
     n = rows.size
     I = ws[used[0]]["routed_w1"].shape[0]
-    g, u, s1, s3, s2 = (np.empty((n, I)), np.empty((n, I)), np.empty((n, I)), np.empty((n, I)), np.empty((n, D)))
+    g, u = np.empty((n, I)), np.empty((n, I))
     for e, (lo, hi) in zip(used, span):
         ew = ws[e]
         g[lo:hi] = nm.int_mm(xs[lo:hi], ew["routed_w1"].T)
         u[lo:hi] = nm.int_mm(xs[lo:hi], ew["routed_w3"].T)
-        s1[lo:hi], s3[lo:hi], s2[lo:hi] = ew["routed_w1_scale"], ew["routed_w3_scale"], ew["routed_w2_scale"]
+    # each route's row of its expert's scales (widened to f64, as assigning into f64 rows did)
+    count = [hi - lo for lo, hi in span]
+    s1, s3, s2 = (np.repeat(np.asarray([ws[e][name] for e in used], np.float64).reshape(len(used), -1), count, axis=0)
+                  for name in ("routed_w1_scale", "routed_w3_scale", "routed_w2_scale"))
     xsc = nm.asf(x_scale)[rows]
     g = np.minimum(nm.r32(g * xsc * s1), lim)
     u = np.clip(nm.r32(u * xsc * s3), -lim, lim)

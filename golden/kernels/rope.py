@@ -79,3 +79,12 @@ def rope_tail(x, cos, sin, nm, inverse: bool = False):
     R = cos.shape[-1]
     nope, rot = x[..., :-R], x[..., -R:]
     return xp.concatenate([nope, nm.bf16(rope_rotate(rot, cos, sin, nm, inverse))], axis=-1)
+
+
+def rope_tail_bf16(x, cos, sin, nm, inverse: bool = False):
+    """nm.bf16(rope_tail(x, cos, sin, nm, inverse)) with one rounding pass: rope_tail's own bf16
+    rounding of the rotated part is repeated by the outer one (a bf16 value rounds to itself),
+    so the whole row is rounded once."""
+    R = cos.shape[-1]
+    rot = rope_rotate(x[..., -R:], cos, sin, nm, inverse)
+    return nm.bf16(nm.xp.concatenate([x[..., :-R], rot], axis=-1))

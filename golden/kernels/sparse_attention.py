@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numerics import BF16, NEG_INF_ATTN
-from .rope import rope_tail
+from .rope import rope_tail_bf16
 
 TILE = 128
 CHUNK_BYTES = 4 << 20      # widened candidates per NumPy chunk (see sparse_attention)
@@ -175,7 +175,7 @@ def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, ro
         out = xp.concatenate([run(lo, min(lo + chunk, T)) for lo in range(0, T, chunk)], axis=0)
     else:
         out = run(0, T)
-    return nm.bf16(rope_tail(out, rope_cos[:, None, :], rope_sin[:, None, :], nm, inverse=True))
+    return rope_tail_bf16(out, rope_cos[:, None, :], rope_sin[:, None, :], nm, inverse=True)
 
 
 def hca_rows(positions, req, kv_seq_lens, *, ratio=128, cap=8192, nm, n_max=None):

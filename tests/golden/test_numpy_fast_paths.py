@@ -9,6 +9,7 @@ from golden.compose import SHARED_NAMES
 from golden.heap import retain_heap
 from golden.kernels.hyper_connections import sinkhorn
 from golden.kernels.moe import moe_experts, routed_expert, shared_expert
+from golden.kernels.rope import rope_tail, rope_tail_bf16
 from golden.kernels.sparse_attention import _combine_tiles_np, sparse_attention
 from golden.numerics import BF16, Numerics
 from golden_testlib import DEVICE
@@ -131,6 +132,24 @@ def test_tile_combination_gives_the_generic_bits(t, nt, empty, seed):
     got = _combine_tiles_np(m, l_t, o_raw, any_t, sink)
     want = _combine_tiles_generic(m, l_t, o_raw, any_t, sink)
     assert got.shape == want.shape and np.array_equal(got.view(np.int64), want.view(np.int64))
+
+
+@settings(max_examples=30)
+@given(mode=st.sampled_from(["device", "exact", "official"]), t=st.integers(1, 9), heads=st.sampled_from([0, 1, 3]),
+       inverse=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_rope_tail_rounded_once_gives_the_bits_of_rounding_twice(mode, t, heads, inverse, seed):
+    """bf16(rope_tail(x)) rounds the rotated part twice; rope_tail_bf16 once (values on and
+    halfway between bf16 neighbours included)."""
+    nm, rng, R, HD = Numerics(mode), np.random.default_rng(seed), 16, 48
+    shape = (t, HD) if heads == 0 else (t, heads, HD)
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-20, 20, shape))
+    x.reshape(-1)[::5] = x.reshape(-1)[::5].astype(np.float32).astype(BF16).astype(np.float64) * (1 + 2.0 ** -9)
+    cos, sin = np.cos(rng.uniform(0, 6, (t, R))), np.sin(rng.uniform(0, 6, (t, R)))
+    if heads:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    got = rope_tail_bf16(x, cos, sin, nm, inverse=inverse)
+    want = nm.bf16(rope_tail(x, cos, sin, nm, inverse=inverse))
+    assert np.array_equal(got.view(np.int64), want.view(np.int64))
 
 
 def test_device_scores_orientation_gives_the_same_bits():
