@@ -35,7 +35,7 @@ from .kernels.moe import shared_expert, swiglu_expert
 from .kernels.o_proj import o_proj, pack_groups
 from .kernels.qkv_proj_rope import qkv_proj_rope
 from .kernels.rmsnorm import rms_norm, rmsnorm_f
-from .kernels.rope import rope_tail
+from .kernels.rope import rope_tail, rope_tail_bf16
 from .kernels.sparse_attention import TILE, csa_rows, hca_rows
 from .numerics import EXACT_F32_K, FP32_NEG_INF, NEG_INF_ATTN
 from .paged import PREFILL
@@ -162,7 +162,7 @@ def indexer_compressor_sel(x, sel, sel_ok, positions, req, first_pos, inner_stat
     if proj is not None:
         kvp, scp = _compress_rows(x, inner_wkv, inner_wgate, inner_ape, positions, 4, nm, proj)
         pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
-        y = nm.bf16(rope_tail(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm))
+        y = rope_tail_bf16(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
         y_q, dq = nm.q8(nm.bf16(nm.mm(y, nm.asf(hadamard))))          # device mode only (see fused_projections)
         slots = jnp.where(sel_ok, idx_slot_mapping[sel], -1)
         return (nm.set_rows(idx_kv_cache, slots, y_q), nm.set_rows(idx_kv_scale, slots, dq),
@@ -207,9 +207,8 @@ def qkv_rope_from(qr_p, kv_p, wq_b, wq_b_scale, gamma_cq, gamma_ckv, rope_cos, r
     qr, qr_scale = nm.q8(rmsnorm_f(qr_p, gamma_cq, nm, eps))
     q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
     q = rmsnorm_f(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), None, nm, eps)
-    q = nm.bf16(rope_tail(q, rope_cos[:, None, :], rope_sin[:, None, :], nm))
-    kv = rope_tail(rmsnorm_f(kv_p, gamma_ckv, nm, eps), rope_cos, rope_sin, nm)
-    return q, nm.bf16(kv), qr, qr_scale
+    q = rope_tail_bf16(q, rope_cos[:, None, :], rope_sin[:, None, :], nm)
+    return q, rope_tail_bf16(rmsnorm_f(kv_p, gamma_ckv, nm, eps), rope_cos, rope_sin, nm), qr, qr_scale
 
 
 # ---- per-request candidate gathers ------------------------------------------------------------
@@ -334,7 +333,7 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
         den = den + a * l_t
     den = den + jnp.exp(nm.asf(attn_sink)[None, None, :] - M)
     o = jnp.where(has[..., None], o / den[..., None], 0.0)[grp, g["g_cell"]]       # [T, H, HD]
-    return nm.bf16(rope_tail(o, rope_cos[:, None, :], rope_sin[:, None, :], nm, inverse=True))
+    return rope_tail_bf16(o, rope_cos[:, None, :], rope_sin[:, None, :], nm, inverse=True)
 
 
 # ---- routed experts in expert blocks ------------------------------------------------------------
