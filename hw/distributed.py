@@ -19,8 +19,6 @@ layer under the tolerance policy.  Backend: gloo on CPU, nccl on CUDA, hccl on N
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import numpy as np
@@ -29,6 +27,7 @@ from twin.abi.errors import AbiError
 from twin.abi.presets import get_preset
 
 from .compare import compare_tensor
+from .launch import run_local_ranks, torchrun_rank, verdict_status, write_verdict
 from .model import golden_np as G
 from .model.spec import Geometry
 from .model.weights import synthetic_weights
@@ -191,32 +190,6 @@ def _spawned(rank, world, preset, device, rows, layer, out, init_method):
     worker(rank, world, preset, device, rows, layer, out, init_method)
 
 
-def run_local_ranks(fn, args: tuple, world: int, out: str, *, port: int | None = None,
-                    timeout_s: float = 120.0) -> dict:
-    """`fn(rank, *args, init_method)` in `world` spawned processes on 127.0.0.1 (gloo); returns the
-    verdict rank 0 wrote to `out`.  Ranks still alive at the deadline are terminated."""
-    import socket
-    import time
-
-    import torch.multiprocessing as mp
-
-    if port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    ctx = mp.start_processes(fn, args=(*args, f"tcp://127.0.0.1:{port}"), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"{world} ranks did not finish within {timeout_s}s")
-    with open(out) as fh:
-        return json.load(fh)
-
-
 def spawn_local(world: int = 4, *, preset: str = "tiny", rows: int = 64, layer: int = 1, out: str,
                 port: int | None = None, timeout_s: float = 120.0) -> dict:
     """World processes on 127.0.0.1 with gloo (tests and laptops); returns rank 0's verdict."""
@@ -234,27 +207,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     rank, world = torchrun_rank()
     return verdict_status(worker(rank, world, a.preset, a.device, a.rows, a.layer, a.out))
-
-
-def write_verdict(res: dict | None, out: str | None) -> dict | None:
-    """Rank 0's verdict, also written as JSON to `out` when given (spawned ranks hand it back that way)."""
-    if res is not None and out:
-        with open(out, "w") as fh:
-            json.dump(res, fh, indent=2)
-    return res
-
-
-def torchrun_rank() -> tuple[int, int]:
-    """(rank, world size) as torchrun sets them (a plain run is rank 0 of 1)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def verdict_status(res: dict | None) -> int:
-    """Rank 0 prints its verdict; the exit status is 1 when it failed (other ranks return None)."""
-    if res is None:
-        return 0
-    print(json.dumps(res, indent=2))
-    return 0 if res["verdict"] == "pass" else 1
 
 
 if __name__ == "__main__":

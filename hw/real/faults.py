@@ -136,8 +136,8 @@ class RealFault:
         n = cfg.num_hidden_layers
         if self.layer >= n:
             raise AbiError("layer", self.layer, f"0..{n - 1}", where="hw.real fault")
-        if self.kind == "dropped_boundary" and cfg.compress_ratios[self.layer] not in (CSA, HCA):
-            ok = [l for l in range(n) if cfg.compress_ratios[l] in (CSA, HCA)]
+        if self.kind == "dropped_boundary" and cfg.layer_kind(self.layer) not in ("csa", "hca"):
+            ok = [l for l in range(n) if cfg.layer_kind(l) in ("csa", "hca")]
             raise AbiError("layer", self.layer, f"a compressed layer (ratio {CSA} or {HCA}): one of {ok}",
                            where="hw.real fault dropped_boundary")
         if self.kind in ("wrong_slot", "dropped_boundary"):
@@ -388,8 +388,8 @@ def sweep_layers(cfg, kind: str) -> tuple[int, ...]:
     if kind in LAYERLESS:
         return (0,)
     if kind == "dropped_boundary":
-        cmp = [l for l in range(n) if cfg.compress_ratios[l] in (CSA, HCA)]
-        first = [min(l for l in cmp if cfg.compress_ratios[l] == r) for r in (CSA, HCA)]
+        cmp = [l for l in range(n) if cfg.layer_kind(l) in ("csa", "hca")]
+        first = [min(l for l in cmp if cfg.layer_kind(l) == k) for k in ("csa", "hca")]
         return tuple(dict.fromkeys(first + cmp[-1:]))
     if kind == "ring_alias":
         return tuple(min(l for l in range(n) if cfg.layer_kind(l) == k) for k in ("swa", "csa", "hca"))

@@ -226,7 +226,8 @@ class RealLockstep:
         failed = [f for f in findings if not f.passed]
         entry = {"index": rd.index, "program": rd.dispatch.program, "kind": rd.kind, "rows": len(rd.rows),
                  "verdict": "fail" if failed else "pass",
-                 # every failing finding, and the passing ones of pools with rows this dispatch wrote
+                 # every failing finding, every output's, and the passing ones of pools with rows this
+                 # dispatch wrote
                  # (a pool nobody touched is skipped by identity live but not in an offline replay)
                  "findings": [f.to_dict() for f in findings],
                  "first_divergence": self.localize(list(gtaps), dtaps, gtaps, failed) if failed else None,
@@ -307,14 +308,6 @@ class RealLockstep:
             return write_summary(self.dir, self.entries, self.config)
         from ..report import summarize
         return summarize(self.entries, {**self.config, "wall_s": wall})
-
-
-def rows_tied(dtaps, gtaps) -> list:
-    """Rows whose greedy samples differ between the sides' logits (ties the golden adopted)."""
-    if ("head", "logits") not in gtaps or ("head", "logits") not in dtaps:
-        return []
-    return np.flatnonzero(np.asarray(gtaps[("head", "logits")]).argmax(-1)
-                          != np.asarray(dtaps[("head", "logits")]).argmax(-1)).tolist()
 
 
 def _rows_ne(a, b):

@@ -24,7 +24,7 @@ import numpy as np
 from golden.ranks.emulation import RankEmulation
 from twin.abi.errors import AbiError
 
-from ..distributed import run_local_ranks, torchrun_rank, verdict_status, write_verdict
+from ..launch import run_local_ranks, torchrun_rank, verdict_status, write_verdict
 from .dist_par import DistPar
 
 __all__ = ["DistPar", "first_prefill", "rank_forward", "spawn_local", "worker"]

@@ -15,11 +15,10 @@ pytest.importorskip("torch")
 from hw.records import Record, RecordStore  # noqa: E402
 from hw.real.lockstep import build_real  # noqa: E402
 from hw.real.replay import replay  # noqa: E402
-from killed_run import env, kill_after  # noqa: E402
+from killed_run import ROOT, env, kill_after  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 
 N = 14                     # 2 prefill, 2 seed, 10 fused K=7 dispatches
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(run_dir, **kw):

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 
 from hw.runs import build_run
-from killed_run import env, kill_after
+from killed_run import ROOT, env, kill_after
 
 N = 24
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -60,13 +60,17 @@ def run(args) -> int:
     if args.golden == "real":
         from hw.real.lockstep import build_real, parse_real_fault
         from hw.real.records import read_config
+        from twin.abi.errors import AbiError
 
         fault = parse_real_fault(args.inject) if args.inject else None
         # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions);
         # a resumed run keeps the token budget it started with
         max_new = min(400, max(8, args.steps))
-        if resumed and (run_dir / "records" / "config.json").exists():
-            max_new = read_config(run_dir).get("max_new", max_new)
+        if resumed:
+            try:
+                max_new = read_config(run_dir).get("max_new", max_new)
+            except AbiError:            # a run that kept no records starts its budget afresh
+                pass
         lr = build_real(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
                         policy=policy, run_dir=run_dir, max_new=max_new, record=not args.no_records)
         done = len(ReportWriter(run_dir).entries())

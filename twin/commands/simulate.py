@@ -11,13 +11,13 @@ from pathlib import Path
 from ._common import add_deployment_args, deployment_from_args, print_json
 
 # the simulator's defaults: a saturating FLASH serving setup (dest -> (default, help))
-DEPLOYMENT = {
-    "max_model_len": (8192, "context ceiling (default 8192 for simulate)"),
-    "chunk": (512, "per-request prefill chunk (--long-prefill-token-threshold) (default 512 for simulate)"),
+_DEFAULTS = {
+    "max_model_len": (8192, "context ceiling"),
+    "chunk": (512, "per-request prefill chunk (--long-prefill-token-threshold)"),
     "max_num_seqs": (None, "max running requests (at most 64 per TP group; default: 64 per group, 256 at EP16)"),
-    "max_num_batched_tokens": (8192, "global token budget per step (a K=7 decode request costs 8) "
-                                     "(default 8192 for simulate)"),
+    "max_num_batched_tokens": (8192, "global token budget per step (a K=7 decode request costs 8)"),
 }
+DEPLOYMENT = {dest: (d, h if d is None else f"{h} (default {d} for simulate)") for dest, (d, h) in _DEFAULTS.items()}
 
 
 def add_arguments(p) -> None:
