@@ -165,10 +165,15 @@ def count_worker(n: int, fidelity: str) -> dict:
     return {"steps": len(res.steps), "simulated_s": res.sim_s}
 
 
+def _extract(ref: str, tmp: str) -> None:
+    """The `twin` package as it is at git `ref`, into `tmp` (the baseline side of a comparison)."""
+    arch = subprocess.run(["git", "-C", ROOT, "archive", ref, "twin"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=arch, check=True)
+
+
 def compare_instructions(ref: str, n: int, fidelity: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        arch = subprocess.run(["git", "-C", ROOT, "archive", ref, "twin"], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=arch, check=True)
+        _extract(ref, tmp)
         base, cur = instructions(tmp, n, fidelity), instructions(ROOT, n, fidelity)
     assert cur["package"].startswith(ROOT) and not base["package"].startswith(ROOT), "wrong package measured"
     return {"baseline_ref": ref, "fidelity": fidelity, "requests": n, "baseline": base, "current": cur,
@@ -204,8 +209,7 @@ def digests(fidelity: str) -> dict:
 def compare(ref: str, sizes: tuple[int, ...], repeat: int, fidelity: str = "exact") -> dict:
     """Baseline (the package at git `ref`) and the working tree, alternating, same sizes."""
     with tempfile.TemporaryDirectory() as tmp:
-        arch = subprocess.run(["git", "-C", ROOT, "archive", ref, "twin"], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=arch, check=True)
+        _extract(ref, tmp)
         rows = {n: {"baseline": [], "current": []} for n in sizes}
         for _ in range(repeat):
             for n in sizes:
@@ -262,8 +266,8 @@ def main() -> None:
         got = count_worker(args.worker, args.fidelity) if args.count else run(args.worker, args.fidelity)
         print(json.dumps({**got, "package": os.path.dirname(twin.__file__)}))
         return
+    fid = "exact" if args.fidelity == "both" else args.fidelity      # a comparison or digest runs one
     if args.digest:
-        fid = "exact" if args.fidelity == "both" else args.fidelity
         print(json.dumps({"benchmark": "sim_speed", "fidelity": fid, "digests": digests(fid)}, indent=2))
         return
     if args.instructions:
@@ -272,13 +276,12 @@ def main() -> None:
         if args.instructions < 1:
             ap.error(f"--instructions {args.instructions}: a request count >= 1")
         print(json.dumps({"benchmark": "sim_speed", "instructions": compare_instructions(
-            args.baseline, args.instructions, "exact" if args.fidelity == "both" else args.fidelity)}, indent=2))
+            args.baseline, args.instructions, fid)}, indent=2))
         return
     small, big = (200, 2000) if args.quick else (1000, 10000)
     if args.baseline:
         print(json.dumps({"benchmark": "sim_speed", "cpu_count": os.cpu_count(),
-                          "comparison": compare(args.baseline, (small, big), args.repeat,
-                                                "exact" if args.fidelity == "both" else args.fidelity)}, indent=2))
+                          "comparison": compare(args.baseline, (small, big), args.repeat, fid)}, indent=2))
         return
     fids = ("exact", "fleet") if args.fidelity == "both" else (args.fidelity,)
     res = {f: (run(small, f), run(big, f)) for f in fids}

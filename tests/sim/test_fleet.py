@@ -197,8 +197,8 @@ def test_fleet_reproduces_exact_timings_without_randomness_or_pressure():
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 300), pinned_share=st.sampled_from([0.0, 0.3, 1.0]))
 def test_pool_hot_path_equals_the_growth_formula(seed, n, pinned_share):
-    """`PagePools.grow_rows` (contiguous operands, the step's hot path) returns what `growth` does,
-    and `per_cell` sums per (partition, family) as a plain accumulation would."""
+    """`PagePools.grow_rows` (contiguous operands, the step's hot path) returns what the plain growth
+    formula does, and `per_cell` sums per (partition, family) as a plain accumulation would."""
     from twin.sim.fleet_pool import PagePools
 
     kv = PagePools.from_deployment(DEP, 3)
@@ -209,7 +209,12 @@ def test_pool_hot_path_equals_the_growth_formula(seed, n, pinned_share):
     S = np.minimum(L, kv._ring) - rng.integers(0, 2, (n, kv.F)) * (L > 0)     # some rings short (hits)
     S = np.maximum(S, 0)
     pinned = rng.random(n) < pinned_share
-    need, own, taken, L2, S2 = kv.growth(tokens, L, S, pinned)
+    # the growth formula written plainly (broadcast against the per-family constants)
+    tgt = -(-tokens[:, None] // kv.pt)
+    size = np.minimum(tgt, kv._ring)
+    own = np.maximum(size - S, 0)
+    wrap = np.minimum(np.maximum(tgt - np.maximum(L, kv._ring), 0), kv.maxb)
+    need, taken, L2, S2 = own + wrap * pinned[:, None], own + wrap, np.maximum(L, tgt), np.maximum(S, size)
     got = kv.grow_rows(tokens, L.copy(), S.copy(), pinned)
     for want, have in zip((need, own, taken, L2, S2), (got[0], got[1], got[2], got[5], got[6])):
         assert (want == have).all()

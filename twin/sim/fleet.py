@@ -38,6 +38,7 @@ from .fleet_schedule import FleetSchedule
 from .kvcache import chained_hashes
 from .leases import LeaseManager
 from .request import Status
+from .scheduler import SchedulerConfig
 
 
 class FleetSim(FleetSchedule, FleetApply, FleetExecute):
@@ -52,11 +53,12 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.max_running = lim.max_num_seqs
         self.prefix = lim.enable_prefix_caching
         self.max_hit_offset = max(1, lim.speculative_prefix_cache_replay_tokens)
-        self.max_preemptions = cfg.max_preemptions
-        self.stop_token_mode = cfg.stop_check == "token"
-        if cfg.async_depth not in (1, 2):         # as the exact scheduler; `apply` relies on it
-            raise ConfigError("async_depth", cfg.async_depth, "1 (synchronous) or 2 (async scheduling)")
-        self.depth = cfg.async_depth
+        # the exact scheduler's config validates async_depth (`apply` relies on 1 or 2) and stop_check
+        scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check,
+                                               max_preemptions=cfg.max_preemptions)
+        self.max_preemptions = scfg.max_preemptions
+        self.stop_token_mode = scfg.stop_check == "token"
+        self.depth = scfg.async_depth
         self.kv = PagePools.from_deployment(dep, slots)
         self.leases = LeaseManager(dep.partitions) if self.k else None
         # one uniform per request where the model has an inverse form (the same distribution)
@@ -218,7 +220,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
                     m = len(cmd.idx)
                     self.now += per_req * m
                     t = max(self.now, prep_free)
-                    if cmd.decode_only:
+                    if not cmd.n_prefill:
                         t = max(t, slot_free[cmd.step_id % 2])
                     t += per_prep * m
                     prep_free = t
@@ -229,7 +231,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
                         t_end += secs
                     dev_free = t_end
                     rec_free = max(rec_free, t_end) + reclaim
-                    if cmd.decode_only:
+                    if not cmd.n_prefill:
                         slot_free[cmd.step_id % 2] = rec_free
                     cmd.t_result = rec_free
                     inflight.append(cmd)

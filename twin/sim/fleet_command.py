@@ -14,7 +14,7 @@ class Command:
     """One step command as arrays over its scheduled rows (request index order = dispatch order)."""
 
     __slots__ = ("step_id", "idx", "num_new", "spec", "start", "prefill", "samples", "ver", "counts",
-                 "dispatches", "error", "t_result", "decode_only", "n_prefill",
+                 "dispatches", "error", "t_result", "n_prefill",
                  "accepted", "tokens")
 
     def __init__(self, step_id, idx, num_new, spec, start, prefill, samples, ver):
@@ -24,7 +24,6 @@ class Command:
         self.dispatches: list = []
         self.error: str | None = None
         self.t_result = 0.0
-        self.decode_only = False
         self.n_prefill = 0
         self.accepted = None            # (counts, drafted) of the decode rows, for the recorder
         self.tokens = 0                 # scheduled tokens (num_new + spec over the rows)

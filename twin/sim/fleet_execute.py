@@ -25,7 +25,6 @@ class FleetExecute:
         cmd.counts = np.zeros(n, dtype=np.int64)
         pre = cmd.prefill
         any_pre = cmd.n_prefill > 0
-        cmd.decode_only = not any_pre
         dec = (~pre).nonzero()[0] if any_pre else None
         d_idx = idx[dec] if any_pre else idx
         part = self.part[d_idx]

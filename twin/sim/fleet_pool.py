@@ -87,28 +87,16 @@ class PagePools:
                    max_tokens=dep.limits.max_model_len + 64)
 
     # ---- growth, vectorised over requests ------------------------------------------------------
-    def growth(self, tokens: np.ndarray, L: np.ndarray, S: np.ndarray, pinned: np.ndarray):
-        """Rows of requests growing to `tokens`: logical pages `L` and filled ring slots `S`
-        (n x F), `pinned` whether a step is in flight.  Returns (need, own, taken, L', S'):
-        free pages needed, pages added to the request's own count, pages taken from the queue.
-        An append-only family is a ring that never fills (`_ring` is huge there), so one formula
-        serves both kinds."""
-        try:
-            tgt = self._ceil[tokens]
-        except IndexError:                     # past the table (a direct caller): the same formula
-            tgt = -(-tokens[:, None] // self.pt)
-        size = np.minimum(tgt, self._ring)
-        own = np.maximum(size - S, 0)
-        wrap = np.minimum(np.maximum(tgt - np.maximum(L, self._ring), 0), self.maxb)
-        detach = wrap * pinned[:, None]
-        return own + detach, own, own + wrap, np.maximum(L, tgt), np.maximum(S, size)
-
     def grow_rows(self, tokens: np.ndarray, L: np.ndarray, S: np.ndarray, pinned: np.ndarray):
-        """`growth` on contiguous gathered (n x F) rows, the step's hot path.  Every operand is a
+        """Rows of requests growing to `tokens`: logical pages `L` and filled ring slots `S` (n x F),
+        `pinned` whether a step is in flight.  An append-only family is a ring that never fills
+        (`_ring` is huge there), so one formula serves both kinds.  Every operand is a
         contiguous array of the same shape (tables gathered by token count, constants tiled):
         numpy then runs one flat loop, where broadcasting against a per-family row of 7 or a
         strided column slice runs a 7-long inner loop per request and costs ~5x as much.
-        Returns (need, own, taken, detached or None when no row is pinned, wrapped, L', S')."""
+        Returns (need, own, taken, detached, wrapped, L', S'): free pages needed, pages added to the
+        request's own count, pages taken from the queue, pages detached (None when no row is
+        pinned) and rotated past a full ring (tests/sim/test_fleet.py states the formula plainly)."""
         n = len(tokens)
         tgt, size = self._ceil.take(tokens, axis=0), self._size.take(tokens, axis=0)
         ring, maxb = self._tiles(n)

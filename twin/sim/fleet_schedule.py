@@ -289,7 +289,7 @@ class FleetSchedule:
                     self._release_kv(i)
                     hit, fallback = 0, True
             if not hit:
-                nn = min(pl, budget, self.max_seq, self.chunk)           # `_first_chunk(i, 0, budget)`
+                nn = self._first_chunk(i, 0, budget)
                 need, row = kv.first_rows(nn)
                 p = kv.choose_partition(need)
                 if p is None:
@@ -316,8 +316,8 @@ class FleetSchedule:
 
     def _grow_one(self, i: int, tokens: int) -> bool:
         s = int(self.slot[i])
-        need, own, taken, L2, S2 = self.kv.growth(np.array([tokens]), self.L[s:s + 1], self.S[s:s + 1],
-                                                  self.pins[i:i + 1] > 0)
+        need, own, taken, _, _, L2, S2 = self.kv.grow_rows(np.array([tokens]), self.L[s:s + 1], self.S[s:s + 1],
+                                                           self.pins[i:i + 1] > 0)
         if (need[0] > self.kv.free[self.part[i]]).any():
             return False
         self._commit(i, s, need, own, taken, L2, S2)
