@@ -138,6 +138,8 @@ def test_fidelity_is_checked():
         SimConfig(dep, fidelity="fleet", executor=lambda cost, slots: None)
     with pytest.raises(ConfigError, match="async_depth.*3"):
         simulate(SimConfig(dep, generate(WorkloadSpec(num_requests=2, seed=0)), async_depth=3, fidelity="fleet"))
+    with pytest.raises(ConfigError, match="stop_check.*bogus"):
+        simulate(SimConfig(dep, generate(WorkloadSpec(num_requests=2, seed=0)), stop_check="bogus", fidelity="fleet"))
 
 
 @settings(max_examples=25, deadline=None)
