@@ -27,15 +27,15 @@ import numpy as np
 from jax import lax
 
 from .jax_select import first_max, top_k_desc
-from .kernels.compressor import EXCLUDE, compress_project, indexer_compressor, pool_rows
-from .kernels.hyper_connections import hc_head, hc_post, hc_pre
+from .kernels.compressor import EXCLUDE, compress_project, compressed_rows, indexer_compressor, pool_rows
+from .kernels.hyper_connections import hc_head, hc_pre
 from .kernels.lm_head import lm_head
 from .kernels.indexer import PREFILL_SCORE_CAP, index_query
 from .kernels.moe import shared_expert, swiglu_expert
 from .kernels.o_proj import o_proj, pack_groups
 from .kernels.qkv_proj_rope import qkv_proj_rope
-from .kernels.rmsnorm import rms_norm, rmsnorm_f
-from .kernels.rope import rope_tail, rope_tail_bf16
+from .kernels.rmsnorm import rms_norm
+from .kernels.rope import rope_tail_bf16
 from .kernels.sparse_attention import TILE, csa_rows, hca_rows
 from .numerics import EXACT_F32_K, FP32_NEG_INF, NEG_INF_ATTN
 from .paged import PREFILL
@@ -120,17 +120,13 @@ def compressor_sel(x, sel, sel_ok, positions, req, first_pos, compress_state, st
     pooling skipped at run time when no row of `sel` is a real boundary (a ratio-128 compressor's
     decode step mostly: 16 padded windows of 128 rows otherwise pooled for nothing).  proj: the
     (x @ wkv.T, x @ wgate.T) products already computed (`fused_projections`)."""
-    kvp, scp = _compress_rows(x, wkv, wgate, ape, positions, ratio, nm, proj)
+    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm, proj=proj)
 
     def rows(state):
         pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_block_table, ratio=ratio, nm=nm,
                            missing=missing)
         nm.reads.pop(id(state), None)               # a tracer of the branch: see _if_any_boundary
-        y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
-        if nm.mode == "official":                   # FP8 round trip of the compressed KV (§8 (b))
-            R = cfg.qk_rope_head_dim
-            y = jnp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
-        return nm.bf16(y)
+        return compressed_rows(pooled, norm_w, cmp_cos[sel], cmp_sin[sel], cfg=cfg, nm=nm)
 
     y = _if_any_boundary(sel_ok, rows, compress_state, (sel.shape[0], cmp_kv.shape[-1]), nm)
     cmp_kv = nm.set_rows(cmp_kv, jnp.where(sel_ok, cmp_slot_mapping[sel], -1), nm.store_bf16(y))
@@ -148,29 +144,14 @@ def _if_any_boundary(sel_ok, rows, state, shape, nm):
     return y
 
 
-def _compress_rows(x, wkv, wgate, ape, positions, ratio, nm, proj):
-    """compress_project's (kv, score) rows, from its products when given (same rounding points)."""
-    if proj is None:
-        return compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
-    return nm.r32(proj[0]), nm.r32(proj[1] + nm.asf(ape)[positions % ratio])
-
-
 def indexer_compressor_sel(x, sel, sel_ok, positions, req, first_pos, inner_state, state_block_table,
                            state_slot_mapping, idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate,
                            inner_ape, inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm, proj=None):
     """golden.kernels.compressor.indexer_compressor with `sel` given; proj as in compressor_sel."""
-    if proj is not None:
-        kvp, scp = _compress_rows(x, inner_wkv, inner_wgate, inner_ape, positions, 4, nm, proj)
-        pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
-        y = rope_tail_bf16(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
-        y_q, dq = nm.q8(nm.bf16(nm.mm(y, nm.asf(hadamard))))          # device mode only (see fused_projections)
-        slots = jnp.where(sel_ok, idx_slot_mapping[sel], -1)
-        return (nm.set_rows(idx_kv_cache, slots, y_q), nm.set_rows(idx_kv_scale, slots, dq),
-                nm.set_rows(inner_state, state_slot_mapping, jnp.concatenate([kvp, scp], -1)))
     return indexer_compressor(x, positions, req, first_pos, inner_state, state_block_table, state_slot_mapping,
                               idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate, inner_ape,
                               inner_norm_w, hadamard, cmp_cos, cmp_sin, cfg=cfg, nm=nm,
-                              selection=(sel, sel_ok))[:3]
+                              selection=(sel, sel_ok), proj=proj)[:3]
 
 
 # ---- one GEMM for the projections of the attn-normed activations ----------------------------
@@ -198,17 +179,6 @@ def fused_projections(x_n, w, split, nm):
     for k, n in split:
         out[k], c = y[:, c:c + n], c + n
     return out
-
-
-def qkv_rope_from(qr_p, kv_p, wq_b, wq_b_scale, gamma_cq, gamma_ckv, rope_cos, rope_sin, *, cfg, nm):
-    """golden.kernels.qkv_proj_rope.qkv_proj_rope after its two GEMMs (x @ wq_a, x @ wkv given;
-    device mode: no FP8 step on kv)."""
-    eps, T = cfg.rms_norm_eps, qr_p.shape[0]
-    qr, qr_scale = nm.q8(rmsnorm_f(qr_p, gamma_cq, nm, eps))
-    q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
-    q = rmsnorm_f(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), None, nm, eps)
-    q = rope_tail_bf16(q, rope_cos[:, None, :], rope_sin[:, None, :], nm)
-    return q, rope_tail_bf16(rmsnorm_f(kv_p, gamma_ckv, nm, eps), rope_cos, rope_sin, nm), qr, qr_scale
 
 
 # ---- per-request candidate gathers ------------------------------------------------------------
@@ -407,12 +377,9 @@ def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n
     cos, sin = rope["swa"] if ratio == 0 else rope["compressed"]
     pr = fused_projections(x_n, w, split, nm) if split else {}
     pj = lambda a, b: (pr[a], pr[b]) if pr else None
-    if pr:
-        q, kv, qr, qr_scale = qkv_rope_from(pr["wq_a"], pr["wkv"], w["wq_b"], w["wq_b_scale"], w["gamma_cq"],
-                                            w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm)
-    else:
-        q, kv, qr, qr_scale = qkv_proj_rope(x_n, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], w["gamma_cq"],
-                                            w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm)
+    # fused (device mode): wq_a and wkv live only inside w[X_PROJ]
+    q, kv, qr, qr_scale = qkv_proj_rope(x_n, w.get("wq_a"), w["wq_b"], w["wq_b_scale"], w.get("wkv"), w["gamma_cq"],
+                                        w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm, proj=pj("wq_a", "wkv"))
     pos, req, first = m["position_ids"], m["req"], m["first_pos"]
     cmp = {}
     if ratio == 4:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .numerics import _RECORDERS, EXACT_F32_K, Numerics
+from .numerics import EXACT_F32_K, Numerics, _record
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,7 @@ class Fp32Numerics(Numerics):
 
     def mm(self, a, b):
         if self.bf16_active:
-            if _RECORDERS:
-                _RECORDERS[-1].append(("f", tuple(a.shape), tuple(b.shape)))
+            _record("f", a, b)
             return self.xp.matmul(*self.as_bf16(a, b), preferred_element_type=self.xp.float32)
         return super().mm(a, b)
 
@@ -80,8 +79,7 @@ class Fp32Numerics(Numerics):
     def int_mm(self, a, b):
         if self.mode != "device":
             return super().int_mm(a, b)
-        if _RECORDERS:
-            _RECORDERS[-1].append(("i", tuple(a.shape), tuple(b.shape)))
+        _record("i", a, b)
         xp = self.xp
         if xp.asarray(b).dtype == xp.int8:
             # an int8 weight (JaxGolden keeps the routed experts so, in the layout the dot reads):

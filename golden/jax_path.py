@@ -163,7 +163,9 @@ class JaxGolden:
             pools = [c.raw if isinstance(c, LayerPools) else _to_bits(c, donate) for c in caches]
             fn = self._step_fn(meta.form, n_idx, n_hca, lay, donate, stages)
             args = (self.model, self.layers, self.experts, pools, m, g, rope)
-            self._last = (fn, args)        # shapes taken only if stablehlo() asks (~1 ms a call otherwise)
+            # for stablehlo(): the pools by shape only (holding them would keep a copied-in pool set
+            # alive between calls); the rest's shapes only if stablehlo() asks (~1 ms a call otherwise)
+            self._last = (fn, (*args[:3], jax.tree_util.tree_map(_shape, pools), *args[4:]))
             logits, sampled, out, x_hc, tapped, ok = fn(*args)
             self.bf16_operands_ok = None if ok is None else bool(ok)
             logits.block_until_ready()
@@ -178,10 +180,14 @@ class JaxGolden:
 
     def stablehlo(self) -> str:
         """The StableHLO text of the last step (what XLA compiled for it), e.g. to check dtypes."""
-        fn, args = self._last            # donated pools are deleted, their shape and dtype stay
-        shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+        fn, args = self._last
+        shapes = jax.tree_util.tree_map(_shape, args)
         with jax.enable_x64(True):
             return fn.lower(*shapes).as_text()
+
+
+def _shape(a) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype)
 
 
 class LayerPools(Mapping):

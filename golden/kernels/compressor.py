@@ -20,12 +20,25 @@ from .rope import rope_tail, rope_tail_bf16
 EXCLUDE, ZERO = "exclude", "zero"     # how a missing (unmapped) state row enters the softmax
 
 
-def compress_project(x, wkv, wgate, ape, positions, *, ratio, nm):
-    """kv and score projections [T, OUT] (f32, not rounded); ape indexed by position mod ratio."""
-    xf = nm.asf(x)
-    kvp = nm.mm(xf, nm.asf(wkv).T)
-    scp = nm.mm(xf, nm.asf(wgate).T) + nm.asf(ape)[positions % ratio]
+def compress_project(x, wkv, wgate, ape, positions, *, ratio, nm, proj=None):
+    """kv and score projections [T, OUT] (f32, not rounded); ape indexed by position mod ratio.
+    proj: the (x @ wkv.T, x @ wgate.T) products when the caller already has them (the JAX path's
+    one fused projection GEMM)."""
+    if proj is None:
+        xf = nm.asf(x)
+        proj = nm.mm(xf, nm.asf(wkv).T), nm.mm(xf, nm.asf(wgate).T)
+    kvp, scp = proj[0], proj[1] + nm.asf(ape)[positions % ratio]
     return nm.r32(kvp), nm.r32(scp)             # f32 rows: the same bits as the state pool holds
+
+
+def compressed_rows(pooled, norm_w, cos, sin, *, cfg, nm):
+    """Pooled rows -> the compressed KV rows (bf16 values): RMSNorm, the RoPE tail, and official's
+    FP8 round trip of the non-RoPE part (kernel-math §8 (b))."""
+    y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cos, sin, nm)
+    if nm.mode == "official":
+        R = cfg.qk_rope_head_dim
+        y = nm.xp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
+    return nm.bf16(y)
 
 
 def window_len(ratio: int) -> int:
@@ -80,22 +93,17 @@ def boundary_selection(positions, ratio, nm):
 
 def compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping,
                cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *, ratio, cfg, nm,
-               missing=EXCLUDE, selection=None):
+               missing=EXCLUDE):
     """Main KV compressor (ratio 4 = CSA, ratio 128 = HCA).
 
     x [T, D] attn-normed; positions/req [T]; first_pos [B]; cmp_cos/sin [T, R] rows of the compress
     profile at the window start p - ratio + 1.  Returns (cmp_kv, compress_state, (sel, rows)) where
-    rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens.  `selection`
-    = (sel, is_boundary) chosen by the caller (the JAX path passes a static-length host list)."""
+    rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens."""
     kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
-    sel, is_b = selection if selection is not None else boundary_selection(positions, ratio, nm)
+    sel, is_b = boundary_selection(positions, ratio, nm)
     pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, compress_state, state_block_table,
                        ratio=ratio, nm=nm, missing=missing)
-    y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
-    if nm.mode == "official":                       # FP8 round trip of the compressed KV (§8 (b))
-        R = cfg.qk_rope_head_dim
-        y = nm.xp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
-    y = nm.bf16(y)
+    y = compressed_rows(pooled, norm_w, cmp_cos[sel], cmp_sin[sel], cfg=cfg, nm=nm)
     slots = nm.xp.where(is_b, cmp_slot_mapping[sel], -1)
     cmp_kv = nm.set_rows(cmp_kv, slots, nm.store_bf16(y))
     compress_state = nm.set_rows(compress_state, state_slot_mapping, nm.xp.concatenate([kvp, scp], -1))
@@ -104,12 +112,13 @@ def compressor(x, positions, req, first_pos, compress_state, state_block_table, 
 
 def indexer_compressor(x, positions, req, first_pos, inner_state, state_block_table, state_slot_mapping,
                        idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate, inner_ape,
-                       inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm, selection=None):
+                       inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm, selection=None, proj=None):
     """K9: ratio-4 overlapping pooling at IHD, rms + RoPE + Hadamard, then quant-on-write: int8
     rows + f32 scale (device), the FP4-rounded values (official), raw float64 (exact).  `selection`
-    as in `compressor`."""
+    = (sel, is_boundary) chosen by the caller (the JAX path passes a static-length host list);
+    proj as in `compress_project`."""
     xp = nm.xp
-    kvp, scp = compress_project(x, inner_wkv, inner_wgate, inner_ape, positions, ratio=4, nm=nm)
+    kvp, scp = compress_project(x, inner_wkv, inner_wgate, inner_ape, positions, ratio=4, nm=nm, proj=proj)
     sel, is_b = selection if selection is not None else boundary_selection(positions, 4, nm)
     pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
     y = rope_tail_bf16(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)

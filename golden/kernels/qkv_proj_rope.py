@@ -9,18 +9,23 @@ from .rmsnorm import rmsnorm_f
 from .rope import rope_tail, rope_tail_bf16
 
 
-def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos, rope_sin, *, cfg, nm):
+def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos, rope_sin, *, cfg, nm,
+                  proj=None):
     """x [T, D] (attn-normed, bf16 values) -> q [T, H, HD], kv [T, HD] (bf16 values),
-    qr [T, QL] (int8 values), qr_scale [T, 1] (the shared low-rank query, reused by the indexer)."""
+    qr [T, QL] (int8 values), qr_scale [T, 1] (the shared low-rank query, reused by the indexer).
+    proj: the (act(x) @ wq_a, act(x) @ wkv) products when the caller already has them (the JAX
+    path's one fused projection GEMM)."""
     eps = cfg.rms_norm_eps
     T = x.shape[0]
     H, HD = cfg.num_attention_heads, cfg.head_dim
-    qr_f = rmsnorm_f(nm.mm(nm.act(x), nm.asf(wq_a)), gamma_cq, nm, eps)          # f32, not rounded
+    if proj is None:
+        proj = nm.mm(nm.act(x), nm.asf(wq_a)), nm.mm(nm.act(x), nm.asf(wkv))
+    qr_f = rmsnorm_f(proj[0], gamma_cq, nm, eps)                                # f32, not rounded
     qr, qr_scale = nm.q8(qr_f)
     q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
     q = rmsnorm_f(q.reshape(T, H, HD), None, nm, eps)                        # per-head, unweighted
     q = rope_tail_bf16(q, rope_cos[:, None, :], rope_sin[:, None, :], nm)
-    kv = rmsnorm_f(nm.mm(nm.act(x), nm.asf(wkv)), gamma_ckv, nm, eps)
+    kv = rmsnorm_f(proj[1], gamma_ckv, nm, eps)
     if nm.mode != "official":
         return q, rope_tail_bf16(kv, rope_cos, rope_sin, nm), qr, qr_scale
     kv = rope_tail(kv, rope_cos, rope_sin, nm)
