@@ -207,7 +207,7 @@ def test_pool_hot_path_equals_the_growth_formula(seed, n, pinned_share):
     rng = np.random.default_rng(seed)
     before = rng.integers(0, DEP.limits.max_model_len - 8, n)
     tokens = before + rng.integers(0, 9, n)
-    L = kv._ceil[before].copy()
+    L = -(-before[:, None] // kv.pt)
     S = np.minimum(L, kv._ring) - rng.integers(0, 2, (n, kv.F)) * (L > 0)     # some rings short (hits)
     S = np.maximum(S, 0)
     pinned = rng.random(n) < pinned_share

@@ -51,6 +51,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.k = dep.k
         self.max_seq, self.chunk, self.budget = lim.max_model_len, lim.max_prefill_tokens_per_request, lim.max_num_batched_tokens
         self.max_running = lim.max_num_seqs
+        self._limits = np.array([self.max_seq, self.budget, self.chunk, self.k], dtype=np.int64)   # phase 1's
         self.prefix = lim.enable_prefix_caching
         self.max_hit_offset = max(1, lim.speculative_prefix_cache_replay_tokens)
         # the exact scheduler's config validates async_depth (`apply` relies on 1 or 2) and stop_check

@@ -25,6 +25,8 @@ import numpy as np
 
 from twin.abi.caches import page_alignment
 
+from . import fleet_kernels as fk
+
 
 class Entry:
     """A published prompt block in one partition: its append-only pages, shared by `refs` live
@@ -42,7 +44,7 @@ class Entry:
 
 
 class PagePools:
-    def __init__(self, families, partitions: int, *, prefix_caching: bool = True, max_tokens: int = 1 << 16):
+    def __init__(self, families, partitions: int, *, prefix_caching: bool = True):
         self.families = families
         self.names = tuple(f.name for f in families)
         self.partitions = G = partitions
@@ -72,54 +74,28 @@ class PagePools:
         # the rolling families by ascending span: one boundary's tails then arrive in drop order
         # (appended, not inserted; equal spans keep family order, as an insertion after equals would)
         self._roll_by_span = sorted(self._roll_idx, key=lambda f: (self._span[f], f))
-        # ceil(tokens / page_tokens) per family for every length a table can reach: one gather
-        # per step instead of an integer division over (requests x families)
-        self._ceil = -(-np.arange(max_tokens + 1)[:, None] // self.pt)
-        self._size = np.minimum(self._ceil, self._ring)
-        self._ring_tile = self._maxb_tile = np.zeros((0, self.F), dtype=np.int64)
         self._cells = np.arange(G * self.F).reshape(G, self.F)
 
     @classmethod
     def from_deployment(cls, dep, slots: int) -> "PagePools":
         from .kvcache import family_specs
 
-        return cls(family_specs(dep, slots), dep.partitions, prefix_caching=dep.limits.enable_prefix_caching,
-                   max_tokens=dep.limits.max_model_len + 64)
+        return cls(family_specs(dep, slots), dep.partitions, prefix_caching=dep.limits.enable_prefix_caching)
 
     # ---- growth, vectorised over requests ------------------------------------------------------
     def grow_rows(self, tokens: np.ndarray, L: np.ndarray, S: np.ndarray, pinned: np.ndarray):
         """Rows of requests growing to `tokens`: logical pages `L` and filled ring slots `S` (n x F),
         `pinned` whether a step is in flight.  An append-only family is a ring that never fills
-        (`_ring` is huge there), so one formula serves both kinds.  Every operand is a
-        contiguous array of the same shape (tables gathered by token count, constants tiled):
-        numpy then runs one flat loop, where broadcasting against a per-family row of 7 or a
-        strided column slice runs a 7-long inner loop per request and costs ~5x as much.
-        Returns (need, own, taken, detached, wrapped, L', S'): free pages needed, pages added to the
-        request's own count, pages taken from the queue, pages detached (None when no row is
-        pinned) and rotated past a full ring (tests/sim/test_fleet.py states the formula plainly)."""
-        n = len(tokens)
-        tgt, size = self._ceil.take(tokens, axis=0), self._size.take(tokens, axis=0)
-        ring, maxb = self._tiles(n)
-        own = size - S
-        np.maximum(own, 0, out=own)
-        wrap = np.maximum(L, ring)
-        np.subtract(tgt, wrap, out=wrap)
-        np.maximum(wrap, 0, out=wrap)
-        np.minimum(wrap, maxb, out=wrap)
-        taken = own + wrap
-        np.maximum(L, tgt, out=tgt)
-        np.maximum(S, size, out=size)
-        if np.count_nonzero(pinned):
-            det = wrap * pinned[:, None]
-            return own + det, own, taken, det, wrap, tgt, size
-        return own, own, taken, None, wrap, tgt, size
-
-    def _tiles(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ring sizes and max blocks per family as contiguous (n x F) arrays."""
-        if n > len(self._ring_tile):
-            m = max(n, 2 * len(self._ring_tile))
-            self._ring_tile, self._maxb_tile = np.tile(self._ring, (m, 1)), np.tile(self.maxb, (m, 1))
-        return self._ring_tile[:n], self._maxb_tile[:n]
+        (`_ring` is huge there), so one formula serves both kinds (`fleet_kernels._grow_row`, the
+        one the step's kernels run).  Returns (need, own, taken, detached, wrapped, L', S'): free
+        pages needed, pages added to the request's own count, pages taken from the queue, pages
+        detached (None when no row is pinned) and rotated past a full ring
+        (tests/sim/test_fleet.py states the formula plainly)."""
+        need, own, taken, wrap, L2, S2 = fk.grow_rows(np.asarray(tokens, dtype=np.int64), np.ascontiguousarray(L),
+                                                     np.ascontiguousarray(S), np.asarray(pinned, dtype=bool),
+                                                     self.pt, self._ring, self.maxb)
+        det = need - own if np.count_nonzero(pinned) else None
+        return need, own, taken, det, wrap, L2, S2
 
     def cells(self, part: np.ndarray) -> np.ndarray:
         """Flat (partition, family) cell index of each request's families, for bincount sums."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fleet_kernels as fk
 from .fleet_command import NEVER, RUNNING, Command
 from .leases import LeasesExhausted
 
@@ -60,34 +61,31 @@ class FleetSchedule:
 
     def _phase1(self, budget: int):
         """The running requests' rows (idx, num_new, spec, start, prefill), the budget they use
-        and how many are prefill chunks."""
+        and how many are prefill chunks (`fleet_kernels.phase1`: budget walk, growth, overflow
+        search; the victims it chooses are preempted here, in its order, before the growth is
+        written)."""
         run = self.running
-        empty = np.zeros(0, dtype=np.int64)
         if not len(run):
+            empty = np.zeros(0, dtype=np.int64)
             return (empty, empty, empty, empty, np.zeros(0, dtype=bool)), 0, 0
-        act = run[~self.tpif[run]]
-        c = self.computed[act]
-        pl = self.plen[act]
-        pre = c < pl
-        room = self.max_seq - c
-        nn = np.minimum(np.minimum(pl + self.n_out[act] + self.ph[act] - c, budget), room)
-        nn = np.where(pre, np.minimum(nn, self.chunk), nn)
-        ok = nn > 0
-        if np.count_nonzero(ok) != len(ok):
-            act, c, pre, nn, room = act[ok], c[ok], pre[ok], nn[ok], room[ok]
-        spec = np.where(pre, 0, np.maximum(np.minimum(self.k, room - nn), 0))
-        cost = nn + spec
-        used = int(cost.sum())
-        if used > budget:
-            act, c, pre, nn, spec, cost = self._budget_scan(act, c, pre, nn, spec, cost, budget)
-            used = int(cost.sum())
-        tokens = c + cost
-        keep = self._grow_all(act, tokens, cost)
+        kv = self.kv
+        rows, growth, victims, (done, det, rot) = fk.phase1(
+            run, self.tpif, self.computed, self.plen, self.n_out, self.ph, self.pins, self.slot, self.part, self.rank,
+            self.L, self.S, self.own, self.pinned, kv.free, kv.takes, kv.pt, kv._ring, kv.maxb, self._limits)
+        act, nn, spec, c, pre, keep = rows
+        if not done:
+            for v, r in victims.tolist():
+                self._preempt(v, r)
+            det, rot = fk.commit(act, keep, self.slot, self.part, self.L, self.S, self.own, self.pinned, kv.free,
+                                 kv.takes, growth)
+            act, nn, spec, c, pre = act[keep], nn[keep], spec[keep], c[keep], pre[keep]
+        if det:
+            self._pinned_any = True
+        kv.stats["detaches"] += det
+        kv.stats["rotations"] += rot
+        tokens = c + nn + spec
         if self.prefix:
-            due = tokens > self.next_drop.take(act)
-            if keep is not None:
-                due &= keep
-            due = due.nonzero()[0]
+            due = (tokens > self.next_drop.take(act)).nonzero()[0]
             if len(due):
                 # `PagePools.drop_tails` inline: a tail whose last holder leaves gets its FIFO position
                 # from the pools as they stand after this step's growth (read once)
@@ -103,167 +101,7 @@ class FleetSchedule:
                                 tf = (self.kv.takes + self.kv.free).tolist()
                             e.tail_evict[f] = tf[p][f]
                     nd[i] = d[0][0] if d else NEVER
-        if keep is not None:
-            act, c, nn, spec, pre, cost = act[keep], c[keep], nn[keep], spec[keep], pre[keep], cost[keep]
-            used = int(cost.sum())
-        return (act, nn, spec, c, pre), used, int(np.count_nonzero(pre))
-
-    def _budget_scan(self, act, c, pre, nn, spec, cost, budget):
-        """The sequential budget walk, from the first request that does not fit in full."""
-        cs = cost.cumsum()
-        i = int(cs.searchsorted(budget, side="right"))
-        keep = np.zeros(len(act), dtype=bool)
-        keep[:i] = True
-        left = budget - (int(cs[i - 1]) if i else 0)
-        nn = nn.copy()
-        for j in range(i, len(act)):
-            if left <= 0:
-                break
-            n = min(int(nn[j]), left)
-            s = 0 if pre[j] else max(0, min(self.k, self.max_seq - int(c[j]) - n))
-            if n <= 0 or n + s > left:
-                continue
-            nn[j] = n
-            spec[j] = s
-            keep[j] = True
-            left -= n + s
-        cost = nn + spec
-        return act[keep], c[keep], pre[keep], nn[keep], spec[keep], cost[keep]
-
-    def _grow_all(self, act, tokens, cost) -> np.ndarray | None:
-        """Grow every row's tables in order.  Per-partition cumulative needs find the first row a
-        partition cannot hold; there (only) the latest arrival is preempted, same partition first,
-        and the row retried once.  Returns the mask of rows that were scheduled (None: all were).
-
-        The growth runs over every page-row slot (a slot not scheduled grows to 0 tokens: it
-        needs nothing and keeps its rows), so the rows are read and written back whole; only the
-        overflow search reads them in the running order."""
-        kv = self.kv
-        n = len(act)
-        keep = None
-        if not n:
-            return keep
-        sl = self.slot.take(act)
-        tok = self._tok
-        tok[sl] = tokens
-        need, own, taken, det, wrapped, L2, S2 = kv.grow_rows(tok, self.L, self.S, self.pins.take(self.occ) > 0)
-        tok[sl] = 0
-        cells = self._slot_cells()
-        sums = kv.per_cell(cells, need)                    # exact below 2^53
-        bad = sums > kv.free
-        gone = None
-        if np.count_nonzero(bad):
-            gone = []                                        # slots whose rows are not committed
-            keep = np.ones(n, dtype=bool)
-            over = bad.any(axis=1).nonzero()[0]
-            free = kv.free.astype(float)                     # free pages before this step's growth
-            part = self.part.take(act)
-            need_a = need.take(sl, axis=0)                   # the rows in the running order
-            # per partition that runs out: its rows in order and their cumulative need; a row dropped
-            # or preempted leaves the rows after it, pages a preemption frees add to what is free
-            # (free only grows and needs only shrink here, so no other partition can run out).
-            # Only rows that need pages are walked: one that needs none is never the first to
-            # overflow, and the cumulative needs at the others are the same without it.
-            groups = {}
-            some = need_a.any(axis=1)
-            for g in over.tolist():
-                rows_g = ((part == g) & some).nonzero()[0]
-                groups[g] = (rows_g, need_a[rows_g].cumsum(axis=0))
-
-            def first_bad(g: int, base: int) -> int | None:
-                rows_g, cs_g = groups[g]
-                k0 = int(rows_g.searchsorted(base))
-                bad = (cs_g[k0:] > free[g]).any(axis=1)
-                return int(rows_g[k0 + int(bad.argmax())]) if np.count_nonzero(bad) else None
-
-            # each partition's first row that overflows, recomputed only where a drop or a
-            # preemption changed its sums or free pages (elsewhere it lies past the row handled)
-            firsts = {g: first_bad(g, 0) for g in groups}
-            while True:
-                j = min((f for f in firsts.values() if f is not None), default=None)
-                if j is None:
-                    break
-                pj = int(part[j])
-                changed = {pj}                               # partitions whose first overflow may move
-                rows_j, cs_j = groups[pj]
-                kj = int(rows_j.searchsorted(j))
-                keep[j] = False
-                cs_j[kj:] -= need_a[j]
-                r = int(act[j])
-                victim = self._victim(r)
-                if victim is not None:
-                    vrow = (act == victim).nonzero()[0]
-                    if len(vrow):
-                        v = int(vrow[0])
-                        pv_row = int(part[v])
-                        if keep[v] and pv_row in groups:
-                            rows_v, cs_v = groups[pv_row]
-                            cs_v[int(rows_v.searchsorted(v)):] -= need_a[v]   # its growth here is undone
-                            changed.add(pv_row)
-                        keep[v] = False
-                    pv = int(self.part[victim])
-                    if pv in groups:
-                        changed.add(pv)
-                    vs = int(self.slot[victim])
-                    free[pv] += self.own[vs] + self.pinned[vs]
-                    gone.append(vs)
-                    self._preempt(victim, r)
-                    before = cs_j[kj - 1] if kj else 0
-                    if (before + need_a[j] <= free[pj]).all():
-                        keep[j] = True
-                        cs_j[kj:] += need_a[j]
-                for g in changed:
-                    firsts[g] = first_bad(g, j + 1)
-            if np.count_nonzero(keep) == n:
-                keep = None
-            else:
-                gone.extend(sl[~keep].tolist())
-        if gone:
-            # rows not scheduled (dropped, or a preempted victim's released slot) keep what they hold
-            g = np.array(gone, dtype=np.int64)
-            need[g] = own[g] = taken[g] = wrapped[g] = 0
-            if det is not None:
-                det[g] = 0
-            L2[g] = self.L[g]
-            S2[g] = self.S[g]
-            sums = kv.per_cell(cells, need)
-        np.copyto(self.L, L2)
-        np.copyto(self.S, S2)
-        self.own += own
-        d_ = 0
-        if det is not None:
-            self.pinned += det
-            d_ = int(det.sum())
-            self._pinned_any = self._pinned_any or d_ > 0
-        kv.free -= sums
-        kv.takes += kv.per_cell(cells, taken)
-        kv.stats["detaches"] += d_
-        kv.stats["rotations"] += int(wrapped.sum()) - d_
-        return keep
-
-    def _commit(self, i: int, s: int, need, own, taken, L2, S2) -> None:
-        kv = self.kv
-        p = int(self.part[i])
-        kv.free[p] -= need[0]
-        kv.takes[p] += taken[0]
-        det = need - own
-        self.own[s] += own[0]
-        self.pinned[s] += det[0]
-        self._pinned_any = self._pinned_any or bool(det.any())
-        self.L[s] = L2[0]
-        self.S[s] = S2[0]
-        d = int(det.sum())
-        kv.stats["detaches"] += d
-        kv.stats["rotations"] += int((taken - own).sum()) - d
-
-    def _victim(self, r: int) -> int | None:
-        run = self.running
-        cand = run[run != r]
-        if not len(cand):
-            return None
-        same = cand[self.part[cand] == self.part[r]]
-        pool = same if len(same) else cand
-        return int(pool[self.rank[pool].argmax()])
+        return (act, nn, spec, c, pre), int((nn + spec).sum()), int(np.count_nonzero(pre))
 
     def _phase2(self, budget: int) -> list:
         new = []
@@ -315,10 +153,17 @@ class FleetSchedule:
         return min(self._plen[i] - computed, budget, self.max_seq - computed, self.chunk)
 
     def _grow_one(self, i: int, tokens: int) -> bool:
+        """Grow request `i`'s tables to `tokens` if its partition holds the pages (a prefix hit's
+        first chunk)."""
+        kv = self.kv
         s = int(self.slot[i])
-        need, own, taken, _, _, L2, S2 = self.kv.grow_rows(np.array([tokens]), self.L[s:s + 1], self.S[s:s + 1],
-                                                           self.pins[i:i + 1] > 0)
-        if (need[0] > self.kv.free[self.part[i]]).any():
+        growth = fk.grow_rows(np.array([tokens]), self.L[s:s + 1], self.S[s:s + 1], self.pins[i:i + 1] > 0,
+                              kv.pt, kv._ring, kv.maxb)
+        if (growth[0][0] > kv.free[self.part[i]]).any():
             return False
-        self._commit(i, s, need, own, taken, L2, S2)
+        det, rot = fk.commit(np.array([i]), np.ones(1, dtype=bool), self.slot, self.part, self.L, self.S, self.own,
+                             self.pinned, kv.free, kv.takes, growth)
+        self._pinned_any = self._pinned_any or det > 0
+        kv.stats["detaches"] += det
+        kv.stats["rotations"] += rot
         return True

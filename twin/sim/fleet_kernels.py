@@ -1,0 +1,225 @@
+"""The fleet fidelity's per-step array work as compiled loops (numba, `cache=True`).
+
+A saturated step touches ~250 running requests x 7 families; as numpy calls that is a few hundred
+small-array operations per step, each ~1 us of dispatch.  Here each piece is one plain loop over
+the running slots in request order, so the step costs what its arithmetic costs.  Everything is
+integer logic (page counts, token counts), so a kernel returns exactly what the numpy formulation
+it replaced returned (tests/sim/test_fleet_kernels.py checks each against it).
+
+Python keeps the per-event work: admissions with prefix lookup, prefix releases, publication, and
+the preemptions this module only *chooses* (`phase1` returns the victims in order; `FleetSchedule`
+preempts them, then `commit` writes the growth), because those touch Python objects.
+
+Only the fleet fidelity imports this module (numba is not loaded by `twin.sim` or the exact
+fidelity).  Where numba's cache directory is not writable it warns and compiles in memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, inline="always")
+def _grow_row(tok, Lr, Sr, pinned, pt, ring, maxb, need, own, taken, wrap, L2, S2):
+    """One table row growing to `tok` tokens, per family (the growth formula: docs/simulation.md,
+    "Fidelity"; an append-only family is a ring that never fills, `ring` huge there)."""
+    for f in range(len(pt)):
+        tgt = (tok + pt[f] - 1) // pt[f]
+        size = min(tgt, ring[f])
+        o = max(size - Sr[f], 0)
+        w = min(max(tgt - max(Lr[f], ring[f]), 0), maxb[f])
+        own[f] = o
+        wrap[f] = w
+        taken[f] = o + w
+        need[f] = o + w if pinned else o            # a ring rewrite under an in-flight step detaches
+        L2[f] = max(Lr[f], tgt)
+        S2[f] = max(Sr[f], size)
+
+
+@njit(cache=True)
+def grow_rows(tokens, L, S, pinned, pt, ring, maxb):
+    """Rows growing to `tokens` (n) from logical pages `L` and filled ring slots `S` (n x F):
+    (need, own, taken, wrapped, L', S'), each n x F."""
+    n, F = L.shape
+    need, own = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
+    taken, wrap = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
+    L2, S2 = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
+    for j in range(n):
+        _grow_row(tokens[j], L[j], S[j], pinned[j], pt, ring, maxb, need[j], own[j], taken[j], wrap[j], L2[j], S2[j])
+    return need, own, taken, wrap, L2, S2
+
+
+@njit(cache=True)
+def phase1(run, tpif, computed, plen, n_out, ph, pins, slot, part, rank, L, S, own, pinned, free, takes,
+           pt, ring, maxb, limits):
+    """Phase 1 over the running requests in order: the rows scheduled under the global token budget
+    (a K=7 row costs 8; chunked prefill), their tables grown, and where a partition cannot hold its
+    rows the overflow search (the first row in order that does not fit is dropped; the latest
+    arrival among the other running requests, same partition first, is chosen as a victim, its
+    pages count as free, and the row is retried once).
+
+    `limits` = (max_seq, budget, chunk, k).  Returns (rows, growth, victims, committed):
+    rows = (act, nn, spec, start, prefill, keep) over the budget's rows; growth = (need, own, taken,
+    wrapped, L', S') per row; victims = (victim, by) pairs in the order chosen.  Without a victim
+    or a dropped row the growth is committed here (`committed` = (1, detached, rotated));
+    otherwise (`committed` = (0, 0, 0)) the caller preempts the victims and calls `commit`."""
+    max_seq, budget, chunk, k = limits[0], limits[1], limits[2], limits[3]
+    m = len(run)
+    G, F = free.shape
+    act, nn_a, sp_a, c_a = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
+    pre_a = np.empty(m, np.bool_)
+    n = 0
+    left = budget
+    for r in range(m):
+        i = run[r]
+        if tpif[i]:
+            continue
+        c = computed[i]
+        pl = plen[i]
+        pre = c < pl
+        room = max_seq - c
+        nn = min(min(pl + n_out[i] + ph[i] - c, budget), room)
+        if pre:
+            nn = min(nn, chunk)
+        if nn <= 0:
+            continue
+        if left <= 0:
+            break
+        # the sequential budget walk (a row that fits in full keeps its chunk and drafts)
+        nn = min(nn, left)
+        s = 0 if pre else max(0, min(k, room - nn))
+        if nn + s > left:
+            continue
+        act[n], nn_a[n], sp_a[n], c_a[n], pre_a[n] = i, nn, s, c, pre
+        left -= nn + s
+        n += 1
+    need, gown = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
+    taken, wrap = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
+    L2, S2 = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
+    sums = np.zeros((G, F), np.int64)
+    for j in range(n):
+        i = act[j]
+        s_ = slot[i]
+        _grow_row(c_a[j] + nn_a[j] + sp_a[j], L[s_], S[s_], pins[i] > 0, pt, ring, maxb,
+                  need[j], gown[j], taken[j], wrap[j], L2[j], S2[j])
+        p = part[i]
+        for f in range(F):
+            sums[p, f] += need[j, f]
+    keep = np.ones(n, np.bool_)
+    over = np.zeros(G, np.bool_)
+    anyover = False
+    for p in range(G):
+        for f in range(F):
+            if sums[p, f] > free[p, f]:
+                over[p] = True
+                anyover = True
+    victims = np.empty((m, 2), np.int64)
+    nv = 0
+    if anyover:
+        nv = _search(run, act[:n], part, rank, slot, own, pinned, free, need, keep, over, victims)
+    rows = (act[:n], nn_a[:n], sp_a[:n], c_a[:n], pre_a[:n], keep)
+    growth = (need, gown, taken, wrap, L2, S2)
+    if not anyover:
+        det, rot = commit(act[:n], keep, slot, part, L, S, own, pinned, free, takes, growth)
+        return rows, growth, victims[:0], (np.int64(1), det, rot)
+    return rows, growth, victims[:nv], (np.int64(0), np.int64(0), np.int64(0))
+
+
+@njit(cache=True)
+def _search(run, act, part, rank, slot, own, pinned, free, need, keep, over, victims):
+    """The overflow search in row order (only partitions whose rows together overflow can; in one,
+    the cumulative need of the kept rows before a row plus its own need must fit the free pages,
+    which a victim's release raises).  Fills `keep` and `victims`; returns the victim count."""
+    n = len(act)
+    G, F = free.shape
+    cum = np.zeros((G, F), np.int64)
+    freef = free.copy()
+    alive = np.ones(len(run), np.bool_)
+    nv = 0
+    for j in range(n):
+        if not keep[j]:
+            continue                                   # a victim chosen at an earlier row
+        i = act[j]
+        p = part[i]
+        if not over[p]:
+            continue
+        some = False
+        fits = True
+        for f in range(F):
+            x = need[j, f]
+            if x:
+                some = True
+            if cum[p, f] + x > freef[p, f]:
+                fits = False
+        if not some:
+            continue
+        if fits:
+            for f in range(F):
+                cum[p, f] += need[j, f]
+            continue
+        keep[j] = False
+        # the latest arrival among the other running requests, same partition first
+        best, best_same = -1, -1
+        for q in range(len(run)):
+            x = run[q]
+            if not alive[q] or x == i:
+                continue
+            if best < 0 or rank[x] > rank[run[best]]:
+                best = q
+            if part[x] == p and (best_same < 0 or rank[x] > rank[run[best_same]]):
+                best_same = q
+        q = best_same if best_same >= 0 else best
+        if q < 0:
+            continue
+        alive[q] = False
+        v = run[q]
+        victims[nv, 0] = v
+        victims[nv, 1] = i
+        nv += 1
+        pv = part[v]
+        for jv in range(n):
+            if act[jv] == v:
+                if keep[jv] and jv < j and over[pv]:
+                    for f in range(F):
+                        cum[pv, f] -= need[jv, f]      # its growth, counted above, is undone
+                keep[jv] = False
+                break
+        sv = slot[v]
+        for f in range(F):
+            freef[pv, f] += own[sv, f] + pinned[sv, f]
+        fits = True
+        for f in range(F):
+            if cum[p, f] + need[j, f] > freef[p, f]:
+                fits = False
+        if fits:
+            keep[j] = True
+            for f in range(F):
+                cum[p, f] += need[j, f]
+    return nv
+
+
+@njit(cache=True)
+def commit(act, keep, slot, part, L, S, own, pinned, free, takes, growth):
+    """Write the kept rows' growth: tables, own and pinned pages, free pages and pages taken.
+    Returns (detached, rotated) page totals."""
+    need, gown, taken, wrap, L2, S2 = growth
+    F = L.shape[1]
+    det_t = 0
+    wrap_t = 0
+    for j in range(len(act)):
+        if not keep[j]:
+            continue
+        i = act[j]
+        s = slot[i]
+        p = part[i]
+        for f in range(F):
+            L[s, f] = L2[j, f]
+            S[s, f] = S2[j, f]
+            own[s, f] += gown[j, f]
+            d = need[j, f] - gown[j, f]
+            pinned[s, f] += d
+            det_t += d
+            wrap_t += wrap[j, f]
+            free[p, f] -= need[j, f]
+            takes[p, f] += taken[j, f]
+    return det_t, wrap_t - det_t
