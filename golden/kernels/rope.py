@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from ..numerics import BF16
+
 SWA_PROFILE, COMPRESS_PROFILE = "swa", "compress"
 PROFILES = (SWA_PROFILE, COMPRESS_PROFILE)
 
@@ -86,5 +88,25 @@ def rope_tail_bf16(x, cos, sin, nm, inverse: bool = False):
     rounding of the rotated part is repeated by the outer one (a bf16 value rounds to itself),
     so the whole row is rounded once."""
     R = cos.shape[-1]
+    if nm.is_numpy and not nm.exact:
+        return _rope_tail_bf16_np(nm.asf(x), cos, sin, nm, inverse)
     rot = rope_rotate(x[..., -R:], cos, sin, nm, inverse)
     return nm.bf16(nm.xp.concatenate([x[..., :-R], rot], axis=-1))
+
+
+def _rope_tail_bf16_np(x, cos, sin, nm, inverse):
+    """rope_tail_bf16 on NumPy outside exact mode: every part is rounded to f32 as it is written
+    into one f32 row (f64 arithmetic, then the cast, as nm.bf16's first step), with no stacked or
+    concatenated f64 copies; then f32 -> bf16 -> f64 as nm.bf16 does."""
+    R = cos.shape[-1]
+    half = R // 2
+    c = nm.asf(cos)[..., :half]
+    s = nm.asf(sin)[..., :half]
+    if inverse:
+        s = -s
+    e, o = x[..., -R::2], x[..., -R + 1::2]
+    y = np.empty(x.shape, np.float32)
+    y[..., :-R] = x[..., :-R]
+    np.subtract(e * c, o * s, out=y[..., -R::2])
+    np.add(e * s, o * c, out=y[..., -R + 1::2])
+    return y.astype(BF16).astype(nm.f)
