@@ -52,6 +52,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.max_seq, self.chunk, self.budget = lim.max_model_len, lim.max_prefill_tokens_per_request, lim.max_num_batched_tokens
         self.max_running = lim.max_num_seqs
         self._limits = np.array([self.max_seq, self.budget, self.chunk, self.k], dtype=np.int64)   # phase 1's
+        self._apply_flags = np.zeros(3, dtype=bool)
         self.prefix = lim.enable_prefix_caching
         self.max_hit_offset = max(1, lim.speculative_prefix_cache_replay_tokens)
         # the exact scheduler's config validates async_depth (`apply` relies on 1 or 2) and stop_check
@@ -138,6 +139,8 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.entries: list[list] = [[] for _ in range(n)]
         self.drops: list[list] = [[] for _ in range(n)]        # (tokens, id, entry, family) tails held
         self.next_drop = np.full(n, NEVER, dtype=np.int64)
+        # phase 1's by-request state (the arrays themselves: the kernels write them in place)
+        self._state = (self.computed, self.plen, self.ph, self.pins, self.tpif, self.next_drop)
 
     def _slots(self, m: int) -> None:
         """Size the slot arrays to `m` slots, keeping the occupied ones (the running set is capped

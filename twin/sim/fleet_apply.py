@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .fleet_command import EOS, ERROR, FINISHED, LENGTH, NEVER, REJECTED, RUNNING, STOP, WAITING, Command
+from . import fleet_kernels as fk
+from .fleet_command import ERROR, FINISHED, NEVER, REJECTED, RUNNING, STOP, WAITING, Command
 
 
 class FleetApply:
@@ -111,28 +112,28 @@ class FleetApply:
 
     # ---- apply (update_from_output + stop strings) -------------------------------------------------
     def apply(self, cmd: Command) -> None:
+        """`update_from_output`: the rows' arrays in `fleet_kernels.apply_rows`; publication,
+        finishes and stop strings per event, in the order the exact engine applies them."""
         idx = cmd.idx
         now = self.now
-        stale = self.ver.take(idx) != cmd.ver
-        if np.count_nonzero(stale):
-            s = idx[stale]
-            self.discarded[s] += cmd.counts[stale]
-            rows = (~stale).nonzero()[0]
-            idx = idx.take(rows)
-            start, num_new, spec, samples, counts, pre = (a.take(rows) for a in (
-                cmd.start, cmd.num_new, cmd.spec, cmd.samples, cmd.counts, cmd.prefill))
-        else:
-            rows = None
-            start, num_new, spec, samples, counts, pre = (cmd.start, cmd.num_new, cmd.spec, cmd.samples, cmd.counts,
-                                                          cmd.prefill)
         kv = self.kv
+        flags = self._apply_flags
+        flags[0] = cmd.n_prefill > 0
+        flags[1] = self._stops
+        flags[2] = self._pinned_any
+        self._pinned_any = False
+        itl, ends, stops = fk.apply_rows(
+            idx, cmd.ver, cmd.samples, cmd.counts, cmd.spec, self.ver, self.n_out, self.ph, self.computed, self.tpif,
+            self.pins, self.discarded, self.dropped, self.chunks, self.first, self.last, self.fin, self.eos_at,
+            self.stop_end, now, flags, self.spart, self.pinned, kv.free)
         if self.prefix and cmd.n_prefill:
-            # a few prefill rows: their publication in Python (a confirmed chunk indexes its blocks)
-            A, pub, plen = kv.align, self.pub, self._plen
-            pr = pre.nonzero()[0]
-            for i, st, nn in zip(idx.take(pr).tolist(), start.take(pr).tolist(), num_new.take(pr).tolist()):
+            # a few prefill rows: their publication (a confirmed chunk indexes its blocks)
+            A, pub, plen, ver = kv.align, self.pub, self._plen, self.ver
+            pr = cmd.prefill.nonzero()[0]
+            for i, v, st, nn in zip(idx.take(pr).tolist(), cmd.ver.take(pr).tolist(), cmd.start.take(pr).tolist(),
+                                    cmd.num_new.take(pr).tolist()):
                 end = min((st + nn) // A, plen[i] // A)
-                if end > pub[i]:
+                if end > pub[i] and ver[i] == v:
                     moved = kv.publish(self.hashes[i], pub[i], end, st + nn, int(self.part[i]),
                                        self.entries[i], self.drops[i])
                     if self.drops[i]:
@@ -140,50 +141,11 @@ class FleetApply:
                     if moved:
                         self.own[self.slot[i]] -= moved * kv.block_pages
                     pub[i] = end
-        # unpin: the pages detached into this step's snapshots go back to the pool
-        self.pins[idx] -= 1
-        # at depth <= 2 a growth pins pages only for the requests of the one step in flight, which
-        # is this one: every pinned page is this step's (a stale row's went back with its release)
-        if self._pinned_any:
-            kv.free += kv.per_cell(self._slot_cells(), self.pinned)
-            self.pinned.fill(0)
-            self._pinned_any = False
-        if np.count_nonzero(samples) == len(samples):
-            s_idx, cnt, sp = idx, counts, spec
-        else:
-            s = samples.nonzero()[0]
-            if not len(s):
-                return
-            s_idx, cnt, sp = idx.take(s), counts.take(s), spec.take(s)
-        self.tpif[s_idx] = False
-        # `fin`: the output length at which a request ends by EOS (its first planted EOS) or length
-        n_out, fin = self.n_out.take(s_idx), self.fin.take(s_idx)
-        retained = np.minimum(cnt, fin - n_out)
-        L = n_out + retained
-        done = L >= fin
-        self.n_out[s_idx] = L
-        if np.count_nonzero(done):
-            live = ~done
-            l_idx, r_l, sp_l = s_idx[live], retained[live], sp[live]
-        else:
-            live, l_idx, r_l, sp_l = None, s_idx, retained, sp
-        sp_l = sp_l + 1
-        self.ph[l_idx] -= sp_l
-        self.computed[l_idx] += r_l - sp_l
-        # streamed chunks (every sampled row retains >= 1 token)
-        self.rec.applied(s_idx, now, self.first, self.last, self.chunks, cmd)
-        if live is not None:
-            d = s_idx[done]
-            self.dropped[d] += cnt[done] - retained[done]
-            self._finish_running(d, np.where(self.fin.take(d) == self.eos_at.take(d) + 1, EOS, LENGTH))
-        # stop strings: the engine's check on the cumulative output after the step
-        if self._stops:
-            L_l = L if live is None else L[live]
-            se = self.stop_end[l_idx]
-            got = (se > L_l - r_l) & (se <= L_l)
-            if np.count_nonzero(got):
-                for i, end, Lx, n in zip(l_idx[got].tolist(), se[got].tolist(), L_l[got].tolist(), r_l[got].tolist()):
-                    self._stop(i, end, Lx, n)
+        self.rec.applied(itl, cmd)
+        if len(ends):
+            self._finish_running(ends[:, 0], ends[:, 1])
+        for i, end, Lx, n in stops.tolist():
+            self._stop(i, end, Lx, n)
 
     def _stop(self, i: int, end: int, L: int, n: int) -> None:
         if end < L:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .fleet_command import EOS, LENGTH
+
 
 @njit(cache=True, inline="always")
 def _grow_row(tok, Lr, Sr, pinned, pt, ring, maxb, need, own, taken, wrap, L2, S2):
@@ -50,20 +52,22 @@ def grow_rows(tokens, L, S, pinned, pt, ring, maxb):
 
 
 @njit(cache=True)
-def phase1(run, tpif, computed, plen, n_out, ph, pins, slot, part, rank, L, S, own, pinned, free, takes,
-           pt, ring, maxb, limits):
+def phase1(run, state, n_out, slot, part, rank, L, S, own, pinned, free, takes, pt, ring, maxb, limits):
     """Phase 1 over the running requests in order: the rows scheduled under the global token budget
     (a K=7 row costs 8; chunked prefill), their tables grown, and where a partition cannot hold its
     rows the overflow search (the first row in order that does not fit is dropped; the latest
     arrival among the other running requests, same partition first, is chosen as a victim, its
     pages count as free, and the row is retried once).
 
-    `limits` = (max_seq, budget, chunk, k).  Returns (rows, growth, victims, committed):
-    rows = (act, nn, spec, start, prefill, keep) over the budget's rows; growth = (need, own, taken,
-    wrapped, L', S') per row; victims = (victim, by) pairs in the order chosen.  Without a victim
-    or a dropped row the growth is committed here (`committed` = (1, detached, rotated));
-    otherwise (`committed` = (0, 0, 0)) the caller preempts the victims and calls `commit`."""
+    `state` = (computed, plen, ph, pins, tpif, next_drop) by request, `limits` = (max_seq, budget,
+    chunk, k).  Returns (rows, keep, growth, victims, done): rows = (act, nn, spec, start, prefill,
+    samples) over the budget's rows, growth = (need, own, taken, wrapped, L', S') per row, victims =
+    (victim, by) pairs in the order chosen.  Without a victim or a dropped row `commit_rows` runs
+    here and `done` is its result; otherwise `done[0]` is -1: the caller preempts the victims and
+    calls `commit_rows`.
+    """
     max_seq, budget, chunk, k = limits[0], limits[1], limits[2], limits[3]
+    computed, plen, ph, pins, tpif, next_drop = state
     m = len(run)
     G, F = free.shape
     act, nn_a, sp_a, c_a = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
@@ -117,12 +121,13 @@ def phase1(run, tpif, computed, plen, n_out, ph, pins, slot, part, rank, L, S, o
     nv = 0
     if anyover:
         nv = _search(run, act[:n], part, rank, slot, own, pinned, free, need, keep, over, victims)
-    rows = (act[:n], nn_a[:n], sp_a[:n], c_a[:n], pre_a[:n], keep)
+    rows = (act[:n], nn_a[:n], sp_a[:n], c_a[:n], pre_a[:n], np.empty(n, np.bool_))
     growth = (need, gown, taken, wrap, L2, S2)
     if not anyover:
-        det, rot = commit(act[:n], keep, slot, part, L, S, own, pinned, free, takes, growth)
-        return rows, growth, victims[:0], (np.int64(1), det, rot)
-    return rows, growth, victims[:nv], (np.int64(0), np.int64(0), np.int64(0))
+        done = commit_rows(rows, keep, slot, part, L, S, own, pinned, free, takes, growth, state, k)
+        return rows, keep, growth, victims[:0], done
+    return rows, keep, growth, victims[:nv], (np.int64(-1), np.int64(0), np.int64(0), np.int64(0), np.int64(0),
+                                               np.empty(0, np.int64))
 
 
 @njit(cache=True)
@@ -199,6 +204,45 @@ def _search(run, act, part, rank, slot, own, pinned, free, need, keep, over, vic
 
 
 @njit(cache=True)
+def commit_rows(rows, keep, slot, part, L, S, own, pinned, free, takes, growth, state, k):
+    """Phase 1's end: the kept rows' growth written (`commit`), the rows compacted in place to the
+    kept ones, and `advance_after_schedule` on them (pinned by the step; computed to the chunk end
+    plus drafts; placeholders for the sampled token and drafts; a sampling prefill row is the
+    terminal prefill in flight).  Returns (rows kept, budget used, prefill rows, pages detached,
+    pages rotated, the kept rows whose tokens pass a held rolling tail's drop point).
+    """
+    act, nn, spec, c, pre, samples = rows
+    computed, plen, ph, pins, tpif, next_drop = state
+    det, rot = commit(act, keep, slot, part, L, S, own, pinned, free, takes, growth)
+    n = 0
+    used = 0
+    n_pre = 0
+    due = np.empty(len(act), np.int64)
+    nd = 0
+    for j in range(len(act)):
+        if not keep[j]:
+            continue
+        i = act[j]
+        e = c[j] + nn[j]
+        t = e + spec[j]
+        smp = e >= plen[i] or not pre[j]
+        act[n], nn[n], spec[n], c[n], pre[n], samples[n] = i, nn[j], spec[j], c[j], pre[j], smp
+        used += nn[j] + spec[j]
+        if pre[j]:
+            n_pre += 1
+            if smp and k:
+                tpif[i] = True
+        pins[i] += 1
+        computed[i] = t
+        ph[i] += smp + spec[j]
+        if t > next_drop[i]:
+            due[nd] = n
+            nd += 1
+        n += 1
+    return np.int64(n), np.int64(used), np.int64(n_pre), det, rot, due[:nd]
+
+
+@njit(cache=True)
 def commit(act, keep, slot, part, L, S, own, pinned, free, takes, growth):
     """Write the kept rows' growth: tables, own and pinned pages, free pages and pages taken.
     Returns (detached, rotated) page totals."""
@@ -223,3 +267,64 @@ def commit(act, keep, slot, part, L, S, own, pinned, free, takes, growth):
             free[p, f] -= need[j, f]
             takes[p, f] += taken[j, f]
     return det_t, wrap_t - det_t
+
+
+@njit(cache=True)
+def apply_rows(idx, cver, samples, counts, spec, ver, n_out, ph, computed, tpif, pins, discarded, dropped, chunks,
+               first, last, fin, eos_at, stop_end, now, flags, spart, pinned, free):
+    """A step's result on its rows (`update_from_output`'s array half): stale rows (a finish or
+    preemption since) discarded, pins released, each sampled row's accepted tokens retained up to
+    its EOS / length end (`fin`), the rest of the draft position undone, and its stream times.
+
+    `flags` = (check first tokens, check stop strings, release the pinned pages).  Returns
+    (inter-token gaps of the sampled rows, in row order; (request, finish code) of the rows that
+    end by EOS / length; (request, stop end, output length, retained) of the rows whose output
+    reached a planted stop string's end)."""
+    n = len(idx)
+    if flags[2]:
+        # at depth <= 2 every pinned page is this step's (a stale row's went back with its release)
+        G, F = free.shape
+        for s in range(len(spart)):
+            p = spart[s]
+            for f in range(F):
+                free[p, f] += pinned[s, f]
+                pinned[s, f] = 0
+    itl = np.empty(n, np.float64)
+    ends = np.empty((n, 2), np.int64)
+    stops = np.empty((n, 4), np.int64)
+    ni = ne = ns = 0
+    for j in range(n):
+        i = idx[j]
+        if ver[i] != cver[j]:
+            discarded[i] += counts[j]
+            continue
+        pins[i] -= 1
+        if not samples[j]:
+            continue
+        tpif[i] = False
+        cnt = counts[j]
+        before = n_out[i]
+        r = min(cnt, fin[i] - before)
+        Lx = before + r
+        n_out[i] = Lx
+        itl[ni] = now - last[i]
+        ni += 1
+        if flags[0] and first[i] != first[i]:
+            first[i] = now
+        last[i] = now
+        chunks[i] += 1
+        if Lx >= fin[i]:
+            ends[ne, 0] = i
+            ends[ne, 1] = EOS if fin[i] == eos_at[i] + 1 else LENGTH
+            dropped[i] += cnt - r
+            ne += 1
+            continue
+        sp = spec[j] + 1
+        ph[i] -= sp
+        computed[i] += r - sp
+        if flags[1]:
+            se = stop_end[i]
+            if se > before and se <= Lx:
+                stops[ns, 0], stops[ns, 1], stops[ns, 2], stops[ns, 3] = i, se, Lx, r
+                ns += 1
+    return itl[:ni], ends[:ne], stops[:ns]

@@ -64,15 +64,11 @@ class FleetRecorder:
     def dispatch(self, step: int, kind: str, start: float, secs: float, meta: dict, parts: dict) -> None:
         self.dispatches.append((step, kind, start, secs, meta, parts))
 
-    def applied(self, s_idx, now, first, last, chunks, cmd) -> None:
-        # NaN for a request's first token (no previous one): dropped once, at finalize
-        self._itl.append(now - last.take(s_idx))
-        if cmd.n_prefill:                          # only a prefill's sample can be a first token
-            new = np.isnan(first.take(s_idx))
-            if np.count_nonzero(new):
-                first[s_idx[new]] = now
-        last[s_idx] = now
-        chunks[s_idx] += 1
+    def applied(self, itl: np.ndarray, cmd) -> None:
+        """A step applied: its sampled rows' inter-token gaps (NaN for a request's first token,
+        dropped once, at finalize; first / last / chunks are the engine's arrays) and the decode
+        rows' acceptance."""
+        self._itl.append(itl)
         if cmd.accepted is not None:               # the decode rows' (accepted counts, drafted)
             counts, fits = cmd.accepted
             nf = int(np.count_nonzero(fits)) if self.k else 0

@@ -28,80 +28,68 @@ class FleetSchedule:
             self._pending_ids[:0] = finished_ids
             return None
         if new:
-            cols = [np.concatenate([r, c]) for r, c in zip(rows, zip(*new))]
+            rows = [np.concatenate([r, c]) for r, c in zip(rows, zip(*new))]
             n_pre += len(new)
-        else:
-            cols = rows
-        idx, num_new, spec, start, pre = cols
+            used += sum(x[1] for x in new)              # new rows: no drafts
+        idx, num_new, spec, start, pre, samples = rows
         self._step += 1
-        end = start + num_new
-        samples = end >= self.plen.take(idx) if n_pre else np.ones(len(idx), dtype=bool)
-        if n_pre:
-            samples |= ~pre
         cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver.take(idx))
         cmd.n_prefill = n_pre
-        cmd.tokens = used + sum(x[1] for x in new)     # the budget the step uses (new rows: no drafts)
-        self.pins[idx] += 1
-        # advance_after_schedule (spec is 0 on every row that does not sample: prefill chunks)
-        self.computed[idx] = end + spec
-        self.ph[idx] += samples + spec
-        if n_pre:
-            pre_idx = idx[pre]
-            if self.leases is not None:
-                lease = self.lease
-                for i in pre_idx.tolist():
-                    if lease[i] < 0:
-                        try:
-                            lease[i], self.gen[i] = self.leases.reserve(i, int(self.part[i]))
-                        except LeasesExhausted as e:
-                            cmd.error = cmd.error or str(e)
-            if self.k:
-                self.tpif[idx[samples & pre]] = True
+        cmd.tokens = used
+        if n_pre and self.leases is not None:
+            lease = self.lease
+            for i in idx[pre].tolist():
+                if lease[i] < 0:
+                    try:
+                        lease[i], self.gen[i] = self.leases.reserve(i, int(self.part[i]))
+                    except LeasesExhausted as e:
+                        cmd.error = cmd.error or str(e)
         return cmd
 
     def _phase1(self, budget: int):
-        """The running requests' rows (idx, num_new, spec, start, prefill), the budget they use
-        and how many are prefill chunks (`fleet_kernels.phase1`: budget walk, growth, overflow
-        search; the victims it chooses are preempted here, in its order, before the growth is
-        written)."""
+        """The running requests' rows (idx, num_new, spec, start, prefill, samples), already
+        advanced as scheduled, the budget they use and how many are prefill chunks
+        (`fleet_kernels.phase1`: budget walk, growth, overflow search; the victims it chooses are
+        preempted here, in its order, before `commit_rows` writes the growth)."""
         run = self.running
         if not len(run):
             empty = np.zeros(0, dtype=np.int64)
-            return (empty, empty, empty, empty, np.zeros(0, dtype=bool)), 0, 0
+            return (empty, empty, empty, empty, np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)), 0, 0
         kv = self.kv
-        rows, growth, victims, (done, det, rot) = fk.phase1(
-            run, self.tpif, self.computed, self.plen, self.n_out, self.ph, self.pins, self.slot, self.part, self.rank,
-            self.L, self.S, self.own, self.pinned, kv.free, kv.takes, kv.pt, kv._ring, kv.maxb, self._limits)
-        act, nn, spec, c, pre, keep = rows
-        if not done:
+        state = self._state
+        rows, keep, growth, victims, done = fk.phase1(
+            run, state, self.n_out, self.slot, self.part, self.rank, self.L, self.S, self.own, self.pinned,
+            kv.free, kv.takes, kv.pt, kv._ring, kv.maxb, self._limits)
+        if done[0] < 0:
             for v, r in victims.tolist():
                 self._preempt(v, r)
-            det, rot = fk.commit(act, keep, self.slot, self.part, self.L, self.S, self.own, self.pinned, kv.free,
-                                 kv.takes, growth)
-            act, nn, spec, c, pre = act[keep], nn[keep], spec[keep], c[keep], pre[keep]
+            done = fk.commit_rows(rows, keep, self.slot, self.part, self.L, self.S, self.own, self.pinned, kv.free,
+                                  kv.takes, growth, state, self.k)
+        n, used, n_pre, det, rot, due = done
         if det:
             self._pinned_any = True
         kv.stats["detaches"] += det
         kv.stats["rotations"] += rot
-        tokens = c + nn + spec
-        if self.prefix:
-            due = (tokens > self.next_drop.take(act)).nonzero()[0]
-            if len(due):
-                # `PagePools.drop_tails` inline: a tail whose last holder leaves gets its FIFO position
-                # from the pools as they stand after this step's growth (read once)
-                ids = act.take(due)
-                drops, nd, tf = self.drops, self.next_drop, None
-                for i, t, p in zip(ids.tolist(), tokens.take(due).tolist(), self.part.take(ids).tolist()):
-                    d = drops[i]
-                    while d and d[0][0] < t:
-                        _, _, e, f = d.pop(0)
-                        e.tail_refs[f] -= 1
-                        if not e.tail_refs[f]:
-                            if tf is None:
-                                tf = (self.kv.takes + self.kv.free).tolist()
-                            e.tail_evict[f] = tf[p][f]
-                    nd[i] = d[0][0] if d else NEVER
-        return (act, nn, spec, c, pre), int((nn + spec).sum()), int(np.count_nonzero(pre))
+        if n < len(rows[0]):
+            rows = tuple(x[:n] for x in rows)
+        if len(due):
+            # `PagePools.drop_tails` inline: a tail whose last holder leaves gets its FIFO position
+            # from the pools as they stand after this step's growth (read once)
+            act, nn, spec, c = rows[:4]
+            drops, nd, tf = self.drops, self.next_drop, None
+            for j in due.tolist():
+                i = int(act[j])
+                t, p = int(c[j] + nn[j] + spec[j]), int(self.part[i])
+                d = drops[i]
+                while d and d[0][0] < t:
+                    _, _, e, f = d.pop(0)
+                    e.tail_refs[f] -= 1
+                    if not e.tail_refs[f]:
+                        if tf is None:
+                            tf = (self.kv.takes + self.kv.free).tolist()
+                        e.tail_evict[f] = tf[p][f]
+                nd[i] = d[0][0] if d else NEVER
+        return rows, int(used), int(n_pre)
 
     def _phase2(self, budget: int) -> list:
         new = []
@@ -139,11 +127,17 @@ class FleetSchedule:
                 self.kv4[:, self._take_slot(i, p)] = row
             self.waiting.popleft()
             self.status[i] = RUNNING
-            self.computed[i] = hit
             self.cached[i] = hit
             self.pub[i] = hit // kv.align
             self.rec.admitted(i, hit, fallback, self.now)
-            new.append((i, nn, 0, hit, True))
+            # advance_after_schedule (as `fleet_kernels.commit_rows` for the running rows)
+            smp = hit + nn >= pl
+            self.pins[i] += 1
+            self.computed[i] = hit + nn
+            self.ph[i] += smp
+            if smp and self.k:
+                self.tpif[i] = True
+            new.append((i, nn, 0, hit, True, smp))
             budget -= nn
         if new:
             self.running = np.concatenate([self.running, np.array([x[0] for x in new], dtype=np.int64)])
