@@ -51,17 +51,29 @@ def gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, 
 
 def swiglu_expert(x_i8, x_scale, w1, w1_scale, w3, w3_scale, w2, w2_scale, *, cfg, nm, route_weight=None):
     """One expert on rows [n, D] -> y [n, D] (bf16 values); route_weight [n] scales the w2 dequant."""
-    xp = nm.xp
-    lim = cfg.swiglu_limit
-    g = nm.int_mm(x_i8, w1.T) * x_scale * nm.asf(w1_scale)
-    u = nm.int_mm(x_i8, w3.T) * x_scale * nm.asf(w3_scale)
-    g = xp.minimum(nm.r32(g), lim)
-    u = xp.clip(nm.r32(u), -lim, lim)
-    h = g / (1.0 + xp.exp(-g)) * u
-    h_i8, h_dq = nm.q8(h)
+    h_i8, h_dq = swiglu_hidden(nm.int_mm(x_i8, w1.T), nm.int_mm(x_i8, w3.T), x_scale, nm.asf(w1_scale),
+                               nm.asf(w3_scale), cfg=cfg, nm=nm)
     if route_weight is not None:
         h_dq = h_dq * route_weight[:, None]
-    return nm.bf16(nm.int_mm(h_i8, w2.T) * h_dq * nm.asf(w2_scale))
+    return swiglu_out(nm.int_mm(h_i8, w2.T), h_dq, nm.asf(w2_scale), nm=nm)
+
+
+def swiglu_hidden(g, u, x_scale, w1_scale, w3_scale, *, cfg, nm):
+    """SwiGLU between the gate / up GEMMs and the down GEMM: g, u are the GEMMs' exact integer
+    products; dequantized (x_scale [n, 1], w*_scale per output channel, [I] or per row [n, I]),
+    rounded to f32, gate clamped to <= limit and up to [-limit, limit], silu(g) * u, Q8 ->
+    (h_i8, h_dq)."""
+    xp = nm.xp
+    lim = cfg.swiglu_limit
+    g = xp.minimum(nm.r32(g * x_scale * w1_scale), lim)
+    u = xp.clip(nm.r32(u * x_scale * w3_scale), -lim, lim)
+    return nm.q8(g / (1.0 + xp.exp(-g)) * u)
+
+
+def swiglu_out(y, h_dq, w2_scale, *, nm):
+    """The down GEMM's exact integer product y -> the expert's output (bf16 values); h_dq carries
+    the route weight where there is one."""
+    return nm.bf16(y * h_dq * w2_scale)
 
 
 def shared_expert(x_i8, x_scale, shared, *, cfg, nm):
@@ -107,10 +119,11 @@ def moe_experts(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
 
 def _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, *, cfg, nm):
     """routed [T*K, D]: swiglu_expert's arithmetic with only the GEMMs per expert.  Every other
-    step is per row (or per row and column), so it runs once over all routes, each row with its
-    expert's scales: the same values as one swiglu_expert call per expert, in far fewer calls."""
+    step (swiglu_hidden, swiglu_out) is per row (or per row and column), so it runs once over all
+    routes, each row with its expert's scales: the same values as one swiglu_expert call per
+    expert, in far fewer calls."""
     import numpy as np
-    E, lim = cfg.n_routed_experts, cfg.swiglu_limit
+    E = cfg.n_routed_experts
     T, D = x_i8.shape
     lo_all, hi_all = bounds[0], bounds[E]
     routes = order[lo_all:hi_all]
@@ -134,15 +147,17 @@ def _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, *, cfg, nm):
     count = [hi - lo for lo, hi in span]
     s1, s3, s2 = (np.repeat(np.asarray([ws[e][name] for e in used], np.float64).reshape(len(used), -1), count, axis=0)
                   for name in ("routed_w1_scale", "routed_w3_scale", "routed_w2_scale"))
-    xsc = nm.asf(x_scale)[rows]
-    g = np.minimum(nm.r32(g * xsc * s1), lim)
-    u = np.clip(nm.r32(u * xsc * s3), -lim, lim)
-    h_i8, h_dq = nm.q8(g / (1.0 + np.exp(-g)) * u)
+    h_i8, h_dq = swiglu_hidden(g, u, nm.asf(x_scale)[rows], s1, s3, cfg=cfg, nm=nm)
     h_dq = h_dq * wts[routes][:, None]
     h32 = op(h_i8)
     y = np.empty((n, D))
     for e, (lo, hi) in zip(used, span):
         y[lo:hi] = nm.int_mm(h32[lo:hi], ws[e]["routed_w2"].T)
+    y = swiglu_out(y, h_dq, s2, nm=nm)
+    if n == T * K:      # every route ran (the usual case): its row taken back to route order
+        inv = np.empty_like(routes)
+        inv[routes] = np.arange(n)
+        return np.take(y, inv, axis=0)
     routed = np.zeros((T * K, D), np.float64)
-    routed[routes] = nm.bf16(y * h_dq * s2)
+    routed[routes] = y
     return routed
