@@ -28,24 +28,41 @@ def candidate_buffers(T, W, n, cmp_kv, hd, *, nm, tile=TILE):
     return K, np.zeros(K.shape[:2], bool)
 
 
+def candidate_slots(swa_indices, swa_lens, *, cmp_kv=None, cmp_rows=None, cmp_block_table=None, req=None, nm):
+    """Where each query's candidates are read: (window slots [T, W], window valid [T, W],
+    compressed slots [T, n], compressed ok [T, n]; the last two None without compressed rows).
+    A slot is -1 where nothing is read (get_rows reads row 0 there; the flags mask it)."""
+    xp = nm.xp
+    W = swa_indices.shape[1]
+    valid = (xp.arange(W)[None, :] < swa_lens[:, None]) & (swa_indices >= 0)
+    wslots = xp.where(valid, swa_indices, -1)
+    if cmp_rows is None or not cmp_rows.shape[1]:
+        return wslots, valid, None, None
+    rpp, width = cmp_kv.shape[1], cmp_block_table.shape[1]
+    pg = xp.where(cmp_rows >= 0, cmp_rows, 0) // rpp
+    ent = cmp_block_table[req[:, None], xp.minimum(pg, width - 1)]
+    ok = (cmp_rows >= 0) & (pg < width) & (ent >= 0)
+    return wslots, valid, xp.where(ok, ent * rpp + cmp_rows % rpp, -1), ok
+
+
 def gather_candidates(kv_cache, swa_indices, swa_lens, *, cmp_kv=None, cmp_rows=None, cmp_block_table=None,
-                      req=None, nm, tile=TILE, buffers=None):
+                      req=None, nm, tile=TILE, buffers=None, slots=None):
     """K [T, N, HD] and valid [T, N], N padded to a multiple of `tile`.
 
     Pad columns: zeros after the window, compressed row 0 after the compressed rows (never valid,
-    so never read: their probability is 0)."""
+    so never read: their probability is 0).  `slots`: these queries' candidate_slots, when the
+    caller made them for all its queries at once (then the addressing arguments are not read)."""
     xp = nm.xp
     T, W = swa_indices.shape
-    valid = (xp.arange(W)[None, :] < swa_lens[:, None]) & (swa_indices >= 0)
-    win = nm.get_rows(kv_cache, xp.where(valid, swa_indices, -1))
+    if slots is None:
+        slots = candidate_slots(swa_indices, swa_lens, cmp_kv=cmp_kv, cmp_rows=cmp_rows,
+                                cmp_block_table=cmp_block_table, req=req, nm=nm)
+    wslots, valid, cslots, ok = slots
+    win = nm.get_rows(kv_cache, wslots)
     Wp = -(-W // tile) * tile
-    n = 0 if cmp_rows is None else cmp_rows.shape[1]
+    n = 0 if cslots is None else cslots.shape[1]
     if n:
-        rpp, width = cmp_kv.shape[1], cmp_block_table.shape[1]
-        pg = xp.where(cmp_rows >= 0, cmp_rows, 0) // rpp
-        ent = cmp_block_table[req[:, None], xp.minimum(pg, width - 1)]
-        ok = (cmp_rows >= 0) & (pg < width) & (ent >= 0)
-        cmp = nm.get_rows(cmp_kv, xp.where(ok, ent * rpp + cmp_rows % rpp, -1))
+        cmp = nm.get_rows(cmp_kv, cslots)
     np_ = Wp + (-(-n // tile) * tile)
     if nm.is_numpy:
         # one f64 buffer, each part widened as it is copied in (no widened copies concatenated);
@@ -164,11 +181,13 @@ def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, ro
     buffers = (candidate_buffers(min(chunk, T), swa_indices.shape[1], n_cmp, cmp_kv, q.shape[-1], nm=nm)
                if nm.is_numpy else None)
 
+    # every query's candidate addresses at once (a few calls per layer, not per chunk)
+    slots = candidate_slots(swa_indices, swa_lens, cmp_kv=cmp_kv, cmp_rows=cmp_rows,
+                            cmp_block_table=cmp_block_table, req=req, nm=nm)
+
     def run(lo, hi):
-        cr = None if cmp_rows is None else cmp_rows[lo:hi]
-        K, valid = gather_candidates(kv_cache, swa_indices[lo:hi], swa_lens[lo:hi], cmp_kv=cmp_kv, cmp_rows=cr,
-                                     cmp_block_table=cmp_block_table, req=None if req is None else req[lo:hi],
-                                     nm=nm, buffers=buffers)
+        K, valid = gather_candidates(kv_cache, swa_indices[lo:hi], swa_lens[lo:hi], cmp_kv=cmp_kv, nm=nm,
+                                     buffers=buffers, slots=tuple(None if a is None else a[lo:hi] for a in slots))
         return attend(q[lo:hi], K, valid, attn_sink, cfg=cfg, nm=nm)
 
     if nm.is_numpy and T > chunk:
