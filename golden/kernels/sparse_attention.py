@@ -141,7 +141,9 @@ def _combine_tiles_np(m, l_t, o_raw, any_t, sink):
     """attend's tile combination on NumPy, with the generic code's bits and no [T, H, nt, HD]
     temporary: its sum over the tile axis (not the innermost one) adds tile by tile in order from
     0.0 (so a -0 term sums to +0), as the loop here does.  One tile: its weight exp(m - M) is
-    exactly 1 (M = m), or the row is masked to 0 either way."""
+    exactly 1 (M = m), or the row is masked to 0 either way.  Where every tile of every row has a
+    valid candidate, the masks select everything and are skipped."""
+    every = bool(np.all(any_t))                              # every tile of every row has a candidate
     has = np.any(any_t, axis=-1)                             # [T, 1]
     nt = m.shape[-1]
     if nt == 1:
@@ -149,9 +151,13 @@ def _combine_tiles_np(m, l_t, o_raw, any_t, sink):
         o = o_raw[:, 0] + 0.0
         den = l_t[..., 0] + np.exp(sink[None, :] - M)
     else:
-        M = np.max(np.where(any_t, m, -np.inf), axis=-1)
-        M = np.where(has, M, 0.0)
-        a = np.where(any_t, np.exp(m - M[..., None]), 0.0)      # [T, H, nt]
+        if every:       # (the usual case) the masks change nothing: left out
+            M = np.max(m, axis=-1)
+            a = np.exp(m - M[..., None])                        # [T, H, nt]
+        else:
+            M = np.max(np.where(any_t, m, -np.inf), axis=-1)
+            M = np.where(has, M, 0.0)
+            a = np.where(any_t, np.exp(m - M[..., None]), 0.0)  # [T, H, nt]
         o = a[..., 0, None] * o_raw[:, 0]
         o += 0.0
         tmp = np.empty_like(o)
@@ -159,7 +165,8 @@ def _combine_tiles_np(m, l_t, o_raw, any_t, sink):
             o += np.multiply(a[..., j, None], o_raw[:, j], out=tmp)
         den = np.sum(a * l_t, axis=2) + np.exp(sink[None, :] - M)
     o /= den[..., None]
-    o[~has[:, 0]] = 0.0
+    if not every:
+        o[~has[:, 0]] = 0.0
     return o
 
 
