@@ -59,10 +59,35 @@ def prefill_timing(cost: CostModel | None, batch, partitions: int) -> DispatchTi
                                                    "requests": [it.request_id for it in batch.items]})
 
 
+def seed_rows(longest_prompt: int) -> int:
+    """A seeding wave's bootstrap drafter context bucket: the band of its longest 128-token tail
+    (the prompt's last SLIDING_WINDOW tokens) per TP rank (both fidelities price a wave by it)."""
+    return context_bucket(BOOTSTRAP, -(-min(C.SLIDING_WINDOW, longest_prompt) // C.TP_SIZE))
+
+
+# pypto-lib#1213 fault model: an EP16 prefill dispatch hangs with a given probability, drawn from
+# its own stream (seed + 1213) so the acceptance draws do not move; the worker step then times out
+# (SERVING_WORKER_STEP_TIMEOUT, 1200 s) and the batch aborts.  Both fidelities use these.
+HANG_ERROR = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 fault model)"
+
+
+def hang_probability(p: float, dep) -> float:
+    """The hang probability of one prefill dispatch: `p` at EP16, where the fault is reported."""
+    return p if dep.topology.ep == 16 else 0.0
+
+
+def fault_rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed + 1213)
+
+
+def prefill_hangs(p: float, rng: np.random.Generator) -> bool:
+    """Whether this prefill dispatch hangs (no draw when `p` is 0)."""
+    return bool(p) and rng.random() < p
+
+
 def seed_timing(cost: CostModel | None, wave) -> DispatchTiming:
     """A seeding wave: the bootstrap drafter's context bucket of the wave's longest 128-row tail band."""
-    tail = max(min(C.SLIDING_WINDOW, it.prompt_len) for it in wave)
-    rows = context_bucket(BOOTSTRAP, -(-tail // C.TP_SIZE))
+    rows = seed_rows(max(it.prompt_len for it in wave))
     secs, parts = cost.seed(rows) if cost is not None else (0.0, {})
     return DispatchTiming("seed", secs, parts, {"requests": [it.request_id for it in wave]})
 
@@ -100,11 +125,9 @@ class CostModelExecutor:
         self.max_pos = self.dep.limits.max_model_len
         self.vocab = self.dep.model.vocab_size
         self.eos = eos_token_id if eos_token_id is not None else self.dep.model.eos_token_id
-        # pypto-lib#1213 fault model: an EP16 prefill dispatch hangs with this probability; the
-        # worker step then times out (SERVING_WORKER_STEP_TIMEOUT, 1200 s) and the batch aborts
-        self.hang_p = prefill_hang_probability if self.dep.topology.ep == 16 else 0.0
+        self.hang_p = hang_probability(prefill_hang_probability, self.dep)      # pypto-lib#1213
         self.step_timeout = step_timeout
-        self._fault_rng = np.random.default_rng(seed + 1213)
+        self._fault_rng = fault_rng(seed)
 
     def _tokens(self, st: _ReqState, n: int, pool: list[int] | None = None) -> list[int]:
         base = st.emitted
@@ -132,8 +155,8 @@ class CostModelExecutor:
         G = self.dep.partitions
         for batch in plan.prefill:
             t = prefill_timing(cm, batch, G)
-            if self.hang_p and self._fault_rng.random() < self.hang_p:
-                res.error = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 fault model)"
+            if prefill_hangs(self.hang_p, self._fault_rng):
+                res.error = HANG_ERROR
                 res.dispatches.append(DispatchTiming("prefill", self.step_timeout, {"timeout": self.step_timeout},
                                                      {**t.meta, "hang": True}))
                 return res

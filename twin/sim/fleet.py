@@ -28,8 +28,10 @@ from collections import deque
 
 import numpy as np
 
+from twin.abi import constants as C
 from twin.abi.errors import ConfigError
 
+from .executor import fault_rng, hang_probability
 from .fleet_apply import FleetApply
 from .fleet_command import FINISH_CODES, FINISHED, NEVER, REJECTED, RUNNING, WAITING, Command
 from .fleet_execute import FleetExecute
@@ -53,6 +55,8 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.max_running = lim.max_num_seqs
         self._limits = np.array([self.max_seq, self.budget, self.chunk, self.k], dtype=np.int64)   # phase 1's
         self._apply_flags = np.zeros(3, dtype=bool)
+        self._decode_limits = np.array([self.max_seq, self.k, dep.partitions, C.TP_SIZE, C.DECODE_BATCH,
+                                        C.LOCAL_REQUESTS, C.DECODE_SEQ], dtype=np.int64)
         self.prefix = lim.enable_prefix_caching
         self.max_hit_offset = max(1, lim.speculative_prefix_cache_replay_tokens)
         # the exact scheduler's config validates async_depth (`apply` relies on 1 or 2) and stop_check
@@ -66,8 +70,8 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         # one uniform per request where the model has an inverse form (the same distribution)
         self._accept = getattr(cfg.acceptance, "counts_inverse", None) or cfg.acceptance.counts
         self.rng = np.random.default_rng(cfg.seed)
-        self._fault_rng = np.random.default_rng(cfg.seed + 1213)
-        self.hang_p = cfg.prefill_hang_probability if dep.topology.ep == 16 else 0.0
+        self._fault_rng = fault_rng(cfg.seed)
+        self.hang_p = hang_probability(cfg.prefill_hang_probability, dep)      # pypto-lib#1213
         self.G = dep.partitions
         self._seed_cost: dict[int, tuple] = {}
         self._load_requests(cfg.requests)

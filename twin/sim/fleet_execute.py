@@ -2,8 +2,9 @@
 accepted counts of its decode rows drawn for the whole batch (no tokens are generated).
 
 Mixed into `fleet.FleetSim`, whose request arrays it reads: packed prefill splitting
-(`split_prefill`'s first fit), seeding waves, the decode tile and owner-rank checks, the #1213
-hang model, and `CostModel.prefill_arrays` / `decode_arrays` / `seed`.
+(`split_prefill`'s first fit), seeding waves, the decode rows, tile and owner-rank checks
+(`fleet_kernels.decode_rows`), the #1213 hang model (`executor`'s helpers, shared with the exact
+executor), and `CostModel.prefill_arrays` / `decode_arrays` / `seed`.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from twin.abi import constants as C
-from twin.abi.lowering.drafter import BOOTSTRAP, context_bucket
+
+from . import fleet_kernels as fk
+from .executor import HANG_ERROR, prefill_hangs, seed_rows
 
 if TYPE_CHECKING:
     from .fleet_command import Command
@@ -25,14 +28,12 @@ class FleetExecute:
         cmd.counts = np.zeros(n, dtype=np.int64)
         pre = cmd.prefill
         any_pre = cmd.n_prefill > 0
-        dec = (~pre).nonzero()[0] if any_pre else None
-        d_idx = idx[dec] if any_pre else idx
-        part = self.part[d_idx]
-        per = np.bincount(part, minlength=self.G)
-        lease = self.lease.take(d_idx) if self.k else None
-        owner = lease % C.TP_SIZE if self.k else None
-        if cmd.error is None and len(d_idx):
-            cmd.error = self._tile_error(per, part, owner, lease >= 0 if self.k else None)
+        dec, d_idx, part, owner, com, fits, per, err = fk.decode_rows(
+            idx, pre, cmd.start, cmd.num_new, self.part, self.lease, self.committed, self._decode_limits)
+        if cmd.error is None and err[0]:
+            g = int(err[1])
+            cmd.error = (f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {int(err[2])})"
+                         if err[0] == 1 else f"TP group {g} owner rank over {C.LOCAL_REQUESTS} requests")
         if cmd.error:
             cmd.dispatches.append(("error", cm.device.dispatch_overhead, {}, {"error": cmd.error}))
             return
@@ -43,8 +44,8 @@ class FleetExecute:
                 secs, parts = cm.prefill_arrays(cmd.num_new[batch], cmd.start[batch].astype(float), p_part)
                 meta = {"requests_per_group": np.bincount(p_part, minlength=self.G).tolist(),
                         "tokens_per_group": np.bincount(p_part, weights=cmd.num_new[batch], minlength=self.G).astype(int).tolist()}
-                if self.hang_p and self._fault_rng.random() < self.hang_p:
-                    cmd.error = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 fault model)"
+                if prefill_hangs(self.hang_p, self._fault_rng):
+                    cmd.error = HANG_ERROR
                     cmd.dispatches.append(("prefill", self.cfg.step_timeout, {"timeout": self.cfg.step_timeout},
                                            {**meta, "hang": True}))
                     return
@@ -56,41 +57,16 @@ class FleetExecute:
                 self._seed_waves(idx[term], cmd)
         m = len(d_idx)
         if m:
-            com = self.committed[d_idx]
-            k = self.k
-            if k:
-                # drafts fit when the anchor (the chunk's last position) + K and the committed
-                # context + the verify rows stay inside max_seq
-                end = (cmd.start + cmd.num_new) if dec is None else (cmd.start.take(dec) + cmd.num_new.take(dec))
-                fits = (end < self.max_seq - k + 1) & (com <= self.max_seq - C.DECODE_SEQ)
-                counts = self._accept(m, fits, self.rng)
-            else:
-                owner = np.zeros(m, dtype=np.int64)           # K=0: ordinal % TP within the group
-                for g in range(self.G):
-                    sel = part == g
-                    owner[sel] = np.arange(int(sel.sum())) % C.TP_SIZE
-                fits = np.zeros(m, dtype=bool)
-                counts = np.ones(m, dtype=np.int64)
+            counts = self._accept(m, fits, self.rng) if self.k else np.ones(m, dtype=np.int64)
             secs, parts = cm.decode_arrays(com + 1, part, owner)
-            if dec is None:
-                cmd.counts = counts
-            else:
+            if any_pre:
                 cmd.counts[dec] = counts
+            else:
+                cmd.counts = counts
             self.committed[d_idx] = com + counts
             cmd.accepted = (counts, fits)
             cmd.dispatches.append(("decode", secs, parts, {"requests_per_group": per.tolist()}))
         self.generated += int(cmd.counts.sum())
-
-    def _tile_error(self, per, part, owner, leased) -> str | None:
-        if per.max() > C.DECODE_BATCH:
-            g = int(np.argmax(per > C.DECODE_BATCH))
-            return f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {per[g]})"
-        if owner is not None:
-            own = np.bincount((part * C.TP_SIZE + owner)[leased], minlength=self.G * C.TP_SIZE)
-            if own.max() > C.LOCAL_REQUESTS:
-                g = int(np.argmax(own.reshape(self.G, C.TP_SIZE).max(axis=1) > C.LOCAL_REQUESTS))
-                return f"TP group {g} owner rank over {C.LOCAL_REQUESTS} requests"
-        return None
 
     def _pack(self, rows: np.ndarray, cmd: Command) -> list[np.ndarray]:
         """`split_prefill`: one dispatch when everything fits, else greedy first-fit in order."""
@@ -121,19 +97,17 @@ class FleetExecute:
         return out
 
     def _seed_waves(self, term_idx: np.ndarray, cmd: Command) -> None:
-        tails = np.minimum(C.SLIDING_WINDOW, self.plen[term_idx])
-        part = self.part[term_idx]
-        waves: dict[int, int] = {}
+        """One seeding wave per ordinal within a group (a group's n-th terminal prefill joins wave
+        n), priced by its longest prompt (`executor.seed_rows`)."""
+        longest: dict[int, int] = {}
         seen: dict[int, int] = {}
-        for p, t in zip(part.tolist(), tails.tolist()):
+        for p, pl in zip(self.part[term_idx].tolist(), self.plen[term_idx].tolist()):
             w = seen.get(p, 0)
             seen[p] = w + 1
-            waves[w] = max(waves.get(w, 0), t)
-        for w in range(len(waves)):
-            band = -(-waves[w] // C.TP_SIZE)
-            rows = context_bucket(BOOTSTRAP, band)
+            longest[w] = max(longest.get(w, 0), pl)
+        for w in range(len(longest)):
+            rows = seed_rows(longest[w])
             got = self._seed_cost.get(rows)
             if got is None:
                 got = self._seed_cost[rows] = self.cost.seed(rows)
             cmd.dispatches.append(("seed", got[0], got[1], {}))
-
