@@ -160,13 +160,6 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.L, self.S, self.own, self.pinned = kv4             # each contiguous (slots x F)
         self._tok = np.zeros(m, dtype=np.int64)                 # scratch: tokens each slot grows to
         self._free_slots = list(range(m - 1, k - 1, -1))        # a stack: the lowest slot first
-        self._cells_all = None                                  # (partition, family) cells of every slot
-
-    def _slot_cells(self) -> np.ndarray:
-        """The (partition, family) cell of every slot's page row (an idle slot's rows are zero)."""
-        if self._cells_all is None:
-            self._cells_all = self.kv.cells(self.spart)
-        return self._cells_all
 
     def _take_slot(self, i: int, p: int) -> int:
         if not self._free_slots:
@@ -175,7 +168,6 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.slot[i] = s
         self.occ[s] = i
         self.spart[s] = p
-        self._cells_all = None
         return s
 
     # ---- admission ---------------------------------------------------------------------------------

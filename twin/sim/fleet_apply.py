@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fleet_kernels as fk
-from .fleet_command import ERROR, FINISHED, NEVER, REJECTED, RUNNING, STOP, WAITING, Command
+from .fleet_command import ERROR, NEVER, REJECTED, STOP, WAITING, Command
 
 
 class FleetApply:
@@ -19,19 +19,18 @@ class FleetApply:
         p = int(self.part[i])
         if p < 0:
             return
+        self._release_refs(i, p)
+        self._free_slots.extend(fk.release_pages(np.array([i]), self.part, self.slot, self.pins, self.kv4, self.kv.free,
+                                                 self.kv.load).tolist())
+
+    def _release_refs(self, i: int, p: int) -> None:
+        """Request `i`'s prefix-cache references in partition `p` (entries and held rolling tails)."""
         kv = self.kv
-        kv.release_entries(self.entries[i], p)
+        if self.entries[i]:
+            kv.release_entries(self.entries[i], p)
         if self.drops[i]:
             kv.drop_tails(self.drops[i], NEVER + 1, p)
             self.next_drop[i] = NEVER
-        s = int(self.slot[i])
-        kv.free[p] += self.own[s] + self.pinned[s]
-        self.kv4[:, s] = 0
-        self.slot[i] = -1
-        self._free_slots.append(s)
-        self.pins[i] = 0
-        kv.load[p] -= 1
-        self.part[i] = -1
 
     def _remove_running(self, i: int) -> None:
         self.running = self.running[self.running != i]
@@ -54,59 +53,26 @@ class FleetApply:
         self.waiting.appendleft(v)
 
     def _finish(self, i: int, code: int, detail: str = "") -> None:
-        was = self.status[i]
-        self.status[i] = FINISHED
-        self.ver[i] += 1
-        self.finish[i] = code
         if detail:
             self.detail[i] = detail
-        self.ph[i] = 0
-        self.tpif[i] = False
-        self._release_kv(i)
-        if was == RUNNING:
-            self._remove_running(i)
-        elif was == WAITING and i in self.waiting:
+        if self.status[i] == WAITING and i in self.waiting:
             self.waiting.remove(i)
-        self._pending_ids.append(i)
-        self.end[i] = self.now
-        self.finished += 1
+        self._end(np.array([i]), np.array([code]))
 
-    def _finish_running(self, ids: np.ndarray, codes: np.ndarray) -> None:
-        """`_finish` for running requests that end in one step (a few: scalar writes in Python beat
-        a dozen fancy-index calls); the prefix references are released before any page returns,
-        as `_finish` one by one would see the pools."""
-        kv = self.kv
+    def _end(self, ids: np.ndarray, codes: np.ndarray) -> None:
+        """Requests that finish (running or not) with these finish codes: every prefix reference
+        goes back before any page does (as one at a time would see the pools), then the rest in
+        `fleet_kernels.end_rows`."""
         ids_l = ids.tolist()
-        status, ver, finish, ph, tpif, pins, end, part, slot = (
-            self.status, self.ver, self.finish, self.ph, self.tpif, self.pins, self.end, self.part, self.slot)
-        now = self.now
-        parts = []
-        for i, c in zip(ids_l, codes.tolist()):
-            status[i] = FINISHED
-            ver[i] += 1
-            finish[i] = c
-            ph[i] = pins[i] = 0
-            tpif[i] = False
-            end[i] = now
+        part = self.part
+        for i in ids_l:
             p = int(part[i])
-            parts.append(p)
-            if self.entries[i]:
-                kv.release_entries(self.entries[i], p)
-            if self.drops[i]:
-                kv.drop_tails(self.drops[i], NEVER + 1, p)
-                self.next_drop[i] = NEVER
-        free, load, own, pinned, kv4 = kv.free, kv.load, self.own, self.pinned, self.kv4
-        for i, p in zip(ids_l, parts):
-            s = int(slot[i])
-            free[p] += own[s] + pinned[s]
-            kv4[:, s] = 0
-            slot[i] = part[i] = -1
-            load[p] -= 1
-            self._free_slots.append(s)
-        gone = self._mark
-        gone[ids] = True
-        self.running = self.running[~gone[self.running]]
-        gone[ids] = False
+            if p >= 0:
+                self._release_refs(i, p)
+        freed, self.running = fk.end_rows(ids, codes, self.now, self.status, self.ver, self.finish, self.ph, self.tpif,
+                                          self.end, part, self.slot, self.pins, self.kv4, self.kv.free, self.kv.load,
+                                          self.running, self._mark)
+        self._free_slots.extend(freed.tolist())
         self._pending_ids.extend(ids_l)
         self.finished += len(ids_l)
 
@@ -143,7 +109,7 @@ class FleetApply:
                     pub[i] = end
         self.rec.applied(itl, cmd)
         if len(ends):
-            self._finish_running(ends[:, 0], ends[:, 1])
+            self._end(ends[:, 0], ends[:, 1])
         for i, end, Lx, n in stops.tolist():
             self._stop(i, end, Lx, n)
 

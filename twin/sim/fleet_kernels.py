@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .fleet_command import EOS, LENGTH
+from .fleet_command import EOS, FINISHED, LENGTH
 
 
 @njit(cache=True, inline="always")
@@ -382,3 +382,90 @@ def decode_rows(idx, pre, start, num_new, part, lease, committed, limits):
                     err[0], err[1] = 2, c // tp
                     break
     return rows, d_idx, d_part, owner, com, fits, per, err
+
+
+@njit(cache=True)
+def place(i, s, need, row, free, takes, load, nxt, kv4, occ, spart, slot, part):
+    """Admit request `i` with no prefix hit into page-row slot `s`: the least-loaded partition whose
+    pools hold `need` (ties round-robin from `nxt[0]`) takes its first rows `row` (logical pages,
+    ring slots, own pages, pinned pages per family).  Returns the partition, or -1 when none holds
+    it (nothing changes then)."""
+    G, F = free.shape
+    best = -1
+    for q in range(G):
+        p = (nxt[0] + q) % G
+        ok = True
+        for f in range(F):
+            if free[p, f] < need[f]:
+                ok = False
+                break
+        if ok and (best < 0 or load[p] < load[best]):
+            best = p
+    if best < 0:
+        return best
+    nxt[0] = (best + 1) % G
+    part[i] = best
+    load[best] += 1
+    for f in range(F):
+        free[best, f] -= need[f]
+        takes[best, f] += need[f]
+    for r in range(4):
+        for f in range(F):
+            kv4[r, s, f] = row[r, f]
+    slot[i] = s
+    occ[s] = i
+    spart[s] = best
+    return best
+
+
+@njit(cache=True)
+def release_pages(ids, part, slot, pins, kv4, free, load):
+    """Requests leaving their partition: their own and pinned pages back to the free pools, their
+    slot rows zeroed.  Returns the slots freed, in order (a request without a partition has none)."""
+    F = free.shape[1]
+    own, pinned = kv4[2], kv4[3]
+    freed = np.empty(len(ids), np.int64)
+    nf = 0
+    for i in ids:
+        p = part[i]
+        if p < 0:
+            continue
+        s = slot[i]
+        for f in range(F):
+            free[p, f] += own[s, f] + pinned[s, f]
+        for r in range(4):
+            for f in range(F):
+                kv4[r, s, f] = 0
+        slot[i] = -1
+        part[i] = -1
+        pins[i] = 0
+        load[p] -= 1
+        freed[nf] = s
+        nf += 1
+    return freed[:nf]
+
+
+@njit(cache=True)
+def end_rows(ids, codes, now, status, ver, finish, ph, tpif, end, part, slot, pins, kv4, free, load, running, mark):
+    """Requests that finish (`codes`: their finish codes) after their prefix references went back:
+    status, version, finish code and time, their pages (`release_pages`), and the running set
+    without them.  Returns (slots freed, the running set)."""
+    for j in range(len(ids)):
+        i = ids[j]
+        status[i] = FINISHED
+        ver[i] += 1
+        finish[i] = codes[j]
+        ph[i] = 0
+        tpif[i] = False
+        end[i] = now
+        mark[i] = True
+    freed = release_pages(ids, part, slot, pins, kv4, free, load)
+    out = np.empty(len(running), np.int64)
+    n = 0
+    for i in running:
+        if not mark[i]:
+            out[n] = i
+            n += 1
+    for i in ids:
+        mark[i] = False
+    return freed, out[:n]

@@ -61,7 +61,7 @@ class PagePools:
         self.block_pages = np.where(self.rolling, 0, self.align // self.pt)
         self.index: list[dict[int, Entry]] = [{} for _ in range(G)]
         self.load = np.zeros(G, dtype=np.int64)
-        self.next_partition = 0
+        self.next_partition = np.zeros(1, dtype=np.int64)     # the round-robin start (`fleet_kernels.place`)
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
         self._first: dict[int, tuple] = {}
         self._ring = np.where(self.rolling, self.maxb, 1 << 40)
@@ -74,7 +74,6 @@ class PagePools:
         # the rolling families by ascending span: one boundary's tails then arrive in drop order
         # (appended, not inserted; equal spans keep family order, as an insertion after equals would)
         self._roll_by_span = sorted(self._roll_idx, key=lambda f: (self._span[f], f))
-        self._cells = np.arange(G * self.F).reshape(G, self.F)
 
     @classmethod
     def from_deployment(cls, dep, slots: int) -> "PagePools":
@@ -97,15 +96,6 @@ class PagePools:
         det = need - own if np.count_nonzero(pinned) else None
         return need, own, taken, det, wrap, L2, S2
 
-    def cells(self, part: np.ndarray) -> np.ndarray:
-        """Flat (partition, family) cell index of each request's families, for bincount sums."""
-        return self._cells.take(part, axis=0).ravel()
-
-    def per_cell(self, cells: np.ndarray, pages: np.ndarray) -> np.ndarray:
-        """(partitions x families) sums of per-request (n x F) page counts."""
-        return np.bincount(cells, weights=pages.ravel(), minlength=self.partitions * self.F).astype(
-            np.int64).reshape(self.partitions, self.F)
-
     def first_rows(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """A request placed from nothing with `tokens`: the pages it needs, and its row of
         (logical pages, ring slots, own pages, pinned pages) per family."""
@@ -115,19 +105,6 @@ class PagePools:
             need = np.where(self.rolling, np.minimum(tgt, self.maxb), tgt)
             got = self._first[tokens] = (need, np.stack([tgt, need, need, np.zeros_like(need)]))
         return got
-
-    def choose_partition(self, need: np.ndarray) -> int | None:
-        """The least-loaded partition whose pools hold `need` (ties round-robin)."""
-        ok = (self.free >= need).all(axis=1).tolist()
-        load = self.load.tolist()
-        best, best_load = None, None
-        for i in range(self.partitions):
-            p = (self.next_partition + i) % self.partitions
-            if ok[p] and (best is None or load[p] < best_load):
-                best, best_load = p, load[p]
-        if best is not None:
-            self.next_partition = (best + 1) % self.partitions
-        return best
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _alive(self, e: Entry, p: int) -> bool:

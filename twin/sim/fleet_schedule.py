@@ -117,14 +117,13 @@ class FleetSchedule:
             if not hit:
                 nn = self._first_chunk(i, 0, budget)
                 need, row = kv.first_rows(nn)
-                p = kv.choose_partition(need)
-                if p is None:
+                if not self._free_slots:
+                    self._slots(2 * len(self.occ))
+                p = fk.place(i, self._free_slots[-1], need, row, kv.free, kv.takes, kv.load, kv.next_partition,
+                             self.kv4, self.occ, self.spart, self.slot, self.part)
+                if p < 0:
                     break
-                self.part[i] = p
-                kv.load[p] += 1
-                kv.free[p] -= need
-                kv.takes[p] += need
-                self.kv4[:, self._take_slot(i, p)] = row
+                self._free_slots.pop()
             self.waiting.popleft()
             self.status[i] = RUNNING
             self.cached[i] = hit
