@@ -307,11 +307,14 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
 
 
 # ---- routed experts in expert blocks ------------------------------------------------------------
-def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, block=MOE_BLOCK, transposed=False):
+def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, block=MOE_BLOCK, transposed=False,
+                layer=None):
     """golden.kernels.moe.moe_experts on JAX: routes sorted by expert into blocks of `block` rows
     of one expert; a loop over the used blocks runs swiglu_expert on each (same rounding points).
     transposed: the stacked w1/w3/w2 are [E, in, out] (the layout the dot reads: XLA CPU's int8
-    dot against a transposed slice runs ~3x slower); swiglu_expert's .T then cancels out."""
+    dot against a transposed slice runs ~3x slower); swiglu_expert's .T then cancels out.  layer: the
+    expert arrays carry a leading layer axis (every layer's experts, one argument each) and this
+    is the layer's index into it."""
     T, K = indices.shape
     E, D = cfg.n_routed_experts, x_i8.shape[1]
     n = T * K
@@ -332,7 +335,10 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
     def body(i, acc):
         rt = lax.dynamic_slice_in_dim(route, i * block, block)
         r = jnp.maximum(rt, 0)
-        ew = {k: lax.dynamic_index_in_dim(v, blk_e[i], keepdims=False) for k, v in expert.items()}
+        e = blk_e[i]
+        at = (e,) if layer is None else (jnp.asarray(layer, e.dtype), e)
+        ew = {k: lax.dynamic_slice(v, at + (jnp.zeros((), e.dtype),) * (v.ndim - len(at)), (1,) * len(at) + v.shape[len(at):]).reshape(
+            v.shape[len(at):]) for k, v in expert.items()}
         if transposed:
             ew = {k: v.T if k in TRANSPOSED_KEYS else v for k, v in ew.items()}
         y = swiglu_expert(x_i8[r // K], x_scale[r // K], ew["routed_w1"], ew["routed_w1_scale"], ew["routed_w3"],

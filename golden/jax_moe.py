@@ -16,12 +16,12 @@ def gate_topk(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, 
 
 
 def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None):
-    """golden.compose.moe_sublayer; experts: the layer's stacked routed weights as [E, in, out]."""
+    """golden.compose.moe_sublayer; experts: the routed weights of every layer as [L, E, in, out]."""
     x_mixed, post, comb = hc_pre(x_hc, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg=cfg, nm=nm)
     x_i8, x_scale, idx, wts = gate_topk(x_mixed, w["norm_w"], w["gate_w"], w.get("gate_bias"), w.get("tid2eid"),
                                         input_ids, layer=layer, cfg=cfg, nm=nm)
     ffn_out = moe_blocked(x_i8, x_scale, idx, wts, experts, {k: w[k] for k in SHARED_NAMES}, cfg=cfg, nm=nm,
-                          transposed=True)
+                          transposed=True, layer=layer)
     if taps is not None:
         for stage, v in (("ffn_x_mixed", x_mixed), ("moe_indices", idx), ("moe_weights", wts), ("ffn_out", ffn_out)):
             taps.put(layer, stage, v)
