@@ -22,14 +22,17 @@ from .fleet_command import EOS, FINISHED, LENGTH
 
 
 @njit(cache=True, inline="always")
-def _grow_row(tok, Lr, Sr, pinned, pt, ring, maxb, need, own, taken, wrap, L2, S2):
+def _grow_row(tok, Lr, Sr, pinned, fam, need, own, taken, wrap, L2, S2):
     """One table row growing to `tok` tokens, per family (the growth formula: docs/simulation.md,
-    "Fidelity"; an append-only family is a ring that never fills, `ring` huge there)."""
-    for f in range(len(pt)):
-        tgt = (tok + pt[f] - 1) // pt[f]
-        size = min(tgt, ring[f])
+    "Fidelity"; an append-only family is a ring that never fills, its ring size huge).  `fam`
+    rows: page tokens, ring size, max blocks per sequence, log2 of the page tokens (-1 when not a
+    power of two: a shift instead of an integer division, the step's costliest instruction)."""
+    for f in range(fam.shape[1]):
+        pt, ring, maxb, sh = fam[0, f], fam[1, f], fam[2, f], fam[3, f]
+        tgt = (tok + pt - 1) >> sh if sh >= 0 else (tok + pt - 1) // pt
+        size = min(tgt, ring)
         o = max(size - Sr[f], 0)
-        w = min(max(tgt - max(Lr[f], ring[f]), 0), maxb[f])
+        w = min(max(tgt - max(Lr[f], ring), 0), maxb)
         own[f] = o
         wrap[f] = w
         taken[f] = o + w
@@ -39,39 +42,38 @@ def _grow_row(tok, Lr, Sr, pinned, pt, ring, maxb, need, own, taken, wrap, L2, S
 
 
 @njit(cache=True)
-def grow_rows(tokens, L, S, pinned, pt, ring, maxb):
+def grow_rows(tokens, L, S, pinned, fam):
     """Rows growing to `tokens` (n) from logical pages `L` and filled ring slots `S` (n x F):
-    (need, own, taken, wrapped, L', S'), each n x F."""
+    (need, own, taken, wrapped, L', S') stacked, 6 x n x F."""
     n, F = L.shape
-    need, own = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
-    taken, wrap = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
-    L2, S2 = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
+    g = np.empty((6, n, F), np.int64)
     for j in range(n):
-        _grow_row(tokens[j], L[j], S[j], pinned[j], pt, ring, maxb, need[j], own[j], taken[j], wrap[j], L2[j], S2[j])
-    return need, own, taken, wrap, L2, S2
+        _grow_row(tokens[j], L[j], S[j], pinned[j], fam, g[0, j], g[1, j], g[2, j], g[3, j], g[4, j], g[5, j])
+    return g
 
 
 @njit(cache=True)
-def phase1(run, state, n_out, slot, part, rank, L, S, own, pinned, free, takes, pt, ring, maxb, limits):
+def phase1(run, state, n_out, slot, part, rank, kv4, free, takes, fam, limits):
     """Phase 1 over the running requests in order: the rows scheduled under the global token budget
     (a K=7 row costs 8; chunked prefill), their tables grown, and where a partition cannot hold its
     rows the overflow search (the first row in order that does not fit is dropped; the latest
     arrival among the other running requests, same partition first, is chosen as a victim, its
     pages count as free, and the row is retried once).
 
-    `state` = (computed, plen, ph, pins, tpif, next_drop) by request, `limits` = (max_seq, budget,
-    chunk, k).  Returns (rows, keep, growth, victims, done): rows = (act, nn, spec, start, prefill,
-    samples) over the budget's rows, growth = (need, own, taken, wrapped, L', S') per row, victims =
-    (victim, by) pairs in the order chosen.  Without a victim or a dropped row `commit_rows` runs
-    here and `done` is its result; otherwise `done[0]` is -1: the caller preempts the victims and
+    `state` = (computed, plen, ph, pins, tpif, next_drop) by request, `kv4` the slots' (logical,
+    ring, own, pinned) pages, `limits` = (max_seq, budget, chunk, k).  Returns (ints, flags,
+    growth, victims, stats): ints rows (request, num_new, spec, start, -) and flags rows (prefill,
+    samples, keep) over the budget's rows; growth (need, own, taken, wrapped, L', S') per row;
+    victims (victim, by) in the order chosen.  Without a victim or a dropped row `commit_rows` runs
+    here and `stats` is its result; otherwise `stats[0]` is -1: the caller preempts the victims and
     calls `commit_rows`.
     """
     max_seq, budget, chunk, k = limits[0], limits[1], limits[2], limits[3]
     computed, plen, ph, pins, tpif, next_drop = state
     m = len(run)
     G, F = free.shape
-    act, nn_a, sp_a, c_a = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
-    pre_a = np.empty(m, np.bool_)
+    ints = np.empty((5, m), np.int64)
+    flags = np.empty((3, m), np.bool_)
     n = 0
     left = budget
     for r in range(m):
@@ -94,22 +96,23 @@ def phase1(run, state, n_out, slot, part, rank, L, S, own, pinned, free, takes, 
         s = 0 if pre else max(0, min(k, room - nn))
         if nn + s > left:
             continue
-        act[n], nn_a[n], sp_a[n], c_a[n], pre_a[n] = i, nn, s, c, pre
+        ints[0, n], ints[1, n], ints[2, n], ints[3, n] = i, nn, s, c
+        flags[0, n] = pre
+        flags[2, n] = True
         left -= nn + s
         n += 1
-    need, gown = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
-    taken, wrap = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
-    L2, S2 = np.empty((n, F), np.int64), np.empty((n, F), np.int64)
+    ints, flags = ints[:, :n], flags[:, :n]
+    L, S, own, pinned = kv4[0], kv4[1], kv4[2], kv4[3]
+    g = np.empty((6, n, F), np.int64)
     sums = np.zeros((G, F), np.int64)
     for j in range(n):
-        i = act[j]
+        i = ints[0, j]
         s_ = slot[i]
-        _grow_row(c_a[j] + nn_a[j] + sp_a[j], L[s_], S[s_], pins[i] > 0, pt, ring, maxb,
-                  need[j], gown[j], taken[j], wrap[j], L2[j], S2[j])
+        _grow_row(ints[3, j] + ints[1, j] + ints[2, j], L[s_], S[s_], pins[i] > 0, fam,
+                  g[0, j], g[1, j], g[2, j], g[3, j], g[4, j], g[5, j])
         p = part[i]
         for f in range(F):
-            sums[p, f] += need[j, f]
-    keep = np.ones(n, np.bool_)
+            sums[p, f] += g[0, j, f]
     over = np.zeros(G, np.bool_)
     anyover = False
     for p in range(G):
@@ -118,16 +121,12 @@ def phase1(run, state, n_out, slot, part, rank, L, S, own, pinned, free, takes, 
                 over[p] = True
                 anyover = True
     victims = np.empty((m, 2), np.int64)
-    nv = 0
-    if anyover:
-        nv = _search(run, act[:n], part, rank, slot, own, pinned, free, need, keep, over, victims)
-    rows = (act[:n], nn_a[:n], sp_a[:n], c_a[:n], pre_a[:n], np.empty(n, np.bool_))
-    growth = (need, gown, taken, wrap, L2, S2)
     if not anyover:
-        done = commit_rows(rows, keep, slot, part, L, S, own, pinned, free, takes, growth, state, k)
-        return rows, keep, growth, victims[:0], done
-    return rows, keep, growth, victims[:nv], (np.int64(-1), np.int64(0), np.int64(0), np.int64(0), np.int64(0),
-                                               np.empty(0, np.int64))
+        return ints, flags, g, victims[:0], commit_rows(ints, flags, g, slot, part, kv4, free, takes, state, k)
+    nv = _search(run, ints[0], part, rank, slot, own, pinned, free, g[0], flags[2], over, victims)
+    stats = np.zeros(6, np.int64)
+    stats[0] = -1
+    return ints, flags, g, victims[:nv], stats
 
 
 @njit(cache=True)
@@ -204,21 +203,19 @@ def _search(run, act, part, rank, slot, own, pinned, free, need, keep, over, vic
 
 
 @njit(cache=True)
-def commit_rows(rows, keep, slot, part, L, S, own, pinned, free, takes, growth, state, k):
+def commit_rows(ints, flags, growth, slot, part, kv4, free, takes, state, k):
     """Phase 1's end: the kept rows' growth written (`commit`), the rows compacted in place to the
     kept ones, and `advance_after_schedule` on them (pinned by the step; computed to the chunk end
     plus drafts; placeholders for the sampled token and drafts; a sampling prefill row is the
-    terminal prefill in flight).  Returns (rows kept, budget used, prefill rows, pages detached,
-    pages rotated, the kept rows whose tokens pass a held rolling tail's drop point).
+    terminal prefill in flight); ints' last row lists the kept rows whose tokens pass a held
+    rolling tail's drop point.  Returns (rows kept, budget used, prefill rows, pages detached,
+    pages rotated, rows due a tail drop).
     """
-    act, nn, spec, c, pre, samples = rows
     computed, plen, ph, pins, tpif, next_drop = state
-    det, rot = commit(act, keep, slot, part, L, S, own, pinned, free, takes, growth)
-    n = 0
-    used = 0
-    n_pre = 0
-    due = np.empty(len(act), np.int64)
-    nd = 0
+    act, nn, spec, c, due = ints[0], ints[1], ints[2], ints[3], ints[4]
+    pre, samples, keep = flags[0], flags[1], flags[2]
+    det, rot = commit(act, keep, slot, part, kv4, free, takes, growth)
+    n = used = n_pre = nd = 0
     for j in range(len(act)):
         if not keep[j]:
             continue
@@ -239,14 +236,16 @@ def commit_rows(rows, keep, slot, part, L, S, own, pinned, free, takes, growth, 
             due[nd] = n
             nd += 1
         n += 1
-    return np.int64(n), np.int64(used), np.int64(n_pre), det, rot, due[:nd]
+    stats = np.empty(6, np.int64)
+    stats[0], stats[1], stats[2], stats[3], stats[4], stats[5] = n, used, n_pre, det, rot, nd
+    return stats
 
 
 @njit(cache=True)
-def commit(act, keep, slot, part, L, S, own, pinned, free, takes, growth):
+def commit(act, keep, slot, part, kv4, free, takes, growth):
     """Write the kept rows' growth: tables, own and pinned pages, free pages and pages taken.
     Returns (detached, rotated) page totals."""
-    need, gown, taken, wrap, L2, S2 = growth
+    L, S, own, pinned = kv4[0], kv4[1], kv4[2], kv4[3]
     F = L.shape[1]
     det_t = 0
     wrap_t = 0
@@ -257,15 +256,15 @@ def commit(act, keep, slot, part, L, S, own, pinned, free, takes, growth):
         s = slot[i]
         p = part[i]
         for f in range(F):
-            L[s, f] = L2[j, f]
-            S[s, f] = S2[j, f]
-            own[s, f] += gown[j, f]
-            d = need[j, f] - gown[j, f]
+            L[s, f] = growth[4, j, f]
+            S[s, f] = growth[5, j, f]
+            own[s, f] += growth[1, j, f]
+            d = growth[0, j, f] - growth[1, j, f]
             pinned[s, f] += d
             det_t += d
-            wrap_t += wrap[j, f]
-            free[p, f] -= need[j, f]
-            takes[p, f] += taken[j, f]
+            wrap_t += growth[3, j, f]
+            free[p, f] -= growth[0, j, f]
+            takes[p, f] += growth[2, j, f]
     return det_t, wrap_t - det_t
 
 

@@ -65,6 +65,10 @@ class PagePools:
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
         self._first: dict[int, tuple] = {}
         self._ring = np.where(self.rolling, self.maxb, 1 << 40)
+        # per family for the growth kernels: page tokens, ring size, max blocks, log2 page tokens
+        # (-1 when not a power of two)
+        shift = [int(p).bit_length() - 1 if p & (p - 1) == 0 else -1 for p in self.pt.tolist()]
+        self.fam = np.stack([self.pt, self._ring, self.maxb, np.array(shift, dtype=np.int64)])
         # tokens past a boundary after which a ring no longer holds that boundary's tail pages
         self.tail_span = np.where(self.rolling, (self.maxb - self.tail) * self.pt, 0)
         self._span = self.tail_span.tolist()
@@ -91,8 +95,7 @@ class PagePools:
         detached (None when no row is pinned) and rotated past a full ring
         (tests/sim/test_fleet.py states the formula plainly)."""
         need, own, taken, wrap, L2, S2 = fk.grow_rows(np.asarray(tokens, dtype=np.int64), np.ascontiguousarray(L),
-                                                     np.ascontiguousarray(S), np.asarray(pinned, dtype=bool),
-                                                     self.pt, self._ring, self.maxb)
+                                                     np.ascontiguousarray(S), np.asarray(pinned, dtype=bool), self.fam)
         det = need - own if np.count_nonzero(pinned) else None
         return need, own, taken, det, wrap, L2, S2
 

@@ -57,27 +57,25 @@ class FleetSchedule:
             return (empty, empty, empty, empty, np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)), 0, 0
         kv = self.kv
         state = self._state
-        rows, keep, growth, victims, done = fk.phase1(
-            run, state, self.n_out, self.slot, self.part, self.rank, self.L, self.S, self.own, self.pinned,
-            kv.free, kv.takes, kv.pt, kv._ring, kv.maxb, self._limits)
-        if done[0] < 0:
+        ints, flags, growth, victims, st = fk.phase1(run, state, self.n_out, self.slot, self.part, self.rank, self.kv4,
+                                                     kv.free, kv.takes, kv.fam, self._limits)
+        if st[0] < 0:
             for v, r in victims.tolist():
                 self._preempt(v, r)
-            done = fk.commit_rows(rows, keep, self.slot, self.part, self.L, self.S, self.own, self.pinned, kv.free,
-                                  kv.takes, growth, state, self.k)
-        n, used, n_pre, det, rot, due = done
+            st = fk.commit_rows(ints, flags, growth, self.slot, self.part, self.kv4, kv.free, kv.takes, state, self.k)
+        n, used, n_pre, det, rot, n_due = st.tolist()
         if det:
             self._pinned_any = True
         kv.stats["detaches"] += det
         kv.stats["rotations"] += rot
-        if n < len(rows[0]):
-            rows = tuple(x[:n] for x in rows)
-        if len(due):
+        act, nn, spec, c, due = ints[:, :n] if n < ints.shape[1] else ints
+        pre, samples, _ = flags[:, :n] if n < flags.shape[1] else flags
+        rows = (act, nn, spec, c, pre, samples)
+        if n_due:
             # `PagePools.drop_tails` inline: a tail whose last holder leaves gets its FIFO position
             # from the pools as they stand after this step's growth (read once)
-            act, nn, spec, c = rows[:4]
             drops, nd, tf = self.drops, self.next_drop, None
-            for j in due.tolist():
+            for j in due[:n_due].tolist():
                 i = int(act[j])
                 t, p = int(c[j] + nn[j] + spec[j]), int(self.part[i])
                 d = drops[i]
@@ -89,7 +87,7 @@ class FleetSchedule:
                             tf = (self.kv.takes + self.kv.free).tolist()
                         e.tail_evict[f] = tf[p][f]
                 nd[i] = d[0][0] if d else NEVER
-        return rows, int(used), int(n_pre)
+        return rows, used, n_pre
 
     def _phase2(self, budget: int) -> list:
         new = []
@@ -150,12 +148,11 @@ class FleetSchedule:
         first chunk)."""
         kv = self.kv
         s = int(self.slot[i])
-        growth = fk.grow_rows(np.array([tokens]), self.L[s:s + 1], self.S[s:s + 1], self.pins[i:i + 1] > 0,
-                              kv.pt, kv._ring, kv.maxb)
-        if (growth[0][0] > kv.free[self.part[i]]).any():
+        growth = fk.grow_rows(np.array([tokens]), self.L[s:s + 1], self.S[s:s + 1], self.pins[i:i + 1] > 0, kv.fam)
+        if (growth[0, 0] > kv.free[self.part[i]]).any():
             return False
-        det, rot = fk.commit(np.array([i]), np.ones(1, dtype=bool), self.slot, self.part, self.L, self.S, self.own,
-                             self.pinned, kv.free, kv.takes, growth)
+        det, rot = fk.commit(np.array([i]), np.ones(1, dtype=bool), self.slot, self.part, self.kv4, kv.free, kv.takes,
+                             growth)
         self._pinned_any = self._pinned_any or det > 0
         kv.stats["detaches"] += det
         kv.stats["rotations"] += rot
