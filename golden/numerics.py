@@ -214,13 +214,17 @@ class Numerics:
         NumPy copies (inputs are never mutated); JAX drops out-of-range writes."""
         xp = self.xp
         flat = pool.reshape(pool.shape[0] * pool.shape[1], -1)
-        rows = xp.asarray(rows).astype(pool.dtype).reshape(-1, flat.shape[1])
         if self.is_numpy:
+            rows = np.asarray(rows).astype(pool.dtype, copy=False).reshape(-1, flat.shape[1])
             flat = flat.copy()
             slots = np.asarray(slots)
-            ok = slots >= 0
-            flat[slots[ok]] = rows[ok]
+            if slots.size and slots.min() >= 0:      # every row is written (the usual case)
+                flat[slots] = rows
+            else:
+                ok = slots >= 0
+                flat[slots[ok]] = rows[ok]
             return flat.reshape(pool.shape)
+        rows = xp.asarray(rows).astype(pool.dtype).reshape(-1, flat.shape[1])
         n = flat.shape[0]
         idx = xp.where(slots >= 0, slots, n)
         return flat.at[idx].set(rows, mode="drop").reshape(pool.shape)
