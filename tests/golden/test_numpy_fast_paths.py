@@ -1,5 +1,7 @@
 """The NumPy golden's fast paths give the bits of the plain formulations they replace: int GEMM
-layouts, np.take gathers, in-place Sinkhorn rounds, grouped routed experts, chunked attention."""
+layouts, np.take gathers, in-place Sinkhorn rounds, grouped routed experts, chunked attention,
+candidate addresses made once per attention call, the tile combination without masks when every
+tile has a candidate, set_rows without mask copies."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from golden.heap import retain_heap
 from golden.kernels.hyper_connections import sinkhorn
 from golden.kernels.moe import moe_experts, routed_expert, shared_expert
 from golden.kernels.rope import rope_tail, rope_tail_bf16
-from golden.kernels.sparse_attention import _combine_tiles_np, sparse_attention
+from golden.kernels.sparse_attention import _combine_tiles_np, candidate_slots, gather_candidates, sparse_attention
 from golden.numerics import BF16, Numerics
 from golden_testlib import DEVICE
 from twin.abi.errors import AbiError
@@ -169,3 +171,91 @@ def test_retain_heap_names_bad_thresholds():
         retain_heap(8, 4)
     got = retain_heap()
     assert got is None or got == {"mmap_threshold_mib": 32, "trim_threshold_mib": 64}
+
+
+@settings(max_examples=20)
+@given(t=st.integers(1, 12), nt=st.sampled_from([2, 3, 9]), seed=st.integers(0, 2 ** 16))
+def test_tile_combination_with_every_tile_valid_gives_the_generic_bits(t, nt, seed):
+    rng = np.random.default_rng(seed)
+    H, HD = 8, 16
+    any_t = np.ones((t, 1, nt), bool)
+    m = rng.standard_normal((t, H, nt)) * 4
+    l_t = rng.uniform(1, 50, (t, H, nt))
+    o_raw = rng.standard_normal((t, nt, H, HD)) * (rng.random((t, nt, 1, 1)) < 0.9)   # -0 and +0 terms too
+    o_raw[0, :, 0, 0] = -0.0
+    sink = rng.standard_normal(H)
+    got = _combine_tiles_np(m, l_t, o_raw, any_t, sink)
+    want = _combine_tiles_generic(m, l_t, o_raw, any_t, sink)
+    assert np.array_equal(got.view(np.int64), want.view(np.int64))
+
+
+@settings(max_examples=15)
+@given(lo=st.integers(0, 10), n=st.integers(1, 10), cmp=st.sampled_from([0, 1, 40]), seed=st.integers(0, 2 ** 16))
+def test_a_chunk_gathers_the_same_candidates_from_precomputed_slots(lo, n, cmp, seed):
+    rng = np.random.default_rng(seed)
+    T, HD, pages, rpp = 20, 16, 8, 32
+    hi = min(T, lo + n)
+    kv = rng.standard_normal((pages, rpp, 1, HD)).astype(np.float32).astype(BF16)
+    cmp_kv = rng.standard_normal((4, 16, 1, HD)).astype(np.float32).astype(BF16)
+    swa = rng.integers(-1, pages * rpp, (T, 130)).astype(np.int32)
+    lens = rng.integers(0, 131, T).astype(np.int32)
+    rows = np.where(rng.random((T, cmp)) < 0.8, rng.integers(0, 70, (T, cmp)), -1).astype(np.int32)
+    table, req = np.array([[2, 0, 3, -1], [1, -1, 0, 2]], np.int32), rng.integers(0, 2, T).astype(np.int32)
+    kw = dict(cmp_kv=cmp_kv, cmp_rows=rows, cmp_block_table=table, req=req) if cmp else {}
+    slots = candidate_slots(swa, lens, nm=DEVICE, **kw)
+    want = gather_candidates(kv, swa[lo:hi], lens[lo:hi], nm=DEVICE,
+                             **{k: (v[lo:hi] if k in ("cmp_rows", "req") else v) for k, v in kw.items()})
+    got = gather_candidates(kv, swa[lo:hi], lens[lo:hi], cmp_kv=kw.get("cmp_kv"), nm=DEVICE,
+                            slots=tuple(None if a is None else a[lo:hi] for a in slots))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.array_equal(g, w)
+
+
+def _set_rows_reference(pool, slots, rows):
+    flat = pool.reshape(pool.shape[0] * pool.shape[1], -1).copy()
+    rows = np.asarray(rows).astype(pool.dtype).reshape(-1, flat.shape[1])
+    for s, r in zip(slots, rows):
+        if s >= 0:
+            flat[s] = r
+    return flat.reshape(pool.shape)
+
+
+@settings(max_examples=20)
+@given(unmapped=st.booleans(), n=st.integers(0, 12), dtype=st.sampled_from(["f32", "bf16", "i8"]),
+       seed=st.integers(0, 2 ** 16))
+def test_set_rows_writes_each_mapped_row_and_leaves_the_input(unmapped, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    dt = {"f32": np.float32, "bf16": BF16, "i8": np.int8}[dtype]
+    pool = rng.integers(-100, 100, (4, 8, 1, 6)).astype(dt)
+    before = pool.copy()
+    slots = rng.permutation(32)[:n]
+    if unmapped and n:
+        slots[rng.random(n) < 0.5] = -1
+    rows = rng.integers(-100, 100, (n, 6)).astype(np.float64)      # f64 values, stored as the pool's dtype
+    got = DEVICE.set_rows(pool, slots, rows)
+    assert got.dtype == pool.dtype and np.array_equal(got, _set_rows_reference(pool, slots, rows))
+    assert np.array_equal(pool, before)
+
+
+def test_grouped_routed_experts_with_routes_outside_every_expert(small_ckpt):
+    """Routes whose index names no expert (not produced by the gate, but the grouped path's
+    fallback) add nothing; the rest as one swiglu call per expert."""
+    cfg, nm, layer = SMALL, Numerics("device"), 4
+    w, expert = small_ckpt.layer(layer), (lambda e: small_ckpt.expert(layer, e))
+    rng = np.random.default_rng(11)
+    T, K = 24, cfg.num_experts_per_tok
+    x_i8 = rng.integers(-127, 128, (T, cfg.hidden_size)).astype(np.float64)
+    x_scale = rng.uniform(1e-3, 1e-2, (T, 1))
+    idx = np.stack([rng.choice(cfg.n_routed_experts, K, replace=False) for _ in range(T)]).astype(np.int32)
+    idx[rng.random((T, K)) < 0.2] = -1
+    wts = rng.uniform(0.1, 1.0, (T, K))
+    shared = {k: w[k] for k in SHARED_NAMES}
+    got = moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
+    routed = np.zeros((T, K, cfg.hidden_size))
+    for e in np.unique(idx[idx >= 0]):
+        t, k = np.nonzero(idx == e)
+        routed[t, k] = routed_expert(x_i8[t], x_scale[t], expert(int(e)), wts[t, k], cfg=cfg, nm=nm)
+    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
+    for k in range(K):
+        out = out + routed[:, k]
+    assert np.array_equal(got, nm.bf16(out))
