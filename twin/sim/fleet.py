@@ -57,6 +57,8 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self._apply_flags = np.zeros(3, dtype=bool)
         self._decode_limits = np.array([self.max_seq, self.k, dep.partitions, C.TP_SIZE, C.DECODE_BATCH,
                                         C.LOCAL_REQUESTS, C.DECODE_SEQ], dtype=np.int64)
+        self._prefill_limits = np.array([dep.partitions, dep.prefill_batch, dep.prefill_requests_per_partition,
+                                         C.PREFILL_TOKENS_PER_GROUP], dtype=np.int64)
         self.prefix = lim.enable_prefix_caching
         self.max_hit_offset = max(1, lim.speculative_prefix_cache_replay_tokens)
         # the exact scheduler's config validates async_depth (`apply` relies on 1 or 2) and stop_check

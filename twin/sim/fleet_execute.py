@@ -38,23 +38,22 @@ class FleetExecute:
             cmd.dispatches.append(("error", cm.device.dispatch_overhead, {}, {"error": cmd.error}))
             return
         if any_pre:
-            rows = pre.nonzero()[0]
-            for batch in self._pack(rows, cmd):
-                p_part = self.part[idx[batch]]
-                secs, parts = cm.prefill_arrays(cmd.num_new[batch], cmd.start[batch].astype(float), p_part)
-                meta = {"requests_per_group": np.bincount(p_part, minlength=self.G).tolist(),
-                        "tokens_per_group": np.bincount(p_part, weights=cmd.num_new[batch], minlength=self.G).astype(int).tolist()}
+            info, term, per_g, waves, chk = fk.prefill_rows(idx, pre, cmd.samples, cmd.num_new, self.part, self.plen,
+                                                            self._prefill_limits)
+            for rows, p_part, tok, meta in self._pack(info, per_g, chk, cmd):
+                secs, parts = cm.prefill_arrays(tok, cmd.start[rows].astype(float), p_part)
                 if prefill_hangs(self.hang_p, self._fault_rng):
                     cmd.error = HANG_ERROR
                     cmd.dispatches.append(("prefill", self.cfg.step_timeout, {"timeout": self.cfg.step_timeout},
                                            {**meta, "hang": True}))
                     return
                 cmd.dispatches.append(("prefill", secs, parts, meta))
-            term = rows[cmd.samples[rows]]
-            self.committed[idx[term]] = self.plen[idx[term]]
-            cmd.counts[term] = 1
-            if self.k and len(term):
-                self._seed_waves(idx[term], cmd)
+            if len(term):
+                t_idx = idx[term]
+                self.committed[t_idx] = self.plen[t_idx]
+                cmd.counts[term] = 1
+                if self.k:
+                    self._seed_waves(waves.tolist(), cmd)
         m = len(d_idx)
         if m:
             counts = self._accept(m, fits, self.rng) if self.k else np.ones(m, dtype=np.int64)
@@ -68,19 +67,18 @@ class FleetExecute:
             cmd.dispatches.append(("decode", secs, parts, {"requests_per_group": per.tolist()}))
         self.generated += int(cmd.counts.sum())
 
-    def _pack(self, rows: np.ndarray, cmd: Command) -> list[np.ndarray]:
-        """`split_prefill`: one dispatch when everything fits, else greedy first-fit in order."""
+    def _pack(self, info: np.ndarray, per_g: np.ndarray, chk: np.ndarray, cmd: Command) -> list[tuple]:
+        """`split_prefill`: one dispatch when everything fits, else greedy first-fit in order.  Each
+        dispatch as (rows, TP groups, chunk tokens, meta)."""
         dep = self.dep
-        part = self.part[cmd.idx[rows]]
-        tok = cmd.num_new[rows]
+        rows, part, tok = info
         per_part_cap, max_batch, tok_cap = dep.prefill_requests_per_partition, dep.prefill_batch, C.PREFILL_TOKENS_PER_GROUP
-        if tok.max() > tok_cap:
-            cmd.error = (f"prefill chunk of {self.rid[int(cmd.idx[rows[int(np.argmax(tok))]])]!r} has {int(tok.max())} "
-                         f"tokens > {tok_cap} per partition")
+        fits, big, big_row = chk.tolist()
+        if big > tok_cap:
+            cmd.error = f"prefill chunk of {self.rid[int(cmd.idx[big_row])]!r} has {big} tokens > {tok_cap} per partition"
             return []
-        if (len(rows) <= max_batch and np.bincount(part, minlength=self.G).max() <= per_part_cap
-                and np.bincount(part, weights=tok, minlength=self.G).max() <= tok_cap):
-            return [rows]
+        if fits:
+            return [(rows, part, tok, {"requests_per_group": per_g[0].tolist(), "tokens_per_group": per_g[1].tolist()})]
         out, pending = [], list(range(len(rows)))
         while pending:
             cur, deferred, reqs, toks = [], [], {}, {}
@@ -92,21 +90,18 @@ class FleetExecute:
                     toks[p] = toks.get(p, 0) + t
                 else:
                     deferred.append(j)
-            out.append(rows[cur])
+            b_part = part[cur]
+            out.append((rows[cur], b_part, tok[cur], {
+                "requests_per_group": np.bincount(b_part, minlength=self.G).tolist(),
+                "tokens_per_group": np.bincount(b_part, weights=tok[cur], minlength=self.G).astype(int).tolist()}))
             pending = deferred
         return out
 
-    def _seed_waves(self, term_idx: np.ndarray, cmd: Command) -> None:
+    def _seed_waves(self, longest: list[int], cmd: Command) -> None:
         """One seeding wave per ordinal within a group (a group's n-th terminal prefill joins wave
         n), priced by its longest prompt (`executor.seed_rows`)."""
-        longest: dict[int, int] = {}
-        seen: dict[int, int] = {}
-        for p, pl in zip(self.part[term_idx].tolist(), self.plen[term_idx].tolist()):
-            w = seen.get(p, 0)
-            seen[p] = w + 1
-            longest[w] = max(longest.get(w, 0), pl)
-        for w in range(len(longest)):
-            rows = seed_rows(longest[w])
+        for pl in longest:
+            rows = seed_rows(pl)
             got = self._seed_cost.get(rows)
             if got is None:
                 got = self._seed_cost[rows] = self.cost.seed(rows)

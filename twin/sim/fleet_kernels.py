@@ -468,3 +468,47 @@ def end_rows(ids, codes, now, status, ver, finish, ph, tpif, end, part, slot, pi
     for i in ids:
         mark[i] = False
     return freed, out[:n]
+
+
+@njit(cache=True)
+def prefill_rows(idx, pre, samples, num_new, part, plen, limits):
+    """A step's prefill rows: (row, TP group, chunk tokens) in row order; the terminal ones (they
+    sample; in row order); requests and tokens per group; the longest prompt of each seeding wave
+    (a group's n-th terminal prefill joins wave n); and (whether everything fits one packed
+    dispatch, the largest chunk, its first row).  `limits` = (groups, requests per dispatch,
+    requests per group, tokens per group)."""
+    G, max_batch, per_cap, tok_cap = limits[0], limits[1], limits[2], limits[3]
+    n = len(idx)
+    info = np.empty((3, n), np.int64)
+    term = np.empty(n, np.int64)
+    per = np.zeros((2, G), np.int64)
+    seen = np.zeros(G, np.int64)
+    waves = np.zeros(n, np.int64)
+    m = nt = nw = 0
+    big, big_row = -1, -1
+    for j in range(n):
+        if not pre[j]:
+            continue
+        i = idx[j]
+        g = part[i]
+        t = num_new[j]
+        info[0, m], info[1, m], info[2, m] = j, g, t
+        m += 1
+        per[0, g] += 1
+        per[1, g] += t
+        if t > big:
+            big, big_row = t, j
+        if samples[j]:
+            term[nt] = j
+            nt += 1
+            w = seen[g]
+            seen[g] += 1
+            waves[w] = max(waves[w], plen[i])
+            nw = max(nw, w + 1)
+    fits = m <= max_batch
+    for g in range(G):
+        if per[0, g] > per_cap or per[1, g] > tok_cap:
+            fits = False
+    chk = np.empty(3, np.int64)
+    chk[0], chk[1], chk[2] = fits, big, big_row
+    return info[:, :m], term[:nt], per, waves[:nw], chk
