@@ -315,6 +315,25 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
     dot against a transposed slice runs ~3x slower); swiglu_expert's .T then cancels out.  layer: the
     expert arrays carry a leading layer axis (every layer's experts, one argument each) and this
     is the layer's index into it."""
+    routed, _ = moe_blocks(x_i8, x_scale, indices, weights, expert, cfg=cfg, nm=nm, block=block,
+                           transposed=transposed, layer=layer)
+    return moe_combine(routed, x_i8, x_scale, shared, cfg=cfg, nm=nm)
+
+
+def moe_combine(routed, x_i8, x_scale, shared, *, cfg, nm):
+    """The shared expert plus each token's K routed rows [T, K, D], in order, rounded to BF16."""
+    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
+    for k in range(routed.shape[1]):
+        out = out + routed[:, k]
+    return nm.bf16(out)
+
+
+def moe_blocks(x_i8, x_scale, indices, weights, expert, *, cfg, nm, block=MOE_BLOCK, transposed=False, layer=None,
+               scratch=None):
+    """The routed part of moe_blocked: (each route's weighted expert row [T, K, D], the block
+    buffer).  scratch: a block buffer to run in instead of a zeroed one (e.g. the previous
+    layer's, which XLA then reuses in place): its values are never read, every slot read back is
+    written by this call's blocks."""
     T, K = indices.shape
     E, D = cfg.n_routed_experts, x_i8.shape[1]
     n = T * K
@@ -337,8 +356,11 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
         r = jnp.maximum(rt, 0)
         e = blk_e[i]
         at = (e,) if layer is None else (jnp.asarray(layer, e.dtype), e)
-        ew = {k: lax.dynamic_slice(v, at + (jnp.zeros((), e.dtype),) * (v.ndim - len(at)), (1,) * len(at) + v.shape[len(at):]).reshape(
-            v.shape[len(at):]) for k, v in expert.items()}
+        ew = {}
+        for k, v in expert.items():         # expert e (of `layer`): a [1, ..., 1, *shape] slice
+            shape = v.shape[len(at):]
+            start = at + (jnp.zeros((), e.dtype),) * len(shape)
+            ew[k] = lax.dynamic_slice(v, start, (1,) * len(at) + shape).reshape(shape)
         if transposed:
             ew = {k: v.T if k in TRANSPOSED_KEYS else v for k, v in ew.items()}
         y = swiglu_expert(x_i8[r // K], x_scale[r // K], ew["routed_w1"], ew["routed_w1_scale"], ew["routed_w3"],
@@ -346,13 +368,11 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
                           route_weight=jnp.where(rt >= 0, wflat[r], 0.0))
         return lax.dynamic_update_slice_in_dim(acc, y[None], i, axis=0)
 
-    acc = lax.fori_loop(0, pend[-1] // block, body, jnp.zeros((nb, block, D), nm.f))
+    if scratch is None or scratch.shape != (nb, block, D):
+        scratch = jnp.zeros((nb, block, D), nm.f)
+    acc = lax.fori_loop(0, pend[-1] // block, body, scratch)
     # each route's row read back from its block slot (a gather: no zeroed [n, D] scatter target)
-    routed = acc.reshape(-1, D)[dest].reshape(T, K, D)
-    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
-    for k in range(K):
-        out = out + routed[:, k]
-    return nm.bf16(out)
+    return acc.reshape(-1, D)[dest].reshape(T, K, D), acc
 
 
 # ---- the attention sub-layer on the grouped kernels -------------------------------------------

@@ -4,7 +4,7 @@ in expert blocks (`golden.jax_kernels.moe_blocked`) and hc_post as stream multip
 from __future__ import annotations
 
 from .compose import SHARED_NAMES
-from .jax_kernels import hc_post_streams, moe_blocked
+from .jax_kernels import hc_post_streams, moe_blocks, moe_combine
 from .jax_select import top_k_desc
 from .kernels.hyper_connections import hc_pre
 from .kernels.moe import gate
@@ -15,17 +15,19 @@ def gate_topk(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, 
     return gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, layer=layer, cfg=cfg, nm=nm, top_k=top_k_desc)
 
 
-def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None):
-    """golden.compose.moe_sublayer; experts: the routed weights of every layer as [L, E, in, out]."""
+def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None, scratch=None):
+    """golden.compose.moe_sublayer -> (x_hc, the expert-block buffer); experts: the routed weights of
+    every layer as [L, E, in, out]; scratch: a block buffer to reuse (moe_blocks)."""
     x_mixed, post, comb = hc_pre(x_hc, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg=cfg, nm=nm)
     x_i8, x_scale, idx, wts = gate_topk(x_mixed, w["norm_w"], w["gate_w"], w.get("gate_bias"), w.get("tid2eid"),
                                         input_ids, layer=layer, cfg=cfg, nm=nm)
-    ffn_out = moe_blocked(x_i8, x_scale, idx, wts, experts, {k: w[k] for k in SHARED_NAMES}, cfg=cfg, nm=nm,
-                          transposed=True, layer=layer)
+    routed, scratch = moe_blocks(x_i8, x_scale, idx, wts, experts, cfg=cfg, nm=nm, transposed=True, layer=layer,
+                                 scratch=scratch)
+    ffn_out = moe_combine(routed, x_i8, x_scale, {k: w[k] for k in SHARED_NAMES}, cfg=cfg, nm=nm)
     if taps is not None:
         for stage, v in (("ffn_x_mixed", x_mixed), ("moe_indices", idx), ("moe_weights", wts), ("ffn_out", ffn_out)):
             taps.put(layer, stage, v)
     x_hc = hc_post_streams(ffn_out, x_hc, post, comb, cfg=cfg, nm=nm)
     if taps is not None:
         taps.put(layer, "x_hc", x_hc)
-    return x_hc
+    return x_hc, scratch

@@ -113,14 +113,16 @@ class JaxGolden:
             model, layers = _abi_layout(model), [_abi_layout(w) for w in layers]
             ids = m["input_ids"]
             x_hc = lookup_embedding(ids, model["embed_weight"], cfg=cfg, nm=nm)[1]
-            out = []
+            out, scratch = [], None
             for layer in range(cfg.num_hidden_layers):
                 taps.put(layer, "attn_in", x_hc)
                 x_hc, p = attention_sublayer_grouped(x_hc, layer, layers[layer], pools[layer], m, rope, g, cfg=cfg,
                                                      nm=nm, form=form, ratio=cfg.compress_ratios[layer],
                                                      n_idx=n_idx, n_hca=n_hca, split=self.splits[layer])
                 taps.put(layer, "attn_x_hc", x_hc)
-                x_hc = moe_sublayer(x_hc, layer, layers[layer], experts, ids, cfg=cfg, nm=nm, taps=taps)
+                # the expert-block buffer passes from layer to layer (XLA reuses it: no zeroing per layer)
+                x_hc, scratch = moe_sublayer(x_hc, layer, layers[layer], experts, ids, cfg=cfg, nm=nm, taps=taps,
+                                             scratch=scratch)
                 out.append(p)
             logits, sampled = head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
             checks = nm.bf16_state[1]
