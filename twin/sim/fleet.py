@@ -53,7 +53,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.k = dep.k
         self.max_seq, self.chunk, self.budget = lim.max_model_len, lim.max_prefill_tokens_per_request, lim.max_num_batched_tokens
         self.max_running = lim.max_num_seqs
-        self._limits = np.array([self.max_seq, self.budget, self.chunk, self.k], dtype=np.int64)   # phase 1's
+        self._limits = np.array([self.max_seq, self.budget, self.chunk, self.k, 0], dtype=np.int64)   # phase 1's
         self._apply_flags = np.zeros(3, dtype=bool)
         self._decode_limits = np.array([self.max_seq, self.k, dep.partitions, C.TP_SIZE, C.DECODE_BATCH,
                                         C.LOCAL_REQUESTS, C.DECODE_SEQ], dtype=np.int64)

@@ -61,7 +61,8 @@ def phase1(run, state, n_out, slot, part, rank, kv4, free, takes, fam, limits):
     pages count as free, and the row is retried once).
 
     `state` = (computed, plen, ph, pins, tpif, next_drop) by request, `kv4` the slots' (logical,
-    ring, own, pinned) pages, `limits` = (max_seq, budget, chunk, k).  Returns (ints, flags,
+    ring, own, pinned) pages, `limits` = (max_seq, budget, chunk, k, columns to leave for
+    admissions).  Returns (ints, flags,
     growth, victims, stats): ints rows (request, num_new, spec, start, -) and flags rows (prefill,
     samples, keep) over the budget's rows; growth (need, own, taken, wrapped, L', S') per row;
     victims (victim, by) in the order chosen.  Without a victim or a dropped row `commit_rows` runs
@@ -72,8 +73,8 @@ def phase1(run, state, n_out, slot, part, rank, kv4, free, takes, fam, limits):
     computed, plen, ph, pins, tpif, next_drop = state
     m = len(run)
     G, F = free.shape
-    ints = np.empty((5, m), np.int64)
-    flags = np.empty((3, m), np.bool_)
+    ints = np.empty((5, m + limits[4]), np.int64)       # with room for phase 2's admissions
+    flags = np.empty((3, m + limits[4]), np.bool_)
     n = 0
     left = budget
     for r in range(m):
@@ -101,7 +102,6 @@ def phase1(run, state, n_out, slot, part, rank, kv4, free, takes, fam, limits):
         flags[2, n] = True
         left -= nn + s
         n += 1
-    ints, flags = ints[:, :n], flags[:, :n]
     L, S, own, pinned = kv4[0], kv4[1], kv4[2], kv4[3]
     g = np.empty((6, n, F), np.int64)
     sums = np.zeros((G, F), np.int64)
@@ -123,7 +123,7 @@ def phase1(run, state, n_out, slot, part, rank, kv4, free, takes, fam, limits):
     victims = np.empty((m, 2), np.int64)
     if not anyover:
         return ints, flags, g, victims[:0], commit_rows(ints, flags, g, slot, part, kv4, free, takes, state, k)
-    nv = _search(run, ints[0], part, rank, slot, own, pinned, free, g[0], flags[2], over, victims)
+    nv = _search(run, ints[0, :n], part, rank, slot, own, pinned, free, g[0], flags[2, :n], over, victims)
     stats = np.zeros(6, np.int64)
     stats[0] = -1
     return ints, flags, g, victims[:nv], stats
@@ -214,9 +214,10 @@ def commit_rows(ints, flags, growth, slot, part, kv4, free, takes, state, k):
     computed, plen, ph, pins, tpif, next_drop = state
     act, nn, spec, c, due = ints[0], ints[1], ints[2], ints[3], ints[4]
     pre, samples, keep = flags[0], flags[1], flags[2]
-    det, rot = commit(act, keep, slot, part, kv4, free, takes, growth)
+    nb = growth.shape[1]                               # the budget's rows (the rest: admissions' room)
+    det, rot = commit(act[:nb], keep[:nb], slot, part, kv4, free, takes, growth)
     n = used = n_pre = nd = 0
-    for j in range(len(act)):
+    for j in range(nb):
         if not keep[j]:
             continue
         i = act[j]

@@ -22,16 +22,16 @@ class FleetSchedule:
                 self.leases.release(i)
         finished_ids, self._pending_ids = self._pending_ids, []
         budget = self.budget
-        rows, used, n_pre = self._phase1(budget)
-        new = self._phase2(budget - used)
-        if len(rows[0]) == 0 and not new:
+        ints, flags, n, used, n_pre = self._phase1(budget)
+        k, toks = self._phase2(budget - used, ints, flags, n)
+        if n + k == 0:
             self._pending_ids[:0] = finished_ids
             return None
-        if new:
-            rows = [np.concatenate([r, c]) for r, c in zip(rows, zip(*new))]
-            n_pre += len(new)
-            used += sum(x[1] for x in new)              # new rows: no drafts
-        idx, num_new, spec, start, pre, samples = rows
+        n += k
+        n_pre += k
+        used += toks                                    # new rows: no drafts
+        idx, num_new, spec, start = ints[:4, :n]
+        pre, samples = flags[:2, :n]
         self._step += 1
         cmd = Command(self._step, idx, num_new, spec, start, pre, samples, self.ver.take(idx))
         cmd.n_prefill = n_pre
@@ -47,16 +47,18 @@ class FleetSchedule:
         return cmd
 
     def _phase1(self, budget: int):
-        """The running requests' rows (idx, num_new, spec, start, prefill, samples), already
-        advanced as scheduled, the budget they use and how many are prefill chunks
+        """The running requests' rows, already advanced as scheduled: ints rows (request, num_new,
+        spec, start, -) and flags rows (prefill, samples, -), with room after the `n` kept rows
+        for phase 2's admissions; the budget they use and how many are prefill chunks
         (`fleet_kernels.phase1`: budget walk, growth, overflow search; the victims it chooses are
         preempted here, in its order, before `commit_rows` writes the growth)."""
         run = self.running
+        room = self.max_running - len(run)
         if not len(run):
-            empty = np.zeros(0, dtype=np.int64)
-            return (empty, empty, empty, empty, np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)), 0, 0
+            return np.empty((5, room), dtype=np.int64), np.empty((3, room), dtype=bool), 0, 0, 0
         kv = self.kv
         state = self._state
+        self._limits[4] = room
         ints, flags, growth, victims, st = fk.phase1(run, state, self.n_out, self.slot, self.part, self.rank, self.kv4,
                                                      kv.free, kv.takes, kv.fam, self._limits)
         if st[0] < 0:
@@ -68,12 +70,10 @@ class FleetSchedule:
             self._pinned_any = True
         kv.stats["detaches"] += det
         kv.stats["rotations"] += rot
-        act, nn, spec, c, due = ints[:, :n] if n < ints.shape[1] else ints
-        pre, samples, _ = flags[:, :n] if n < flags.shape[1] else flags
-        rows = (act, nn, spec, c, pre, samples)
         if n_due:
             # `PagePools.drop_tails` inline: a tail whose last holder leaves gets its FIFO position
             # from the pools as they stand after this step's growth (read once)
+            act, nn, spec, c, due = ints
             drops, nd, tf = self.drops, self.next_drop, None
             for j in due[:n_due].tolist():
                 i = int(act[j])
@@ -87,12 +87,15 @@ class FleetSchedule:
                             tf = (self.kv.takes + self.kv.free).tolist()
                         e.tail_evict[f] = tf[p][f]
                 nd[i] = d[0][0] if d else NEVER
-        return rows, used, n_pre
+        return ints, flags, n, used, n_pre
 
-    def _phase2(self, budget: int) -> list:
+    def _phase2(self, budget: int, ints: np.ndarray, flags: np.ndarray, n: int) -> tuple[int, int]:
+        """Admissions from the waiting queue, their rows written after the `n` running ones in
+        `ints` / `flags`; returns how many were admitted and the tokens they use."""
         new = []
         kv = self.kv
         room = self.max_running - len(self.running)
+        budget0 = budget
         while self.waiting and budget > 0 and len(new) < room:
             i = self.waiting[0]
             if self.in_pass[i] == self._pass:
@@ -134,11 +137,14 @@ class FleetSchedule:
             self.ph[i] += smp
             if smp and self.k:
                 self.tpif[i] = True
-            new.append((i, nn, 0, hit, True, smp))
+            c = n + len(new)
+            ints[0, c], ints[1, c], ints[2, c], ints[3, c] = i, nn, 0, hit
+            flags[0, c], flags[1, c] = True, smp
+            new.append(i)
             budget -= nn
         if new:
-            self.running = np.concatenate([self.running, np.array([x[0] for x in new], dtype=np.int64)])
-        return new
+            self.running = np.concatenate([self.running, np.array(new, dtype=np.int64)])
+        return len(new), budget0 - budget
 
     def _first_chunk(self, i: int, computed: int, budget: int) -> int:
         return min(self._plen[i] - computed, budget, self.max_seq - computed, self.chunk)
