@@ -18,7 +18,12 @@
    on around the call only): a before/after ratio that does not move with the machine's load
    (it does not see cache misses; ~25 s per 1,000 requests per side).
 
-6. With `--digest`: no timing; a hash per run of the summary and the request, step, dispatch and
+6. The fleet fidelity's compiled kernels (twin/sim/fleet_kernels.py, numba): their first-call
+   cost in a fresh process, cold (compiled, empty cache) and cached (loaded from numba's cache),
+   as `kernels_first_call`; the timed runs above start after a small warm-up run, so they
+   exclude it.
+
+7. With `--digest`: no timing; a hash per run of the summary and the request, step, dispatch and
    occupancy frames (the 2,000-request burst and tests/sim/fleet_workloads.py's four agreement
    workloads, one fidelity), to show that a speed change left the results bit-identical.
 
@@ -29,6 +34,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -64,7 +70,11 @@ def run(n: int, fidelity: str = "exact") -> dict:
     from twin.sim.run import SimConfig, simulate
 
     # older refs (--baseline) have no fidelity field: pass it only when it is not the default
-    cfg = SimConfig(dep(), workload(n), **({"fidelity": fidelity} if fidelity != "exact" else {}))
+    fid = {"fidelity": fidelity} if fidelity != "exact" else {}
+    # a small run first, so neither side's timing includes imports or the fleet kernels' first
+    # call (loaded from numba's cache, or compiled: `compile_times` reports that cost)
+    simulate(SimConfig(dep(), workload(20), **fid))
+    cfg = SimConfig(dep(), workload(n), **fid)
     c0 = time.process_time()
     res = simulate(cfg)
     cpu = time.process_time() - c0
@@ -165,6 +175,36 @@ def count_worker(n: int, fidelity: str) -> dict:
     return {"steps": len(res.steps), "simulated_s": res.sim_s}
 
 
+def first_call_worker() -> dict:
+    """In a fresh process: CPU seconds to import the fleet kernels, and the first and the second
+    20-request fleet run (the first call of each kernel loads it from numba's cache or compiles it)."""
+    from twin.sim.run import SimConfig, simulate
+
+    t0 = time.process_time()
+    importlib.import_module("twin.sim.fleet_kernels")
+    t1 = time.process_time()
+    simulate(SimConfig(dep(), workload(20), fidelity="fleet"))
+    t2 = time.process_time()
+    simulate(SimConfig(dep(), workload(20), fidelity="fleet"))
+    t3 = time.process_time()
+    return {"import_s": t1 - t0, "first_run_s": t2 - t1, "second_run_s": t3 - t2,
+            "kernels_first_call_s": (t2 - t1) - (t3 - t2)}
+
+
+def compile_times() -> dict:
+    """The fleet kernels' first-call cost in a fresh process, with an empty numba cache (`cold`:
+    compiled) and again with the cache that run wrote (`cached`: loaded), NUMBA_CACHE_DIR set to a
+    scratch directory so the checkout's own cache is neither used nor touched."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "NUMBA_CACHE_DIR": tmp, "PYTHONPATH": ROOT}
+        for mode in ("cold", "cached"):
+            got = subprocess.run([sys.executable, os.path.abspath(__file__), "--first-call"], env=env,
+                                 capture_output=True, text=True, check=True)
+            out[mode] = json.loads(got.stdout)
+    return out
+
+
 def _extract(ref: str, tmp: str) -> None:
     """The `twin` package as it is at git `ref`, into `tmp` (the baseline side of a comparison)."""
     arch = subprocess.run(["git", "-C", ROOT, "archive", ref, "twin"], capture_output=True, check=True).stdout
@@ -258,8 +298,12 @@ def main() -> None:
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--first-call", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, args.root or ROOT)
+    if args.first_call:
+        print(json.dumps(first_call_worker()))
+        return
     if args.worker:
         import twin
 
@@ -297,6 +341,8 @@ def main() -> None:
             "overall_sim_s_per_cpu_s": [a["sim_s_per_cpu_s"], b["sim_s_per_cpu_s"]],
             "scaling": scaling(a, b), "saturated": sat, "runs": [
                 {k: v for k, v in x.items() if k not in ("saturated", "summary")} for x in (a, b)]}
+    if "fleet" in res:
+        out["fidelities"]["fleet"]["kernels_first_call"] = compile_times()
     if len(res) == 2:
         ex, fl = out["fidelities"]["exact"], out["fidelities"]["fleet"]
         out["fleet_over_exact"] = {
