@@ -259,3 +259,36 @@ def test_grouped_routed_experts_with_routes_outside_every_expert(small_ckpt):
     for k in range(K):
         out = out + routed[:, k]
     assert np.array_equal(got, nm.bf16(out))
+
+
+def _contiguous_reference(pos, req, first_pos):
+    """The per-request rule: one block of rows, at first_pos, one position per row."""
+    for b in np.unique(req):
+        rows = np.nonzero(req == b)[0]
+        if np.any(np.diff(rows) != 1) or np.any(np.diff(pos[rows]) != 1) or pos[rows[0]] != first_pos[b]:
+            return False
+    return True
+
+
+@settings(max_examples=60)
+@given(lens=st.lists(st.integers(1, 6), min_size=0, max_size=6), shuffle=st.booleans(), bump=st.integers(-1, 30),
+       seed=st.integers(0, 2 ** 16))
+def test_contiguity_check_accepts_exactly_what_the_per_request_rule_accepts(lens, shuffle, bump, seed):
+    from types import SimpleNamespace
+    from golden.compose import _check_contiguous
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, 50, max(len(lens), 1)).astype(np.int32)
+    req = np.repeat(np.arange(len(lens)), lens).astype(np.int32)
+    pos = np.concatenate([first[b] + np.arange(n) for b, n in enumerate(lens)] or [np.zeros(0)]).astype(np.int32)
+    if shuffle and req.size > 1:                       # rows out of order (a request split into blocks)
+        perm = rng.permutation(req.size)
+        req, pos = req[perm], pos[perm]
+    if 0 <= bump < req.size:                           # one position off
+        pos[bump] += 1
+    meta = SimpleNamespace(position_ids=pos, req=req, first_pos=first)
+    ok = _contiguous_reference(pos, req, first)
+    if ok:
+        _check_contiguous(meta)
+    else:
+        with pytest.raises(AbiError, match="consecutive rows"):
+            _check_contiguous(meta)
