@@ -2,26 +2,48 @@
 
 A saturated step touches ~250 running requests x 7 families; as numpy calls that is a few hundred
 small-array operations per step, each ~1 us of dispatch.  Here each piece is one plain loop over
-the running slots in request order, so the step costs what its arithmetic costs.  Everything is
-integer logic (page counts, token counts), so a kernel returns exactly what the numpy formulation
-it replaced returned (tests/sim/test_fleet_kernels.py checks each against it).
+the running slots in request order, so the step costs what its arithmetic costs.  It is integer
+logic (page and token counts) but for the inter-token gaps (one subtraction each, as before), so
+a kernel returns exactly what the numpy formulation it replaced returned
+(tests/sim/test_fleet_kernels.py checks each against it).
 
 Python keeps the per-event work: admissions with prefix lookup, prefix releases, publication, and
 the preemptions this module only *chooses* (`phase1` returns the victims in order; `FleetSchedule`
 preempts them, then `commit` writes the growth), because those touch Python objects.
 
 Only the fleet fidelity imports this module (numba is not loaded by `twin.sim` or the exact
-fidelity).  Where numba's cache directory is not writable it warns and compiles in memory.
+fidelity).  Compiled code is cached on disk (`cache=True`: ~7 s of compiling once, ~0.3 s to load
+in a new process); where no cache directory is writable the kernels compile in memory instead.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
-from numba import njit
+from numba import njit as _numba_njit
 
 from .fleet_command import EOS, FINISHED, LENGTH
 
+_uncached = []
 
-@njit(cache=True, inline="always")
+
+def njit(fn=None, *, cache: bool = True, **kw):
+    """numba's njit with its on-disk cache where a cache directory is writable (next to this file,
+    NUMBA_CACHE_DIR or the user's cache); where none is, numba refuses `cache=True` at decoration,
+    so the kernels compile in memory on their first call instead (one warning)."""
+    def deco(f):
+        try:
+            return _numba_njit(cache=cache, **kw)(f)
+        except RuntimeError as e:
+            if not _uncached:
+                warnings.warn(f"fleet kernels compile without numba's cache (~7 s per process): {e}", RuntimeWarning,
+                              stacklevel=3)
+            _uncached.append(f.__name__)
+            return _numba_njit(**kw)(f)
+    return deco if fn is None else deco(fn)
+
+
+@njit(inline="always")
 def _grow_row(tok, Lr, Sr, pinned, fam, need, own, taken, wrap, L2, S2):
     """One table row growing to `tok` tokens, per family (the growth formula: docs/simulation.md,
     "Fidelity"; an append-only family is a ring that never fills, its ring size huge).  `fam`
@@ -41,7 +63,7 @@ def _grow_row(tok, Lr, Sr, pinned, fam, need, own, taken, wrap, L2, S2):
         S2[f] = max(Sr[f], size)
 
 
-@njit(cache=True)
+@njit
 def grow_rows(tokens, L, S, pinned, fam):
     """Rows growing to `tokens` (n) from logical pages `L` and filled ring slots `S` (n x F):
     (need, own, taken, wrapped, L', S') stacked, 6 x n x F."""
@@ -52,7 +74,7 @@ def grow_rows(tokens, L, S, pinned, fam):
     return g
 
 
-@njit(cache=True)
+@njit
 def phase1(run, state, n_out, slot, part, rank, kv4, free, takes, fam, limits):
     """Phase 1 over the running requests in order: the rows scheduled under the global token budget
     (a K=7 row costs 8; chunked prefill), their tables grown, and where a partition cannot hold its
@@ -129,7 +151,7 @@ def phase1(run, state, n_out, slot, part, rank, kv4, free, takes, fam, limits):
     return ints, flags, g, victims[:nv], stats
 
 
-@njit(cache=True)
+@njit
 def _search(run, act, part, rank, slot, own, pinned, free, need, keep, over, victims):
     """The overflow search in row order (only partitions whose rows together overflow can; in one,
     the cumulative need of the kept rows before a row plus its own need must fit the free pages,
@@ -202,7 +224,7 @@ def _search(run, act, part, rank, slot, own, pinned, free, need, keep, over, vic
     return nv
 
 
-@njit(cache=True)
+@njit
 def commit_rows(ints, flags, growth, slot, part, kv4, free, takes, state, k):
     """Phase 1's end: the kept rows' growth written (`commit`), the rows compacted in place to the
     kept ones, and `advance_after_schedule` on them (pinned by the step; computed to the chunk end
@@ -242,7 +264,7 @@ def commit_rows(ints, flags, growth, slot, part, kv4, free, takes, state, k):
     return stats
 
 
-@njit(cache=True)
+@njit
 def commit(act, keep, slot, part, kv4, free, takes, growth):
     """Write the kept rows' growth: tables, own and pinned pages, free pages and pages taken.
     Returns (detached, rotated) page totals."""
@@ -269,7 +291,7 @@ def commit(act, keep, slot, part, kv4, free, takes, growth):
     return det_t, wrap_t - det_t
 
 
-@njit(cache=True)
+@njit
 def apply_rows(idx, cver, samples, counts, spec, ver, n_out, ph, computed, tpif, pins, discarded, dropped, chunks,
                first, last, fin, eos_at, stop_end, now, flags, spart, pinned, free):
     """A step's result on its rows (`update_from_output`'s array half): stale rows (a finish or
@@ -330,7 +352,7 @@ def apply_rows(idx, cver, samples, counts, spec, ver, n_out, ph, computed, tpif,
     return itl[:ni], ends[:ne], stops[:ns]
 
 
-@njit(cache=True)
+@njit
 def decode_rows(idx, pre, start, num_new, part, lease, committed, limits):
     """A step's decode rows before their acceptance draw: which rows (in row order), their request,
     TP group, owner rank (the lease's rank; K=0: the ordinal within the group, mod TP), committed
@@ -384,7 +406,7 @@ def decode_rows(idx, pre, start, num_new, part, lease, committed, limits):
     return rows, d_idx, d_part, owner, com, fits, per, err
 
 
-@njit(cache=True)
+@njit
 def place(i, s, need, row, free, takes, load, nxt, kv4, occ, spart, slot, part):
     """Admit request `i` with no prefix hit into page-row slot `s`: the least-loaded partition whose
     pools hold `need` (ties round-robin from `nxt[0]`) takes its first rows `row` (logical pages,
@@ -418,7 +440,7 @@ def place(i, s, need, row, free, takes, load, nxt, kv4, occ, spart, slot, part):
     return best
 
 
-@njit(cache=True)
+@njit
 def release_pages(ids, part, slot, pins, kv4, free, load):
     """Requests leaving their partition: their own and pinned pages back to the free pools, their
     slot rows zeroed.  Returns the slots freed, in order (a request without a partition has none)."""
@@ -445,7 +467,7 @@ def release_pages(ids, part, slot, pins, kv4, free, load):
     return freed[:nf]
 
 
-@njit(cache=True)
+@njit
 def end_rows(ids, codes, now, status, ver, finish, ph, tpif, end, part, slot, pins, kv4, free, load, running, mark):
     """Requests that finish (`codes`: their finish codes) after their prefix references went back:
     status, version, finish code and time, their pages (`release_pages`), and the running set
@@ -471,7 +493,7 @@ def end_rows(ids, codes, now, status, ver, finish, ph, tpif, end, part, slot, pi
     return freed, out[:n]
 
 
-@njit(cache=True)
+@njit
 def prefill_rows(idx, pre, samples, num_new, part, plen, limits):
     """A step's prefill rows: (row, TP group, chunk tokens) in row order; the terminal ones (they
     sample; in row order); requests and tokens per group; the longest prompt of each seeding wave
