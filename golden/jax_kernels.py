@@ -339,11 +339,16 @@ def moe_blocks(x_i8, x_scale, indices, weights, expert, *, cfg, nm, block=MOE_BL
     n = T * K
     nb = (n + min(E, n) * (block - 1)) // block + 1
     flat = indices.reshape(-1)
-    # a route's rank among its expert's routes (in route order) from a one-hot running count:
-    # the slots a stable sort by expert would give, without XLA's CPU sort
-    hot = flat[:, None] == jnp.arange(E)[None, :]
-    rank = jnp.sum(jnp.where(hot, jnp.cumsum(hot, axis=0, dtype=jnp.int32) - 1, 0), axis=1)
-    cnt = jnp.sum(hot, axis=0, dtype=jnp.int32)
+    # a route's rank among its expert's routes (in route order, token-major): the slots a stable
+    # sort by expert would give, without XLA's CPU sort.  The routes to that expert of earlier
+    # tokens (a running count over the T tokens: XLA CPU's cumsum is quadratic in its length, so
+    # not over the T * K routes) plus those of the token's own earlier picks
+    per_tok = jnp.sum(indices[:, :, None] == jnp.arange(E), axis=1, dtype=jnp.int32)          # [T, E]
+    before = jnp.cumsum(per_tok, axis=0, dtype=jnp.int32) - per_tok
+    k = jnp.arange(K)
+    own = jnp.sum((indices[:, :, None] == indices[:, None, :]) & (k[None, :] < k[:, None]), axis=2, dtype=jnp.int32)
+    rank = (jnp.take_along_axis(before, indices, axis=1) + own).reshape(-1)
+    cnt = jnp.sum(per_tok, axis=0, dtype=jnp.int32)
     padded = (cnt + block - 1) // block * block
     pend = jnp.cumsum(padded)
     dest = ((pend - padded)[flat] + rank).astype(jnp.int32)              # [n] block-layout slot of each route

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from golden.compose import Session, Taps, forward
-from golden.jax_kernels import layout, moe_blocked, sparse_attention_grouped
+from golden.jax_kernels import layout, moe_blocked, moe_blocks, sparse_attention_grouped
 from golden.jax_path import JaxGolden
 from golden.kernels.moe import moe_experts
 from golden.kernels.rope import SWA_PROFILE, rope_rows
@@ -206,10 +206,11 @@ def test_grouped_attention_equals_numpy(kind):
 
 
 @pytest.mark.parametrize("mode", ["device", "exact"])
-@pytest.mark.parametrize("routing", ["random", "skewed"])
+@pytest.mark.parametrize("routing", ["random", "skewed", "repeats"])
 def test_moe_blocked_equals_grouped_dispatch(tiny_ckpt, mode, routing):
-    """Every route lands in its expert's block: random routing, and all routes on two experts
-    (blocks of one expert far past the block size)."""
+    """Every route lands in its expert's block: random routing, all routes on two experts (blocks
+    of one expert far past the block size), and tokens that pick one expert more than once (a
+    route's rank counts its own token's earlier picks)."""
     cfg, layer, T = TINY, 3, 40
     rng = np.random.default_rng(5)
     K, E = cfg.num_experts_per_tok, cfg.n_routed_experts
@@ -217,8 +218,10 @@ def test_moe_blocked_equals_grouped_dispatch(tiny_ckpt, mode, routing):
     x_scale = rng.uniform(1e-3, 1e-2, (T, 1))
     if routing == "random":
         idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
-    else:
+    elif routing == "skewed":
         idx = np.tile(np.array([[3, 7]], np.int32), (T, 1))
+    else:
+        idx = rng.integers(0, 3, (T, K)).astype(np.int32)
     wts = rng.uniform(0.1, 1.0, (T, K))
     w = tiny_ckpt.layer(layer)
     shared = {k: w[k] for k in w if k.startswith("shared_")}
@@ -232,6 +235,33 @@ def test_moe_blocked_equals_grouped_dispatch(tiny_ckpt, mode, routing):
             {k: jnp.asarray(v) for k, v in shared.items()})
         got = np.asarray(got)
     assert rel(got, ref) <= (1e-12 if mode == "exact" else 1e-6)
+
+
+def test_moe_blocks_layer_axis_and_scratch(tiny_ckpt):
+    """The experts of every layer in one [L, E, ...] array, indexed by `layer`, give the layer's
+    own result; a scratch buffer's values are never read (NaN in, the same rows out), and the
+    buffer comes back for the next layer."""
+    cfg, T = TINY, 40
+    rng = np.random.default_rng(6)
+    K, E, L = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.num_hidden_layers
+    x_i8 = rng.integers(-127, 128, (T, cfg.hidden_size)).astype(np.float64)
+    x_scale = rng.uniform(1e-3, 1e-2, (T, 1))
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1.0, (T, K))
+    keys = tiny_ckpt.expert(0, 0).keys()
+    nm = Numerics("device", jnp)
+    with jax.enable_x64(True):
+        per = lambda l: {k: jnp.asarray(np.stack([tiny_ckpt.expert(l, e)[k] for e in range(E)])) for k in keys}
+        every = {k: jnp.stack([per(l)[k] for l in range(L)]) for k in keys}
+        args = (jnp.asarray(x_i8), jnp.asarray(x_scale), jnp.asarray(idx), jnp.asarray(wts))
+        for layer in (0, L - 1):
+            want, buf = jax.jit(lambda *a: moe_blocks(*a, cfg=cfg, nm=nm))(*args, per(layer))
+            nan = jnp.full(buf.shape, jnp.nan, buf.dtype)
+            got, buf2 = jax.jit(lambda *a: moe_blocks(*a[:5], cfg=cfg, nm=nm, layer=layer, scratch=a[5]))(
+                *args, every, nan)
+            assert buf2.shape == buf.shape
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            assert np.isfinite(np.asarray(got)).all()
 
 
 @pytest.mark.parametrize("K", [8, 1024, 3000])
