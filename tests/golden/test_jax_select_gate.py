@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from golden.jax_kernels import hc_post_streams
 from golden.jax_moe import gate_topk
 from golden.jax_numerics import Fp32Numerics
-from golden.jax_select import RANK_MAX, first_max, top_k_desc
+from golden.jax_select import first_max, top_k_desc
 from golden.kernels.hyper_connections import hc_post
 from golden.kernels.moe import gate
 from golden.numerics import Numerics
@@ -27,7 +27,7 @@ def _scores(rng, shape, ties):
 
 
 @settings(max_examples=40)
-@given(rows=st.integers(1, 5), C=st.sampled_from([1, 2, 5, 32, 64, RANK_MAX, RANK_MAX + 1, 300]),
+@given(rows=st.integers(1, 5), C=st.sampled_from([1, 2, 5, 32, 64, 128, 129, 300]),
        kfrac=st.sampled_from([0.1, 0.5, 1.0, 2.0]), ties=st.booleans(), seed=st.integers(0, 2**16))
 def test_top_k_desc_is_the_stable_argsort(rows, C, kfrac, ties, seed):
     x = _scores(np.random.default_rng(seed), (rows, C), ties)
