@@ -20,6 +20,8 @@ from .executor import HANG_ERROR, prefill_hangs, seed_rows
 if TYPE_CHECKING:
     from .fleet_command import Command
 
+NO_ROWS = np.zeros(0, dtype=np.int64)
+
 
 class FleetExecute:
     def execute(self, cmd: Command) -> None:
@@ -48,24 +50,18 @@ class FleetExecute:
                                            {**meta, "hang": True}))
                     return
                 cmd.dispatches.append(("prefill", secs, parts, meta))
-            if len(term):
-                t_idx = idx[term]
-                self.committed[t_idx] = self.plen[t_idx]
-                cmd.counts[term] = 1
-                if self.k:
-                    self._seed_waves(waves.tolist(), cmd)
+            if self.k and len(term):
+                self._seed_waves(waves.tolist(), cmd)
+        else:
+            term = NO_ROWS
         m = len(d_idx)
+        counts = NO_ROWS
         if m:
             counts = self._accept(m, fits, self.rng) if self.k else np.ones(m, dtype=np.int64)
             secs, parts = cm.decode_arrays(com + 1, part, owner)
-            if any_pre:
-                cmd.counts[dec] = counts
-            else:
-                cmd.counts = counts
-            self.committed[d_idx] = com + counts
             cmd.accepted = (counts, fits)
             cmd.dispatches.append(("decode", secs, parts, {"requests_per_group": per.tolist()}))
-        self.generated += int(cmd.counts.sum())
+        self.generated += int(fk.settle(idx, cmd.counts, term, dec, counts, self.committed, self.plen, com))
 
     def _pack(self, info: np.ndarray, per_g: np.ndarray, chk: np.ndarray, cmd: Command) -> list[tuple]:
         """`split_prefill`: one dispatch when everything fits, else greedy first-fit in order.  Each

@@ -535,3 +535,21 @@ def prefill_rows(idx, pre, samples, num_new, part, plen, limits):
     chk = np.empty(3, np.int64)
     chk[0], chk[1], chk[2] = fits, big, big_row
     return info[:, :m], term[:nt], per, waves[:nw], chk
+
+
+@njit
+def settle(idx, out, term, dec, counts, committed, plen, com):
+    """A priced step's accepted tokens per row (`out`): 1 for a terminal prefill row (its committed
+    context becomes the prompt), the drawn count for a decode row (its committed context grows by
+    it).  Returns the step's total."""
+    for j in term:
+        out[j] = 1
+        committed[idx[j]] = plen[idx[j]]
+    for q in range(len(dec)):
+        j = dec[q]
+        out[j] = counts[q]
+        committed[idx[j]] = com[q] + counts[q]
+    total = 0
+    for j in range(len(out)):
+        total += out[j]
+    return total
