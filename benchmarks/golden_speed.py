@@ -43,21 +43,6 @@ from golden.paged import DECODE, Span, alloc_caches, assign_blocks, lower
 from twin.abi.presets import FLASH, SMALL
 
 
-def _median_time(fn, reps):
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
-def _replay(records, reps):
-    """Time the recorded GEMMs alone on operands made once (int GEMMs as the f32 K-slices the
-    golden runs, float GEMMs in float64)."""
-    return _median_time(_replayer(records), reps)
-
-
 def _replayer(records):
     """A function that runs the recorded GEMMs alone (operands made here, once)."""
     rng = np.random.default_rng(0)
@@ -104,9 +89,9 @@ def _step_vs_gemms(step, records, reps):
             "step_over_gemms_cpu": c["step"] / c["gemms"]}
 
 
-def _widen(records, reps):
-    """Time the int8 -> f32 widening of the recorded INT8 GEMMs' weights alone (what
-    Numerics.int_mm does before its f32 GEMMs)."""
+def _widener(records):
+    """A function that widens the recorded INT8 GEMMs' weights int8 -> f32 alone (what
+    Numerics.int_mm does before its f32 GEMMs), the weights made here, once."""
     rng = np.random.default_rng(0)
     made = {sb: rng.integers(-127, 128, sb, dtype=np.int8) for kind, _, sb in records if kind == "i"}
     ops = [made[sb] for kind, _, sb in records if kind == "i"]
@@ -114,7 +99,7 @@ def _widen(records, reps):
     def run():
         for w in ops:
             w.astype(np.float32)        # dropped at once: all of them together would not fit
-    return _median_time(run, reps)
+    return run
 
 
 def small_decode(reps: int, jax_too: bool = True, mode: str = "device") -> dict:
@@ -201,18 +186,17 @@ def flash_layer(reps: int, layer: int = 4) -> dict:
     step()
     with MatmulRecorder() as rec:
         step()
-    t_step, t_mm, t_wide = [], [], []
-    for _ in range(reps):              # interleaved: load falls on all three alike
-        t_step.append(_median_time(step, 1))
-        t_mm.append(_replay(rec, 1))
-        t_wide.append(_widen(rec, 1))
-    t_step, t_mm, t_wide = (float(np.median(t)) for t in (t_step, t_mm, t_wide))
+    # interleaved: load from other processes falls on all three alike
+    w, c = _interleaved({"step": step, "gemms": _replayer(rec), "widen": _widener(rec)}, reps)
+    t_step, t_mm, t_wide = w["step"], w["gemms"], w["widen"]
     return {"preset": cfg.name, "layer": layer, "kind": cfg.layer_kind(layer), "rows": B * S,
             "position": pos0, "repeats": reps, "numpy_layer_s": t_step, "gemms_alone_s": t_mm,
             "step_over_gemms": t_step / t_mm,
             # where the rest goes: INT8 weights widened to f32 for the exact f32 GEMMs (the
             # device's int8 GEMM reads them as they are), then everything else
             "int8_weight_widening_alone_s": t_wide, "other_s": t_step - t_mm - t_wide,
+            "numpy_layer_cpu_s": c["step"], "gemms_alone_cpu_s": c["gemms"],
+            "step_over_gemms_cpu": c["step"] / c["gemms"], "int8_weight_widening_alone_cpu_s": c["widen"],
             "gemm_calls": len(rec), "weights_generation_s": gen_s, "target_step_over_gemms": 2.0}
 
 
