@@ -94,13 +94,17 @@ def layout(meta, group: int = GROUP) -> Layout:
     p0 = np.full(G, np.iinfo(np.int64).max)
     np.minimum.at(p0, grp, start)
     off = start - p0[grp]                                   # token's window column 0 in the union
-    j = np.arange(W)
-    valid = (j[None, :] < lens[:, None]) & (swa >= 0)
-    win_slot = np.full((G, Wu), -1, np.int32)
-    tt, jj = np.nonzero(valid)
-    win_slot[grp[tt], off[tt] + jj] = swa[tt, jj]
+    # each token's row over the union: union column u holds window entry j = u - off (if valid)
+    j = np.arange(Wu)[None, :] - off[:, None]                                 # [T, Wu]
+    jc = np.clip(j, 0, W - 1)
+    slot = np.take_along_axis(swa, jc, axis=1)
+    valid = (j >= 0) & (j < np.minimum(lens, W)[:, None]) & (slot >= 0)
     win_tile = np.full((G, S, Wu), -1, np.int32)
-    win_tile[grp[tt], cell[tt], off[tt] + jj] = jj // TILE
+    win_tile[grp, cell] = np.where(valid, jc // TILE, -1)
+    # a group's union row: its tokens agree on every position they share (one request's slots)
+    rows = np.full((G, S, Wu), -1, np.int32)
+    rows[grp, cell] = np.where(valid, slot, -1)
+    win_slot = rows.max(axis=1, initial=-1)
     sel, sel_ok = {}, {}
     for ratio in (4, 128):
         n = max(1, int(sum(-(-int(c) // ratio) for c in counts)))   # a run of c positions has <= ceil(c/r)

@@ -176,9 +176,10 @@ class JaxGolden:
             pools = [c.raw if isinstance(c, LayerPools) else _to_bits(c, donate) for c in caches]
             fn = self._step_fn(meta.form, n_idx, n_hca, lay, donate, stages, spec)
             args = (self.model, (self._stacked, self._own), self.experts, pools, bufs)
-            # for stablehlo(): the pools by shape only (holding them would keep a copied-in pool set
-            # alive between calls); the rest's shapes only if stablehlo() asks (~1 ms a call otherwise)
-            self._last = (fn, (*args[:3], jax.tree_util.tree_map(_shape, pools), *args[4:]))
+            # for stablehlo(): the pools by (shape, dtype) only (holding them would keep a copied-in
+            # pool set alive between calls; a ShapeDtypeStruct per pool costs ~5 us a call); the
+            # rest's shapes only if stablehlo() asks (~1 ms a call otherwise)
+            self._last = (fn, args[:3], [{k: (v.shape, v.dtype) for k, v in p.items()} for p in pools], args[4:])
             logits, sampled, out, x_hc, tapped, ok = fn(*args)
             self.bf16_operands_ok = None if ok is None else bool(ok)
             logits.block_until_ready()
@@ -193,8 +194,9 @@ class JaxGolden:
 
     def stablehlo(self) -> str:
         """The StableHLO text of the last step (what XLA compiled for it), e.g. to check dtypes."""
-        fn, args = self._last
-        shapes = jax.tree_util.tree_map(_shape, args)
+        fn, head, pools, tail = self._last
+        pools = [{k: jax.ShapeDtypeStruct(*sd) for k, sd in p.items()} for p in pools]
+        shapes = (*jax.tree_util.tree_map(_shape, head), pools, *jax.tree_util.tree_map(_shape, tail))
         with jax.enable_x64(True):
             return fn.lower(*shapes).as_text()
 

@@ -150,6 +150,18 @@ def test_layout_places_every_window_entry_and_boundary(runs, W, group):
         assert np.array_equal(lay.win_slot[grp[t], cols], meta.swa_indices[t, j])
         assert np.array_equal(lay.win_tile[grp[t], lay.cell[t], cols], j // TILE)
     assert lay.n_win_tiles == -(-W // TILE)
+    # the whole union rows, against a scatter of every valid window entry (nothing else is set)
+    jj = np.arange(W)
+    valid = (jj[None, :] < meta.swa_lens[:, None]) & (meta.swa_indices >= 0)
+    off = np.maximum(pos - W + 1, 0)
+    off = off - np.array([off[grp == g].min() for g in range(grp.max() + 1)])[grp]
+    tt, jj = np.nonzero(valid)
+    slot = np.full(lay.win_slot.shape, -1)
+    slot[grp[tt], off[tt] + jj] = meta.swa_indices[tt, jj]
+    tile = np.full(lay.win_tile.shape, -1)
+    tile[grp[tt], lay.cell[tt], off[tt] + jj] = jj // TILE
+    np.testing.assert_array_equal(lay.win_slot, slot)
+    np.testing.assert_array_equal(lay.win_tile, tile)
     for ratio in (4, 128):
         b = np.nonzero((pos + 1) % ratio == 0)[0]
         assert lay.sel_ok[ratio].sum() == b.size and np.array_equal(lay.sel[ratio][:b.size], b)
