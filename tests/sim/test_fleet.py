@@ -196,36 +196,6 @@ def test_fleet_reproduces_exact_timings_without_randomness_or_pressure():
         assert np.allclose(ex[col].astype(float), fl[col].astype(float), rtol=1e-9, atol=1e-12), col
 
 
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 300), pinned_share=st.sampled_from([0.0, 0.3, 1.0]))
-def test_pool_hot_path_equals_the_growth_formula(seed, n, pinned_share):
-    """`PagePools.grow_rows` (the compiled growth every step runs, `fleet_kernels._grow_row`)
-    returns what the plain growth formula does."""
-    from twin.sim.fleet_pool import PagePools
-
-    kv = PagePools.from_deployment(DEP, 3)
-    rng = np.random.default_rng(seed)
-    before = rng.integers(0, DEP.limits.max_model_len - 8, n)
-    tokens = before + rng.integers(0, 9, n)
-    L = -(-before[:, None] // kv.pt)
-    S = np.minimum(L, kv._ring) - rng.integers(0, 2, (n, kv.F)) * (L > 0)     # some rings short (hits)
-    S = np.maximum(S, 0)
-    pinned = rng.random(n) < pinned_share
-    # the growth formula written plainly (broadcast against the per-family constants)
-    tgt = -(-tokens[:, None] // kv.pt)
-    size = np.minimum(tgt, kv._ring)
-    own = np.maximum(size - S, 0)
-    wrap = np.minimum(np.maximum(tgt - np.maximum(L, kv._ring), 0), kv.maxb)
-    need, taken, L2, S2 = own + wrap * pinned[:, None], own + wrap, np.maximum(L, tgt), np.maximum(S, size)
-    got = kv.grow_rows(tokens, L.copy(), S.copy(), pinned)
-    for want, have in zip((need, own, taken, L2, S2), (got[0], got[1], got[2], got[5], got[6])):
-        assert (want == have).all()
-    assert (got[3] is None) == (not pinned.any())
-    if got[3] is not None:
-        assert (got[3] == need - own).all()
-    assert (got[4] == taken - own).all()
-
-
 def test_page_row_slots_are_reused_and_grow_keeping_rows():
     """Page rows live in fixed slots: a released slot is zeroed and taken again, and taking more
     slots than the running cap (only a direct caller can) doubles the arrays, rows kept."""

@@ -35,15 +35,20 @@ def _fam(pt, maxb, rolling):
     return np.stack([pt, ring, maxb, np.array(shift, dtype=np.int64)])
 
 
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 60), F=st.integers(1, 7))
-def test_growth_equals_the_formula_for_any_page_size(seed, n, F):
-    """Page sizes that are not powers of two take the division, the others the shift: same pages."""
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 300), F=st.integers(1, 7), flash=st.booleans())
+def test_growth_equals_the_formula_for_any_page_size(seed, n, F, flash):
+    """The growth every step runs (`_grow_row`, through `grow_rows`) returns what the growth
+    formula written plainly does, for FLASH's families (`PagePools.fam`) and for random ones
+    (page sizes that are not powers of two take the division, the others the shift)."""
     rng = np.random.default_rng(seed)
-    pt = rng.integers(1, 300, F)
-    maxb = rng.integers(1, 80, F)
-    rolling = rng.random(F) < 0.5
-    fam = _fam(pt, maxb, rolling)
+    if flash:
+        fam = PagePools.from_deployment(DEP, 3).fam
+        pt, maxb, F = fam[0], fam[2], fam.shape[1]
+    else:
+        pt = rng.integers(1, 300, F)
+        maxb = rng.integers(1, 80, F)
+        fam = _fam(pt, maxb, rng.random(F) < 0.5)
     ring = fam[1]
     before = rng.integers(0, 5000, n)
     tokens = before + rng.integers(0, 300, n)

@@ -2,25 +2,26 @@
 
 `SimConfig(fidelity="fleet")` runs here instead of the exact engine (docs/simulation.md,
 "Fidelity").  Requests are numpy arrays indexed by request, and the running ones' page rows sit in
-fixed slots (one per running request); one step is a fixed number of array operations whatever
-the batch size:
+fixed slots (one per running request); a step's array work is a few compiled loops over the
+running rows in request order (`fleet_kernels`, numba), whatever the batch size:
 
-- phase 1 (running, in order, global token budget, K=7 costing 8, chunked prefill) and the
-  table growth are vectorised; a growth that does not fit is found by per-partition cumulative
-  sums, and only there does Python act (preempt the latest arrival, same partition first; retry);
+- phase 1 (running, in order, global token budget, K=7 costing 8, chunked prefill), the table
+  growth and the overflow search (the first row a partition cannot hold; the latest arrival
+  preempted, same partition first; one retry) in `fleet_kernels.phase1`; Python preempts the
+  victims it chose;
 - phase 2 (waiting FIFO, prefix lookup, partition choice, head-of-line blocking), finishes,
   preemptions and publication are per-event Python (each happens O(1) times per request);
-- acceptance is sampled for the whole decode batch at once, token accounting, EOS / length /
-  stop detection are vectorised over the planted script positions (tokens are not generated);
+- acceptance is sampled for the whole decode batch at once; token accounting, EOS / length /
+  stop detection run over the planted script positions (tokens are not generated);
 - the cost model prices each dispatch from arrays (`CostModel.decode_arrays` / `prefill_arrays`);
 - virtual time: the engine's depth-2 pipeline (schedule, prepare with ping-pong slots, serial
   device, reclaim) as closed-form lane times, not SimPy processes.
 
 This module holds the request arrays and the engine loop; the scheduler is `fleet_schedule`,
 dispatch pricing and acceptance `fleet_execute`, result application and request exits
-`fleet_apply` (three mixins over the same arrays), KV page counts `fleet_pool.PagePools`, the
-step command and codes `fleet_command`, the recorder `fleet_record`.  Leases use the exact
-`LeaseManager`.
+`fleet_apply` (three mixins over the same arrays), their compiled loops `fleet_kernels`, KV page
+counts `fleet_pool.PagePools`, the step command and codes `fleet_command`, the recorder
+`fleet_record`.  Leases use the exact `LeaseManager`.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ A request's pages are derived from its positions (docs/simulation.md, "Fidelity"
 
 What it drops (page ids, LRU order of individual pages, rolling tails of a prefix hit being
 shared rather than copied, pages re-taken out of the middle of the queue by a hit) is listed in
-docs/simulation.md.  No SimPy, no per-page Python work: the step's growth is array arithmetic.
+docs/simulation.md.  No SimPy, no per-page Python work: the step's growth is a compiled loop
+(`fleet_kernels`).
 """
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ import bisect
 import numpy as np
 
 from twin.abi.caches import page_alignment
-
-from . import fleet_kernels as fk
 
 
 class Entry:
@@ -84,20 +83,6 @@ class PagePools:
         from .kvcache import family_specs
 
         return cls(family_specs(dep, slots), dep.partitions, prefix_caching=dep.limits.enable_prefix_caching)
-
-    # ---- growth, vectorised over requests ------------------------------------------------------
-    def grow_rows(self, tokens: np.ndarray, L: np.ndarray, S: np.ndarray, pinned: np.ndarray):
-        """Rows of requests growing to `tokens`: logical pages `L` and filled ring slots `S` (n x F),
-        `pinned` whether a step is in flight.  An append-only family is a ring that never fills
-        (`_ring` is huge there), so one formula serves both kinds (`fleet_kernels._grow_row`, the
-        one the step's kernels run).  Returns (need, own, taken, detached, wrapped, L', S'): free
-        pages needed, pages added to the request's own count, pages taken from the queue, pages
-        detached (None when no row is pinned) and rotated past a full ring
-        (tests/sim/test_fleet.py states the formula plainly)."""
-        need, own, taken, wrap, L2, S2 = fk.grow_rows(np.asarray(tokens, dtype=np.int64), np.ascontiguousarray(L),
-                                                     np.ascontiguousarray(S), np.asarray(pinned, dtype=bool), self.fam)
-        det = need - own if np.count_nonzero(pinned) else None
-        return need, own, taken, det, wrap, L2, S2
 
     def first_rows(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """A request placed from nothing with `tokens`: the pages it needs, and its row of
