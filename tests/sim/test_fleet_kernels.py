@@ -290,8 +290,9 @@ def test_decode_rows_equal_the_array_form(seed, n, k):
     lease = np.where(rng.random(N) < 0.9, rng.integers(0, 64, N), -1)
     committed = rng.integers(0, 1024, N)
     limits = np.array([1024, k, G, TP, C.DECODE_BATCH, C.LOCAL_REQUESTS, C.DECODE_SEQ])
-    rows, d_idx, d_part, owner, com, fits, per, err = fk.decode_rows(idx, pre, start, num_new, part, lease,
-                                                                     committed, limits)
+    ints, fits, per_err = fk.decode_rows(idx, pre, start, num_new, part, lease, committed, limits)
+    rows, d_idx, d_part, owner, com = ints
+    per, err = per_err[:G], per_err[G:]
     dec = (~pre).nonzero()[0]
     assert rows.tolist() == dec.tolist() and (d_idx == idx[dec]).all() and (d_part == part[idx[dec]]).all()
     assert (com == committed[idx[dec]]).all()

@@ -131,7 +131,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.gen = np.full(n, -1, dtype=np.int64)
         self.committed, self.chunks, self.finish = z(), z(), z(np.int8)
         self.pub = [0] * n                                     # prompt blocks published (or attached)
-        self.in_pass = np.full(n, -1, dtype=np.int64)
+        self.in_pass = [-1] * n                                # the pass a preemption returned it in
         self._mark = np.zeros(n, dtype=bool)                  # scratch: requests leaving `running`
         self.detail: dict[int, str] = {}
         nan = lambda: np.full(n, np.nan)                       # noqa: E731

@@ -30,12 +30,14 @@ class FleetExecute:
         cmd.counts = np.zeros(n, dtype=np.int64)
         pre = cmd.prefill
         any_pre = cmd.n_prefill > 0
-        dec, d_idx, part, owner, com, fits, per, err = fk.decode_rows(
-            idx, pre, cmd.start, cmd.num_new, self.part, self.lease, self.committed, self._decode_limits)
-        if cmd.error is None and err[0]:
-            g = int(err[1])
-            cmd.error = (f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {int(err[2])})"
-                         if err[0] == 1 else f"TP group {g} owner rank over {C.LOCAL_REQUESTS} requests")
+        rows, fits, per = fk.decode_rows(idx, pre, cmd.start, cmd.num_new, self.part, self.lease, self.committed,
+                                         self._decode_limits)
+        dec, d_idx, part, owner, com = rows
+        G = self.G
+        if cmd.error is None and per[G]:
+            err, g, got = per[G:].tolist()
+            cmd.error = (f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {got})"
+                         if err == 1 else f"TP group {g} owner rank over {C.LOCAL_REQUESTS} requests")
         if cmd.error:
             cmd.dispatches.append(("error", cm.device.dispatch_overhead, {}, {"error": cmd.error}))
             return
@@ -60,7 +62,7 @@ class FleetExecute:
             counts = self._accept(m, fits, self.rng) if self.k else np.ones(m, dtype=np.int64)
             secs, parts = cm.decode_arrays(com + 1, part, owner)
             cmd.accepted = (counts, fits)
-            cmd.dispatches.append(("decode", secs, parts, {"requests_per_group": per.tolist()}))
+            cmd.dispatches.append(("decode", secs, parts, {"requests_per_group": per[:G].tolist()}))
         self.generated += int(fk.settle(idx, cmd.counts, term, dec, counts, self.committed, self.plen, com))
 
     def _pack(self, info: np.ndarray, per_g: np.ndarray, chk: np.ndarray, cmd: Command) -> list[tuple]:

@@ -354,56 +354,55 @@ def apply_rows(idx, cver, samples, counts, spec, ver, n_out, ph, computed, tpif,
 
 @njit
 def decode_rows(idx, pre, start, num_new, part, lease, committed, limits):
-    """A step's decode rows before their acceptance draw: which rows (in row order), their request,
-    TP group, owner rank (the lease's rank; K=0: the ordinal within the group, mod TP), committed
-    context, whether drafts fit (the anchor, the chunk's last position, + K and the committed
-    context + the verify rows stay inside max_seq), requests per group, and the decode tile
-    check: (0, -, -) when the tile holds, (1, group, count) when a group's batch exceeds
-    `decode_batch`, (2, group, -) when an owner rank holds more than `local` leased requests.
+    """A step's decode rows before their acceptance draw, as (ints, fits, per): ints rows (row,
+    request, TP group, owner rank, committed context) in row order, the owner rank being the
+    lease's (K=0: the ordinal within the group, mod TP); whether drafts fit (the anchor, the
+    chunk's last position, + K and the committed context + the verify rows stay inside max_seq);
+    per: the requests per group, then the decode tile check: (0, -, -) when the tile holds,
+    (1, group, count) when a group's batch exceeds `decode_batch`, (2, group, -) when an owner
+    rank holds more than `local` leased requests.
 
     `limits` = (max_seq, k, groups, tp, decode_batch, local, verify rows)."""
     max_seq, k, G, tp, batch, local, dseq = limits[0], limits[1], limits[2], limits[3], limits[4], limits[5], limits[6]
     n = len(idx)
-    rows = np.empty(n, np.int64)
     m = 0
     for j in range(n):
         if not pre[j]:
-            rows[m] = j
             m += 1
-    rows = rows[:m]
-    d_idx, d_part, owner = np.empty(m, np.int64), np.empty(m, np.int64), np.empty(m, np.int64)
-    com, fits = np.empty(m, np.int64), np.empty(m, np.bool_)
-    per = np.zeros(G, np.int64)
+    ints = np.empty((5, m), np.int64)
+    fits = np.empty(m, np.bool_)
+    per = np.zeros(G + 3, np.int64)
     own = np.zeros(G * tp, np.int64)
-    for q in range(m):
-        j = rows[q]
+    q = 0
+    for j in range(n):
+        if pre[j]:
+            continue
         i = idx[j]
         g = part[i]
-        d_idx[q], d_part[q] = i, g
         c = committed[i]
-        com[q] = c
+        ints[0, q], ints[1, q], ints[2, q], ints[4, q] = j, i, g, c
         if k:
             ls = lease[i]
-            owner[q] = ls % tp
+            ints[3, q] = ls % tp
             if ls >= 0:
                 own[g * tp + ls % tp] += 1
             fits[q] = (start[j] + num_new[j] < max_seq - k + 1) and (c <= max_seq - dseq)
         else:
-            owner[q] = per[g] % tp
+            ints[3, q] = per[g] % tp
             fits[q] = False
         per[g] += 1
-    err = np.zeros(3, np.int64)
+        q += 1
     if m:
         for g in range(G):
             if per[g] > batch:
-                err[0], err[1], err[2] = 1, g, per[g]
+                per[G], per[G + 1], per[G + 2] = 1, g, per[g]
                 break
-        if err[0] == 0 and k:
+        if per[G] == 0 and k:
             for c in range(G * tp):
                 if own[c] > local:
-                    err[0], err[1] = 2, c // tp
+                    per[G], per[G + 1] = 2, c // tp
                     break
-    return rows, d_idx, d_part, owner, com, fits, per, err
+    return ints, fits, per
 
 
 @njit

@@ -96,16 +96,21 @@ class FleetSchedule:
         kv = self.kv
         room = self.max_running - len(self.running)
         budget0 = budget
-        while self.waiting and budget > 0 and len(new) < room:
-            i = self.waiting[0]
-            if self.in_pass[i] == self._pass:
+        waiting, in_pass, this_pass, plen = self.waiting, self.in_pass, self._pass, self._plen
+        prefix, hashes, offset, free_slots = self.prefix, self.hashes, self.max_hit_offset, self._free_slots
+        status, cached, pub, pins, computed, ph, tpif = (self.status, self.cached, self.pub, self.pins, self.computed,
+                                                        self.ph, self.tpif)
+        k, A, admitted, now = self.k, kv.align, self.rec.admitted, self.now
+        while waiting and budget > 0 and len(new) < room:
+            i = waiting[0]
+            if in_pass[i] == this_pass:
                 break
-            pl = self._plen[i]
-            hit, p, fallback = 0, None, False
-            if self.prefix:
-                hit, p = kv.lookup(self.hashes[i], pl - self.max_hit_offset)
+            pl = plen[i]
+            hit, fallback = 0, False
+            if prefix:
+                hit, p = kv.lookup(hashes[i], pl - offset)
             if hit:
-                L, S, own = kv.attach(self.hashes[i], hit, p, self.entries[i], self.drops[i])
+                L, S, own = kv.attach(hashes[i], hit, p, self.entries[i], self.drops[i])
                 self.next_drop[i] = self.drops[i][0][0] if self.drops[i] else NEVER
                 s = self._take_slot(i, p)
                 self.L[s], self.S[s], self.own[s] = L, S, own
@@ -116,27 +121,27 @@ class FleetSchedule:
                     self._release_kv(i)
                     hit, fallback = 0, True
             if not hit:
-                nn = self._first_chunk(i, 0, budget)
+                nn = min(pl, budget, self.max_seq, self.chunk)          # `_first_chunk` from nothing
                 need, row = kv.first_rows(nn)
-                if not self._free_slots:
+                if not free_slots:
                     self._slots(2 * len(self.occ))
-                p = fk.place(i, self._free_slots[-1], need, row, kv.free, kv.takes, kv.load, kv.next_partition,
-                             self.kv4, self.occ, self.spart, self.slot, self.part)
-                if p < 0:
+                    free_slots = self._free_slots
+                if fk.place(i, free_slots[-1], need, row, kv.free, kv.takes, kv.load, kv.next_partition, self.kv4,
+                            self.occ, self.spart, self.slot, self.part) < 0:
                     break
-                self._free_slots.pop()
-            self.waiting.popleft()
-            self.status[i] = RUNNING
-            self.cached[i] = hit
-            self.pub[i] = hit // kv.align
-            self.rec.admitted(i, hit, fallback, self.now)
+                free_slots.pop()
+            waiting.popleft()
+            status[i] = RUNNING
+            cached[i] = hit
+            pub[i] = hit // A
+            admitted(i, hit, fallback, now)
             # advance_after_schedule (as `fleet_kernels.commit_rows` for the running rows)
             smp = hit + nn >= pl
-            self.pins[i] += 1
-            self.computed[i] = hit + nn
-            self.ph[i] += smp
-            if smp and self.k:
-                self.tpif[i] = True
+            pins[i] += 1
+            computed[i] = hit + nn
+            ph[i] += smp
+            if smp and k:
+                tpif[i] = True
             c = n + len(new)
             ints[0, c], ints[1, c], ints[2, c], ints[3, c] = i, nn, 0, hit
             flags[0, c], flags[1, c] = True, smp
