@@ -59,6 +59,21 @@ def test_sinkhorn_in_place_rounds_are_bit_identical(t, scale, iters, seed):
     assert np.array_equal(got, _sinkhorn_reference(logits, iters, 1e-6))
 
 
+def _check_against_one_call_per_expert(x_i8, x_scale, idx, wts, expert, shared, cfg, nm):
+    """moe_experts equals the shared expert plus one routed_expert call per expert over its routes
+    (routes with idx < 0 add nothing), summed over the K routes in order, rounded to bf16 once."""
+    T, K = idx.shape
+    got = moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
+    routed = np.zeros((T, K, cfg.hidden_size))
+    for e in np.unique(idx[idx >= 0]):
+        t, k = np.nonzero(idx == e)
+        routed[t, k] = routed_expert(x_i8[t], x_scale[t], expert(int(e)), wts[t, k], cfg=cfg, nm=nm)
+    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
+    for k in range(K):
+        out = out + routed[:, k]
+    assert np.array_equal(got, nm.bf16(out))
+
+
 @pytest.mark.parametrize("mode", ["device", "exact", "official"])
 def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mode):
     cfg, nm, layer = SMALL, Numerics(mode), 4
@@ -69,16 +84,7 @@ def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mod
     x_scale = rng.uniform(1e-3, 1e-2, (T, 1))
     idx = np.stack([rng.choice(cfg.n_routed_experts // 2, K, replace=False) for _ in range(T)]).astype(np.int32)
     wts = rng.uniform(0.1, 1.0, (T, K))
-    shared = {k: w[k] for k in SHARED_NAMES}
-    got = moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
-    routed = np.zeros((T, K, cfg.hidden_size))
-    for e in np.unique(idx):
-        t, k = np.nonzero(idx == e)
-        routed[t, k] = routed_expert(x_i8[t], x_scale[t], expert(int(e)), wts[t, k], cfg=cfg, nm=nm)
-    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
-    for k in range(K):
-        out = out + routed[:, k]
-    assert np.array_equal(got, nm.bf16(out))
+    _check_against_one_call_per_expert(x_i8, x_scale, idx, wts, expert, {k: w[k] for k in SHARED_NAMES}, cfg, nm)
 
 
 @pytest.mark.parametrize("mode", ["device", "exact"])
@@ -249,16 +255,7 @@ def test_grouped_routed_experts_with_routes_outside_every_expert(small_ckpt):
     idx = np.stack([rng.choice(cfg.n_routed_experts, K, replace=False) for _ in range(T)]).astype(np.int32)
     idx[rng.random((T, K)) < 0.2] = -1
     wts = rng.uniform(0.1, 1.0, (T, K))
-    shared = {k: w[k] for k in SHARED_NAMES}
-    got = moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
-    routed = np.zeros((T, K, cfg.hidden_size))
-    for e in np.unique(idx[idx >= 0]):
-        t, k = np.nonzero(idx == e)
-        routed[t, k] = routed_expert(x_i8[t], x_scale[t], expert(int(e)), wts[t, k], cfg=cfg, nm=nm)
-    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
-    for k in range(K):
-        out = out + routed[:, k]
-    assert np.array_equal(got, nm.bf16(out))
+    _check_against_one_call_per_expert(x_i8, x_scale, idx, wts, expert, {k: w[k] for k in SHARED_NAMES}, cfg, nm)
 
 
 def _contiguous_reference(pos, req, first_pos):
