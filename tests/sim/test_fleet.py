@@ -220,3 +220,22 @@ def test_page_row_slots_are_reused_and_grow_keeping_rows():
     assert sim.slot[5] == -1 and not sim.kv4[:, freed].any()
     assert (sim.kv.free == sim.kv.cap).all() and not sim.kv.load.any()    # its pages went back
     assert sim._take_slot(cap + 1, 0) == freed
+
+
+@pytest.mark.parametrize("k", [0, 7])
+def test_acceptance_stats_count_every_applied_decode_row(k):
+    """Every decode row of every applied step is one verify or one fallback step, as the exact
+    engine counts them (`probes.applied`), stale rows included.  At one slot per partition, with
+    constant preemption, some steps apply with no live sampled row: the fleet fidelity before
+    the fifth pass (3bd6e38) skipped those steps' rows (161 decode rows, 137 counted at K=7)."""
+    dep = deployment("flash", ep=16, max_model_len=512, long_prefill_token_threshold=128, max_num_seqs=48,
+                     max_num_batched_tokens=1024, num_speculative_tokens=k)
+    spec = WorkloadSpec(num_requests=8, arrival="burst", prompt=LengthDist("uniform", 300, 200, 1, 500),
+                        output=LengthDist("uniform", 100, 90, 1, 200), eos_fraction=0.2, seed=4)
+    for fid in ("exact", "fleet"):
+        res = simulate(SimConfig(dep, generate(spec), slots=1, fidelity=fid))
+        d = res.dispatches
+        rows = sum(sum(x) for x in d[d.kind == "decode"].requests_per_group)
+        acc = res.summary["acceptance"]
+        assert res.summary["preemptions"] > 100 and not (d.kind == "error").any(), fid
+        assert acc["verifies"] + acc["fallback_steps"] == rows, (fid, acc, rows)
