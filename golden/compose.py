@@ -147,18 +147,20 @@ def hca_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, form):
     return rows, cmp
 
 
-def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=None):
-    """One MoE sub-layer.  expert(e) -> routed weights of expert e of this layer."""
+def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=None, top_k=None, post_fn=None):
+    """One MoE sub-layer.  expert(e) -> routed weights of expert e of this layer.  A backend may
+    swap in its own routed/shared experts (`moe`, moe_experts' signature), router selection
+    (`top_k`, as `gate` takes it) and stream mix (`post_fn`, hc_post's signature)."""
     x_mixed, post, comb = hc_pre(x_hc, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg=cfg, nm=nm)
     _tap(taps, layer, "ffn_x_mixed", x_mixed)
     x_i8, x_scale, idx, wts = gate(x_mixed, w["norm_w"], w["gate_w"], w.get("gate_bias"), w.get("tid2eid"),
-                                   input_ids, layer=layer, cfg=cfg, nm=nm)
+                                   input_ids, layer=layer, cfg=cfg, nm=nm, top_k=top_k)
     _tap(taps, layer, "moe_indices", idx)
     _tap(taps, layer, "moe_weights", wts)
     shared = {k: w[k] for k in SHARED_NAMES}
     ffn_out = (moe or moe_experts)(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
     _tap(taps, layer, "ffn_out", ffn_out)
-    x_hc = hc_post(ffn_out, x_hc, post, comb, cfg=cfg, nm=nm)
+    x_hc = (post_fn or hc_post)(ffn_out, x_hc, post, comb, cfg=cfg, nm=nm)
     _tap(taps, layer, "x_hc", x_hc)
     return x_hc
 

@@ -3,10 +3,9 @@
 in expert blocks (`golden.jax_kernels.moe_blocked`) and hc_post as stream multiply-adds."""
 from __future__ import annotations
 
-from .compose import SHARED_NAMES
+from .compose import moe_sublayer as compose_moe_sublayer
 from .jax_kernels import hc_post_streams, moe_blocks, moe_combine
 from .jax_select import top_k_desc
-from .kernels.hyper_connections import hc_pre
 from .kernels.moe import gate
 
 
@@ -18,16 +17,12 @@ def gate_topk(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, 
 def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None, scratch=None):
     """golden.compose.moe_sublayer -> (x_hc, the expert-block buffer); experts: the routed weights of
     every layer as [L, E, in, out]; scratch: a block buffer to reuse (moe_blocks)."""
-    x_mixed, post, comb = hc_pre(x_hc, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg=cfg, nm=nm)
-    x_i8, x_scale, idx, wts = gate_topk(x_mixed, w["norm_w"], w["gate_w"], w.get("gate_bias"), w.get("tid2eid"),
-                                        input_ids, layer=layer, cfg=cfg, nm=nm)
-    routed, scratch = moe_blocks(x_i8, x_scale, idx, wts, experts, cfg=cfg, nm=nm, transposed=True, layer=layer,
-                                 scratch=scratch)
-    ffn_out = moe_combine(routed, x_i8, x_scale, {k: w[k] for k in SHARED_NAMES}, cfg=cfg, nm=nm)
-    if taps is not None:
-        for stage, v in (("ffn_x_mixed", x_mixed), ("moe_indices", idx), ("moe_weights", wts), ("ffn_out", ffn_out)):
-            taps.put(layer, stage, v)
-    x_hc = hc_post_streams(ffn_out, x_hc, post, comb, cfg=cfg, nm=nm)
-    if taps is not None:
-        taps.put(layer, "x_hc", x_hc)
-    return x_hc, scratch
+    box = [scratch]
+
+    def moe(x_i8, x_scale, idx, wts, _expert, shared, *, cfg, nm):
+        routed, box[0] = moe_blocks(x_i8, x_scale, idx, wts, experts, cfg=cfg, nm=nm, transposed=True, layer=layer,
+                                    scratch=box[0])
+        return moe_combine(routed, x_i8, x_scale, shared, cfg=cfg, nm=nm)
+    x_hc = compose_moe_sublayer(x_hc, layer, w, None, input_ids, cfg=cfg, nm=nm, taps=taps, moe=moe,
+                                top_k=top_k_desc, post_fn=hc_post_streams)
+    return x_hc, box[0]
