@@ -161,7 +161,6 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
             kv4[:, :k], occ[:k], spart[:k] = self.kv4, self.occ, self.spart
         self.kv4, self.occ, self.spart = kv4, occ, spart
         self.L, self.S, self.own, self.pinned = kv4             # each contiguous (slots x F)
-        self._tok = np.zeros(m, dtype=np.int64)                 # scratch: tokens each slot grows to
         self._free_slots = list(range(m - 1, k - 1, -1))        # a stack: the lowest slot first
 
     def _take_slot(self, i: int, p: int) -> int:
