@@ -26,6 +26,8 @@ import numpy as np
 
 from twin.abi.caches import page_alignment
 
+from . import fleet_kernels as fk
+
 
 class Entry:
     """A published prompt block in one partition: its append-only pages, shared by `refs` live
@@ -89,9 +91,9 @@ class PagePools:
         (logical pages, ring slots, own pages, pinned pages) per family."""
         got = self._first.get(tokens)
         if got is None:
-            tgt = -(-tokens // self.pt)
-            need = np.where(self.rolling, np.minimum(tgt, self.maxb), tgt)
-            got = self._first[tokens] = (need, np.stack([tgt, need, need, np.zeros_like(need)]))
+            zero = np.zeros((1, self.F), dtype=np.int64)
+            g = fk.grow_rows(np.array([tokens], dtype=np.int64), zero, zero, np.zeros(1, dtype=bool), self.fam)[:, 0]
+            got = self._first[tokens] = (g[0], np.stack([g[4], g[5], g[1], zero[0]]))     # the growth from nothing
         return got
 
     # ---- prefix cache --------------------------------------------------------------------------
