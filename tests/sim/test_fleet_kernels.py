@@ -30,9 +30,7 @@ DEP = deployment("flash", ep=16, max_model_len=1024, long_prefill_token_threshol
 
 
 def _fam(pt, maxb, rolling):
-    ring = np.where(rolling, maxb, 1 << 40)
-    shift = [int(p).bit_length() - 1 if p & (p - 1) == 0 else -1 for p in pt.tolist()]
-    return np.stack([pt, ring, maxb, np.array(shift, dtype=np.int64)])
+    return fk.family_table(pt, np.where(rolling, maxb, 1 << 40), maxb)
 
 
 @settings(max_examples=80, deadline=None)

@@ -43,6 +43,14 @@ def njit(fn=None, *, cache: bool = True, **kw):
     return deco if fn is None else deco(fn)
 
 
+def family_table(pt, ring, maxb) -> np.ndarray:
+    """The growth kernels' `fam` rows from per-family page tokens, ring sizes (huge for an
+    append-only family) and max blocks per sequence, plus log2 of the page tokens (-1 when not a
+    power of two)."""
+    shift = [int(p).bit_length() - 1 if p & (p - 1) == 0 else -1 for p in np.asarray(pt).tolist()]
+    return np.stack([pt, ring, maxb, np.array(shift, dtype=np.int64)]).astype(np.int64)
+
+
 @njit(inline="always")
 def _grow_row(tok, Lr, Sr, pinned, fam, need, own, taken, wrap, L2, S2):
     """One table row growing to `tok` tokens, per family (the growth formula: docs/simulation.md,

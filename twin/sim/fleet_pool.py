@@ -66,10 +66,7 @@ class PagePools:
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
         self._first: dict[int, tuple] = {}
         self._ring = np.where(self.rolling, self.maxb, 1 << 40)
-        # per family for the growth kernels: page tokens, ring size, max blocks, log2 page tokens
-        # (-1 when not a power of two)
-        shift = [int(p).bit_length() - 1 if p & (p - 1) == 0 else -1 for p in self.pt.tolist()]
-        self.fam = np.stack([self.pt, self._ring, self.maxb, np.array(shift, dtype=np.int64)])
+        self.fam = fk.family_table(self.pt, self._ring, self.maxb)      # the growth kernels' per-family rows
         # tokens past a boundary after which a ring no longer holds that boundary's tail pages
         self.tail_span = np.where(self.rolling, (self.maxb - self.tail) * self.pt, 0)
         self._span = self.tail_span.tolist()
