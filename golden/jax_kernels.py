@@ -31,7 +31,7 @@ from .kernels.compressor import EXCLUDE, compress_project, compressed_rows, inde
 from .kernels.hyper_connections import hc_head, hc_pre
 from .kernels.lm_head import lm_head
 from .kernels.indexer import PREFILL_SCORE_CAP, index_query
-from .kernels.moe import shared_expert, swiglu_expert
+from .kernels.moe import moe_combine, swiglu_expert
 from .kernels.o_proj import o_proj, pack_groups
 from .kernels.qkv_proj_rope import qkv_proj_rope
 from .kernels.rmsnorm import rms_norm
@@ -322,14 +322,6 @@ def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, blo
     routed, _ = moe_blocks(x_i8, x_scale, indices, weights, expert, cfg=cfg, nm=nm, block=block,
                            transposed=transposed, layer=layer)
     return moe_combine(routed, x_i8, x_scale, shared, cfg=cfg, nm=nm)
-
-
-def moe_combine(routed, x_i8, x_scale, shared, *, cfg, nm):
-    """The shared expert plus each token's K routed rows [T, K, D], in order, rounded to BF16."""
-    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
-    for k in range(routed.shape[1]):
-        out = out + routed[:, k]
-    return nm.bf16(out)
 
 
 def moe_blocks(x_i8, x_scale, indices, weights, expert, *, cfg, nm, block=MOE_BLOCK, transposed=False, layer=None,

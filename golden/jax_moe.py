@@ -4,9 +4,9 @@ in expert blocks (`golden.jax_kernels.moe_blocked`) and hc_post as stream multip
 from __future__ import annotations
 
 from .compose import moe_sublayer as compose_moe_sublayer
-from .jax_kernels import hc_post_streams, moe_blocks, moe_combine
+from .jax_kernels import hc_post_streams, moe_blocks
 from .jax_select import top_k_desc
-from .kernels.moe import gate
+from .kernels.moe import gate, moe_combine
 
 
 def gate_topk(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, nm):

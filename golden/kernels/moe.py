@@ -93,7 +93,6 @@ def moe_experts(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
     Returns ffn_out [T, D] (bf16 values) = bf16(sh + sum_k routed[t, k]) with routes added in k order."""
     import numpy as np
     T, K = indices.shape
-    sh = shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm)
     flat = np.asarray(indices).reshape(-1)
     order = np.argsort(flat, kind="stable")            # routes grouped by expert, one sort
     bounds = np.searchsorted(flat[order], np.arange(cfg.n_routed_experts + 1))
@@ -110,9 +109,14 @@ def moe_experts(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
             routes = order[lo:hi]
             rows = rows_all[lo:hi]
             routed[routes] = routed_expert(x_i8[rows], x_scale[rows], expert(e), wts[routes], cfg=cfg, nm=nm)
-    out = nm.asf(sh)
-    routed = routed.reshape(T, K, -1)
-    for k in range(K):
+    return moe_combine(routed.reshape(T, K, -1), x_i8, x_scale, shared, cfg=cfg, nm=nm)
+
+
+def moe_combine(routed, x_i8, x_scale, shared, *, cfg, nm):
+    """K17 combine: the shared expert plus each token's K routed rows [T, K, D], added in k order,
+    rounded to BF16 once -> ffn_out [T, D].  Shared by moe_experts and the JAX path's expert blocks."""
+    out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
+    for k in range(routed.shape[1]):
         out = out + routed[:, k]
     return nm.bf16(out)
 
