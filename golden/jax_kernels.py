@@ -31,7 +31,7 @@ from .kernels.compressor import EXCLUDE, compress_project, compressed_rows, inde
 from .kernels.hyper_connections import hc_head, hc_pre
 from .kernels.lm_head import lm_head
 from .kernels.indexer import PREFILL_SCORE_CAP, index_query
-from .kernels.moe import moe_combine, swiglu_expert
+from .kernels.moe import swiglu_expert
 from .kernels.o_proj import o_proj, pack_groups
 from .kernels.qkv_proj_rope import qkv_proj_rope
 from .kernels.rmsnorm import rms_norm
@@ -311,23 +311,16 @@ def sparse_attention_grouped(q, kv_cache, attn_sink, rope_cos, rope_sin, g, *, c
 
 
 # ---- routed experts in expert blocks ------------------------------------------------------------
-def moe_blocked(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm, block=MOE_BLOCK, transposed=False,
-                layer=None):
-    """golden.kernels.moe.moe_experts on JAX: routes sorted by expert into blocks of `block` rows
-    of one expert; a loop over the used blocks runs swiglu_expert on each (same rounding points).
-    transposed: the stacked w1/w3/w2 are [E, in, out] (the layout the dot reads: XLA CPU's int8
-    dot against a transposed slice runs ~3x slower); swiglu_expert's .T then cancels out.  layer: the
-    expert arrays carry a leading layer axis (every layer's experts, one argument each) and this
-    is the layer's index into it."""
-    routed, _ = moe_blocks(x_i8, x_scale, indices, weights, expert, cfg=cfg, nm=nm, block=block,
-                           transposed=transposed, layer=layer)
-    return moe_combine(routed, x_i8, x_scale, shared, cfg=cfg, nm=nm)
-
-
 def moe_blocks(x_i8, x_scale, indices, weights, expert, *, cfg, nm, block=MOE_BLOCK, transposed=False, layer=None,
                scratch=None):
-    """The routed part of moe_blocked: (each route's weighted expert row [T, K, D], the block
-    buffer).  scratch: a block buffer to run in instead of a zeroed one (e.g. the previous
+    """The routed part of golden.kernels.moe.moe_experts on JAX -> (each route's weighted expert
+    row [T, K, D], the block buffer); kernels.moe.moe_combine adds the shared expert.  Routes are
+    sorted by expert into blocks of `block` rows of one expert; a loop over the used blocks runs
+    swiglu_expert on each (same rounding points).  transposed: the stacked w1/w3/w2 are
+    [E, in, out] (the layout the dot reads: XLA CPU's int8 dot against a transposed slice runs ~3x
+    slower); swiglu_expert's .T then cancels out.  layer: the expert arrays carry a leading layer
+    axis (every layer's experts, one argument each) and this is the layer's index into it.
+    scratch: a block buffer to run in instead of a zeroed one (e.g. the previous
     layer's, which XLA then reuses in place): its values are never read, every slot read back is
     written by this call's blocks."""
     T, K = indices.shape

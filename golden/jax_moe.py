@@ -1,17 +1,13 @@
 """The MoE sub-layer on JAX: golden.compose.moe_sublayer with the router's top-k as a selection
 (`golden.jax_select.top_k_desc`, the same ids as the kernel's stable argsort), the routed experts
-in expert blocks (`golden.jax_kernels.moe_blocked`) and hc_post as stream multiply-adds."""
+in expert blocks (`golden.jax_kernels.moe_blocks`, combined as moe_experts combines them:
+`golden.kernels.moe.moe_combine`) and hc_post as stream multiply-adds."""
 from __future__ import annotations
 
 from .compose import moe_sublayer as compose_moe_sublayer
 from .jax_kernels import hc_post_streams, moe_blocks
 from .jax_select import top_k_desc
-from .kernels.moe import gate, moe_combine
-
-
-def gate_topk(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, *, layer, cfg, nm):
-    """golden.kernels.moe.gate, same values and rounding points, its top-k without a sort."""
-    return gate(x_mixed, norm_w, gate_w, gate_bias, tid2eid, input_ids, layer=layer, cfg=cfg, nm=nm, top_k=top_k_desc)
+from .kernels.moe import moe_combine
 
 
 def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None, scratch=None):

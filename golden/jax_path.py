@@ -83,7 +83,7 @@ class JaxGolden:
                 for l in range(L):
                     self.layers[l], self.splits[l] = fuse_projections(self.layers[l], cfg.compress_ratios[l], jnp)
             # the routed experts stacked on leading (layer, expert) axes: one block reads one expert
-            # of one layer (the matrices as [in, out]: the layout the dot reads, see moe_blocked)
+            # of one layer (the matrices as [in, out]: the layout the dot reads, see moe_blocks)
             tr = lambda k, v: np.ascontiguousarray(np.swapaxes(v, 1, 2)) if k in TRANSPOSED_KEYS else v
             self.experts = {k: jnp.asarray(np.stack([(ewide if k in TRANSPOSED_KEYS else wide)(
                 tr(k, np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)]))) for l in range(L)]))

@@ -45,19 +45,15 @@ def candidate_slots(swa_indices, swa_lens, *, cmp_kv=None, cmp_rows=None, cmp_bl
     return wslots, valid, xp.where(ok, ent * rpp + cmp_rows % rpp, -1), ok
 
 
-def gather_candidates(kv_cache, swa_indices, swa_lens, *, cmp_kv=None, cmp_rows=None, cmp_block_table=None,
-                      req=None, nm, tile=TILE, buffers=None, slots=None):
-    """K [T, N, HD] and valid [T, N], N padded to a multiple of `tile`.
+def gather_candidates(kv_cache, slots, *, cmp_kv=None, nm, tile=TILE, buffers=None):
+    """K [T, N, HD] and valid [T, N], N padded to a multiple of `tile`, read at `slots` (these
+    queries' candidate_slots).
 
     Pad columns: zeros after the window, compressed row 0 after the compressed rows (never valid,
-    so never read: their probability is 0).  `slots`: these queries' candidate_slots, when the
-    caller made them for all its queries at once (then the addressing arguments are not read)."""
+    so never read: their probability is 0)."""
     xp = nm.xp
-    T, W = swa_indices.shape
-    if slots is None:
-        slots = candidate_slots(swa_indices, swa_lens, cmp_kv=cmp_kv, cmp_rows=cmp_rows,
-                                cmp_block_table=cmp_block_table, req=req, nm=nm)
     wslots, valid, cslots, ok = slots
+    T, W = wslots.shape
     win = nm.get_rows(kv_cache, wslots)
     Wp = -(-W // tile) * tile
     n = 0 if cslots is None else cslots.shape[1]
@@ -193,8 +189,8 @@ def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, ro
                             cmp_block_table=cmp_block_table, req=req, nm=nm)
 
     def run(lo, hi):
-        K, valid = gather_candidates(kv_cache, swa_indices[lo:hi], swa_lens[lo:hi], cmp_kv=cmp_kv, nm=nm,
-                                     buffers=buffers, slots=tuple(None if a is None else a[lo:hi] for a in slots))
+        K, valid = gather_candidates(kv_cache, tuple(None if a is None else a[lo:hi] for a in slots), cmp_kv=cmp_kv,
+                                     nm=nm, buffers=buffers)
         return attend(q[lo:hi], K, valid, attn_sink, cfg=cfg, nm=nm)
 
     if nm.is_numpy and T > chunk:

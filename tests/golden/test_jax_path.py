@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from golden.compose import Session, Taps, forward
-from golden.jax_kernels import layout, moe_blocked, moe_blocks, sparse_attention_grouped
+from golden.jax_kernels import layout, moe_blocks, sparse_attention_grouped
 from golden.jax_path import JaxGolden
-from golden.kernels.moe import moe_experts
+from golden.kernels.moe import moe_combine, moe_experts
 from golden.kernels.rope import SWA_PROFILE, rope_rows
 from golden.kernels.sparse_attention import TILE, sparse_attention
 from golden.numerics import BF16, Numerics
@@ -242,7 +242,11 @@ def test_moe_blocked_equals_grouped_dispatch(tiny_ckpt, mode, routing):
     keys = tiny_ckpt.expert(layer, 0).keys()
     with jax.enable_x64(True):
         stacked = {k: jnp.asarray(np.stack([tiny_ckpt.expert(layer, e)[k] for e in range(E)])) for k in keys}
-        got = jax.jit(lambda *a: moe_blocked(*a, cfg=cfg, nm=Numerics(mode, jnp)))(
+        def blocked(x_i8, x_scale, idx, wts, stacked, shared):      # what jax_moe.moe_sublayer runs
+            nm = Numerics(mode, jnp)
+            routed, _ = moe_blocks(x_i8, x_scale, idx, wts, stacked, cfg=cfg, nm=nm)
+            return moe_combine(routed, x_i8, x_scale, shared, cfg=cfg, nm=nm)
+        got = jax.jit(blocked)(
             jnp.asarray(x_i8), jnp.asarray(x_scale), jnp.asarray(idx), jnp.asarray(wts), stacked,
             {k: jnp.asarray(v) for k, v in shared.items()})
         got = np.asarray(got)

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from golden.jax_kernels import hc_post_streams
-from golden.jax_moe import gate_topk
 from golden.jax_numerics import Fp32Numerics
 from golden.jax_select import first_max, top_k_desc
 from golden.kernels.hyper_connections import hc_post
@@ -53,8 +52,9 @@ def test_first_max_is_argmax(rows, V, seed, ties, nan):
 
 @pytest.mark.parametrize("mode", ["device", "exact", "official"])
 @pytest.mark.parametrize("layer", [0, 4])           # a hash layer (tid2eid) and a scored one
-def test_gate_topk_equals_the_kernel(small_ckpt, mode, layer):
-    """Same experts (ties included: duplicated gate rows score alike) and weights as moe.gate."""
+def test_the_steps_gate_equals_the_kernel(small_ckpt, mode, layer):
+    """moe.gate with top_k=top_k_desc (what the JAX step runs): same experts (ties included:
+    duplicated gate rows score alike) and weights as moe.gate's stable argsort."""
     cfg, rng = SMALL, np.random.default_rng(layer)
     w = dict(small_ckpt.layer(layer))
     gate_w = np.array(w["gate_w"])
@@ -69,8 +69,8 @@ def test_gate_topk_equals_the_kernel(small_ckpt, mode, layer):
     ref = gate(x, *args, layer=layer, cfg=cfg, nm=Numerics(mode))
     nm = Fp32Numerics(mode, jnp)
     with jax.enable_x64(True):
-        got = jax.jit(lambda x: gate_topk(x, *[None if a is None else jnp.asarray(a) for a in args], layer=layer,
-                                          cfg=cfg, nm=nm))(x)
+        got = jax.jit(lambda x: gate(x, *[None if a is None else jnp.asarray(a) for a in args], layer=layer,
+                                     cfg=cfg, nm=nm, top_k=top_k_desc))(x)
         got = [np.asarray(g) for g in got]
     np.testing.assert_array_equal(got[2], ref[2])                  # experts, in order
     tol = 1e-12 if mode == "exact" else 2e-6

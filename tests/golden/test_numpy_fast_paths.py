@@ -209,10 +209,11 @@ def test_a_chunk_gathers_the_same_candidates_from_precomputed_slots(lo, n, cmp, 
     table, req = np.array([[2, 0, 3, -1], [1, -1, 0, 2]], np.int32), rng.integers(0, 2, T).astype(np.int32)
     kw = dict(cmp_kv=cmp_kv, cmp_rows=rows, cmp_block_table=table, req=req) if cmp else {}
     slots = candidate_slots(swa, lens, nm=DEVICE, **kw)
-    want = gather_candidates(kv, swa[lo:hi], lens[lo:hi], nm=DEVICE,
-                             **{k: (v[lo:hi] if k in ("cmp_rows", "req") else v) for k, v in kw.items()})
-    got = gather_candidates(kv, swa[lo:hi], lens[lo:hi], cmp_kv=kw.get("cmp_kv"), nm=DEVICE,
-                            slots=tuple(None if a is None else a[lo:hi] for a in slots))
+    own = candidate_slots(swa[lo:hi], lens[lo:hi], nm=DEVICE,
+                          **{k: (v[lo:hi] if k in ("cmp_rows", "req") else v) for k, v in kw.items()})
+    want = gather_candidates(kv, own, cmp_kv=kw.get("cmp_kv"), nm=DEVICE)
+    got = gather_candidates(kv, tuple(None if a is None else a[lo:hi] for a in slots), cmp_kv=kw.get("cmp_kv"),
+                            nm=DEVICE)
     for g, w in zip(got, want):
         assert g.shape == w.shape and np.array_equal(g, w)
 
