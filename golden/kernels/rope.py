@@ -60,10 +60,12 @@ def rope_rows(cfg, profile: str, positions, nm):
     return nm.xp.asarray(np.concatenate([c, c], -1)), nm.xp.asarray(np.concatenate([s, s], -1))
 
 
-def rope_rotate(x, cos, sin, nm, inverse: bool = False):
+def rope_rotate(x, cos, sin, nm, inverse: bool = False, out=None):
     """Rotate the interleaved pairs of x [..., R] with cos/sin broadcastable to [..., R] (ABI layout).
 
-    forward: e' = e c - o s, o' = e s + o c; inverse is the conjugate rotation."""
+    forward: e' = e c - o s, o' = e s + o c; inverse is the conjugate rotation.  out (NumPy): an
+    array [..., R] whose even / odd views receive e' / o', each cast to out's dtype as it is
+    written (no stacked copy); returned."""
     xp = nm.xp
     half = x.shape[-1] // 2
     c = nm.asf(cos)[..., :half]
@@ -71,6 +73,10 @@ def rope_rotate(x, cos, sin, nm, inverse: bool = False):
     if inverse:
         s = -s
     e, o = x[..., 0::2], x[..., 1::2]
+    if out is not None:
+        np.subtract(e * c, o * s, out=out[..., 0::2])
+        np.add(e * s, o * c, out=out[..., 1::2])
+        return out
     out = xp.stack([e * c - o * s, e * s + o * c], axis=-1)
     return out.reshape(x.shape)
 
@@ -99,14 +105,7 @@ def _rope_tail_bf16_np(x, cos, sin, nm, inverse):
     into one f32 row (f64 arithmetic, then the cast, as nm.bf16's first step), with no stacked or
     concatenated f64 copies; then f32 -> bf16 -> f64 as nm.bf16 does."""
     R = cos.shape[-1]
-    half = R // 2
-    c = nm.asf(cos)[..., :half]
-    s = nm.asf(sin)[..., :half]
-    if inverse:
-        s = -s
-    e, o = x[..., -R::2], x[..., -R + 1::2]
     y = np.empty(x.shape, np.float32)
     y[..., :-R] = x[..., :-R]
-    np.subtract(e * c, o * s, out=y[..., -R::2])
-    np.add(e * s, o * c, out=y[..., -R + 1::2])
+    rope_rotate(x[..., -R:], cos, sin, nm, inverse, out=y[..., -R:])
     return y.astype(BF16).astype(nm.f)
