@@ -67,9 +67,6 @@ class Layout:
             out[f"g_sel{r}"], out[f"g_sel_ok{r}"] = self.sel[r], self.sel_ok[r]
         return out
 
-    def key(self) -> tuple:
-        return (self.tok.shape, self.win_slot.shape[1], self.n_win_tiles) + tuple(len(v) for v in self.sel.values())
-
 
 def layout(meta, group: int = GROUP) -> Layout:
     pos, req = np.asarray(meta.position_ids, np.int64), np.asarray(meta.req, np.int64)

@@ -97,7 +97,9 @@ class JaxGolden:
         self.rope_rows = RopeRows(cfg, self.host_nm, np.dtype(self.nm.f))
 
     def _step_fn(self, form, n_idx, n_hca, lay, donate, stages, spec):
-        key = (form, n_idx, n_hca, lay.key(), donate, stages, spec)
+        # spec (every host array's name, dtype and shape) determines the layout's static sizes:
+        # g_tok's shape, g_win_slot's width, the window tiles (swa_indices' width) and g_sel*'s lengths
+        key = (form, n_idx, n_hca, donate, stages, spec)
         if key in self._fns:
             return self._fns[key]
         cfg, nm, n_win_tiles, rows = self.cfg, self.nm, lay.n_win_tiles, self._rows

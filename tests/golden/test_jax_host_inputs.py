@@ -1,13 +1,17 @@
 """The JAX step's host inputs: RoPE rows read from a position table equal rope_inputs at any
 positions (both modes, across table growth), and the per-dtype packing cuts back into the same
-arrays (names, dtypes, shapes, values)."""
+arrays (names, dtypes, shapes, values), and that packing's spec determines everything static
+about a call's layout (the jit cache key holds the spec, not the layout)."""
 import jax
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from golden.compose import rope_inputs
-from golden.jax_path import RopeRows, _pack, _unpack
+from golden.jax_kernels import layout
+from golden.jax_path import _META, RopeRows, _pack, _unpack
+from golden.kernels.sparse_attention import TILE
+from golden.paged import DECODE, PREFILL, Span, assign_blocks, lower
 from golden.numerics import Numerics
 from twin.abi.presets import SMALL, TINY
 
@@ -60,3 +64,22 @@ def test_pack_unpack_round_trip(shapes, seed):
     for k, v in arrays.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape
         np.testing.assert_array_equal(np.asarray(got[k]), v)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cfg=st.sampled_from([TINY, SMALL]), form=st.sampled_from([DECODE, PREFILL]),
+       spans=st.lists(st.tuples(st.integers(0, 900), st.integers(1, 200)), min_size=1, max_size=5))
+def test_the_packed_spec_determines_the_layouts_static_sizes(cfg, form, spans):
+    """JaxGolden's step cache is keyed by the spec: the layout's static sizes (grid shape, window
+    union width, window tiles, boundary-row counts) must follow from the spec's shapes alone, so a
+    changed layout changes the spec (recompiles) and an unchanged spec reuses the step."""
+    blocks, _ = assign_blocks(cfg, len(spans), 1200)
+    ids = np.arange(200) % cfg.vocab_size
+    meta = lower(cfg, [Span(r, start, tuple(int(t) for t in ids[:(min(n, 8) if form == DECODE else n)]), blocks[r])
+                       for r, (start, n) in enumerate(spans)], form=form)
+    lay = layout(meta)
+    _, spec = _pack({**{_META + k: v for k, v in meta.arrays().items()}, **lay.arrays()})
+    shape = {name: s for name, _, _, s in spec}
+    assert shape["g_tok"] == lay.tok.shape and shape["g_win_slot"][1] == lay.win_slot.shape[1]
+    assert -(-shape[_META + "swa_indices"][1] // TILE) == lay.n_win_tiles
+    assert {r: shape[f"g_sel{r}"][0] for r in lay.sel} == {r: len(v) for r, v in lay.sel.items()}
