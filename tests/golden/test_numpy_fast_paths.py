@@ -216,6 +216,27 @@ def test_a_chunk_gathers_the_same_candidates_from_precomputed_slots(lo, n, cmp, 
                             nm=DEVICE)
     for g, w in zip(got, want):
         assert g.shape == w.shape and np.array_equal(g, w)
+    # an independent per-row reference of the addresses: window entry j of row t is read when
+    # j < lens[t] and its ori slot is >= 0; compressed row c through req[t]'s block table (page
+    # c // rows-per-page mapped, slot = entry * rows-per-page + c % rows-per-page); each part padded to
+    # whole tiles of 128 columns, never valid
+    Wp = -(-swa.shape[1] // 128) * 128
+    n_pad = -(-cmp // 128) * 128 if cmp else 0
+    K_ref, v_ref = np.zeros((hi - lo, Wp + n_pad, HD)), np.zeros((hi - lo, Wp + n_pad), bool)
+    kv_rows, cmp_rows_flat, crpp = kv.reshape(-1, HD), cmp_kv.reshape(-1, HD), cmp_kv.shape[1]
+    for i, t in enumerate(range(lo, hi)):
+        for j in range(min(int(lens[t]), swa.shape[1])):
+            if swa[t, j] >= 0:
+                K_ref[i, j], v_ref[i, j] = kv_rows[swa[t, j]], True
+        for j in range(cmp):
+            c = int(rows[t, j])
+            if c < 0 or c // crpp >= table.shape[1] or table[req[t], c // crpp] < 0:
+                continue
+            K_ref[i, Wp + j] = cmp_rows_flat[table[req[t], c // crpp] * crpp + c % crpp]
+            v_ref[i, Wp + j] = True
+    K, valid = got
+    assert K.shape == K_ref.shape and np.array_equal(valid, v_ref)
+    assert np.array_equal(K[valid], K_ref[valid])
 
 
 def _set_rows_reference(pool, slots, rows):
