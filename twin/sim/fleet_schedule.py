@@ -121,7 +121,7 @@ class FleetSchedule:
                     self._release_kv(i)
                     hit, fallback = 0, True
             if not hit:
-                nn = self._first_chunk(i, 0, budget)
+                nn = min(pl, budget, self.max_seq, self.chunk)          # `_first_chunk(i, 0, budget)` inline
                 need, row = kv.first_rows(nn)
                 if not free_slots:
                     self._slots(2 * len(self.occ))
