@@ -108,8 +108,8 @@ class FleetApply:
                         self.own[self.slot[i]] -= moved * kv.block_pages
                     pub[i] = end
         self.rec.applied(itl, cmd)
-        if len(ends):
-            self._end(ends[:, 0], ends[:, 1])
+        if ends.shape[1]:
+            self._end(ends[0], ends[1])
         for i, end, Lx, n in stops.tolist():
             self._stop(i, end, Lx, n)
 

@@ -309,7 +309,7 @@ def apply_rows(idx, cver, samples, counts, spec, ver, n_out, ph, computed, tpif,
     `flags` = (check first tokens, check stop strings, release the pinned pages).  Returns
     (inter-token gaps of the sampled rows, in row order; (request, finish code) of the rows that
     end by EOS / length; (request, stop end, output length, retained) of the rows whose output
-    reached a planted stop string's end)."""
+    reached a planted stop string's end).  The ends come as two rows (requests, codes)."""
     n = len(idx)
     if flags[2]:
         # at depth <= 2 every pinned page is this step's (a stale row's went back with its release)
@@ -320,7 +320,7 @@ def apply_rows(idx, cver, samples, counts, spec, ver, n_out, ph, computed, tpif,
                 free[p, f] += pinned[s, f]
                 pinned[s, f] = 0
     itl = np.empty(n, np.float64)
-    ends = np.empty((n, 2), np.int64)
+    ends = np.empty((2, n), np.int64)                  # rows: each a contiguous array for `end_rows`
     stops = np.empty((n, 4), np.int64)
     ni = ne = ns = 0
     for j in range(n):
@@ -344,8 +344,8 @@ def apply_rows(idx, cver, samples, counts, spec, ver, n_out, ph, computed, tpif,
         last[i] = now
         chunks[i] += 1
         if Lx >= fin[i]:
-            ends[ne, 0] = i
-            ends[ne, 1] = EOS if fin[i] == eos_at[i] + 1 else LENGTH
+            ends[0, ne] = i
+            ends[1, ne] = EOS if fin[i] == eos_at[i] + 1 else LENGTH
             dropped[i] += cnt - r
             ne += 1
             continue
@@ -357,7 +357,7 @@ def apply_rows(idx, cver, samples, counts, spec, ver, n_out, ph, computed, tpif,
             if se > before and se <= Lx:
                 stops[ns, 0], stops[ns, 1], stops[ns, 2], stops[ns, 3] = i, se, Lx, r
                 ns += 1
-    return itl[:ni], ends[:ne], stops[:ns]
+    return itl[:ni], ends[:, :ne], stops[:ns]
 
 
 @njit
