@@ -17,7 +17,7 @@
    in `simulate` on the N-request burst, counted by valgrind's callgrind (instrumentation switched
    on around the call only): a before/after ratio that does not move with the machine's load
    (it does not see cache misses; ~25 s per 1,000 requests per side).  Each side compiles the
-   fleet kernels afresh (an empty numba cache): loaded from a cache they count ~3.5% more.
+   fleet kernels afresh (an empty numba cache).
 
 6. The fleet fidelity's compiled kernels (twin/sim/fleet_kernels.py, numba): their first-call
    cost in a fresh process, cold (compiled, empty cache) and cached (loaded from numba's cache),
@@ -65,6 +65,20 @@ def workload(n: int, seed: int = 0):
                                  output=LengthDist("uniform", 320, 160, 160, 400), eos_fraction=0.2, seed=seed))
 
 
+def warm_up(fidelity: str) -> None:
+    """Two 20-request runs, as the timed one and at one slot per partition (so it preempts):
+    imports, and every fleet kernel a timed run calls (with each argument layout it passes),
+    loaded from numba's cache or compiled, before the timing starts.  Kernels that Python first
+    calls at a preemption (`commit_rows`, `release_pages`) would otherwise load inside the timed
+    run (~10 ms, ~34M instructions), or compile there (seconds) where the cache is empty."""
+    from twin.sim.run import SimConfig, simulate
+
+    # older refs (--baseline) have no fidelity field: pass it only when it is not the default
+    fid = {"fidelity": fidelity} if fidelity != "exact" else {}
+    for slots in (None, 1):
+        simulate(SimConfig(dep(), workload(20), slots=slots, **fid))
+
+
 def run(n: int, fidelity: str = "exact") -> dict:
     import numpy as np
 
@@ -74,7 +88,7 @@ def run(n: int, fidelity: str = "exact") -> dict:
     fid = {"fidelity": fidelity} if fidelity != "exact" else {}
     # a small run first, so neither side's timing includes imports or the fleet kernels' first
     # call (loaded from numba's cache, or compiled: `compile_times` reports that cost)
-    simulate(SimConfig(dep(), workload(20), **fid))
+    warm_up(fidelity)
     cfg = SimConfig(dep(), workload(n), **fid)
     c0 = time.process_time()
     res = simulate(cfg)
@@ -153,8 +167,8 @@ def instructions(root: str, n: int, fidelity: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
         # the same string hashes; each side's fleet kernels compiled in its warm-up into an empty
-        # numba cache (kernels loaded from a cache run ~3.5% more instructions at 1,000 requests
-        # than ones compiled in the process, so a warm cache on one side only would bias the ratio)
+        # numba cache (both sides alike: a kernel loaded from a cache and one compiled with its
+        # caller are not set up alike, so a warm cache on one side only could bias the ratio)
         env = {**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": "0", "NUMBA_CACHE_DIR": os.path.join(tmp, "numba")}
         res = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
                               sys.executable, os.path.abspath(__file__), "--worker", str(n), "--root", root,
@@ -170,7 +184,7 @@ def count_worker(n: int, fidelity: str) -> dict:
     """`simulate` with callgrind's instrumentation on around it (callgrind_control toggles it)."""
     from twin.sim.run import SimConfig, simulate
 
-    simulate(SimConfig(dep(), workload(20), **({"fidelity": fidelity} if fidelity != "exact" else {})))  # imports
+    warm_up(fidelity)
     cfg = SimConfig(dep(), workload(n), **({"fidelity": fidelity} if fidelity != "exact" else {}))
     toggle = ["callgrind_control", "-i"]
     subprocess.run([*toggle, "on", str(os.getpid())], capture_output=True, check=True)
@@ -181,15 +195,15 @@ def count_worker(n: int, fidelity: str) -> dict:
 
 def first_call_worker() -> dict:
     """In a fresh process: CPU seconds to import the fleet kernels, and the first and the second
-    20-request fleet run (the first call of each kernel loads it from numba's cache or compiles it)."""
+    fleet warm-up run (`warm_up`: the first call of each kernel loads it from numba's cache or compiles it)."""
     from twin.sim.run import SimConfig, simulate
 
     t0 = time.process_time()
     importlib.import_module("twin.sim.fleet_kernels")
     t1 = time.process_time()
-    simulate(SimConfig(dep(), workload(20), fidelity="fleet"))
+    warm_up("fleet")
     t2 = time.process_time()
-    simulate(SimConfig(dep(), workload(20), fidelity="fleet"))
+    warm_up("fleet")
     t3 = time.process_time()
     return {"import_s": t1 - t0, "first_run_s": t2 - t1, "second_run_s": t3 - t2,
             "kernels_first_call_s": (t2 - t1) - (t3 - t2)}
