@@ -38,11 +38,12 @@ class FleetApply:
     def _preempt(self, v: int, by: int) -> None:
         self.rec.preempted(v, by, int(self.n_out[v]), int(self.part[v]), self.now)
         self._release_kv(v)
-        self._pending_ids.append(v)
         self._remove_running(v)
         self.preempts[v] += 1
         if self.max_preemptions is not None and self.preempts[v] >= self.max_preemptions:
+            # _finish hands its lease back (once: it queues v for release itself)
             return self._finish(v, ERROR, f"preempted {self.preempts[v]} times: preemption livelock")
+        self._pending_ids.append(v)
         self.computed[v] = self.ph[v] = 0
         self.tpif[v] = False
         self.lease[v] = self.gen[v] = -1
