@@ -72,12 +72,11 @@ class FleetSchedule:
         kv.stats["rotations"] += rot
         if n_due:
             # `PagePools.drop_tails` inline: a tail whose last holder leaves gets its FIFO position
-            # from the pools as they stand after this step's growth (read once)
-            act, nn, spec, c, due = ints
+            # from the pools as they stand after this step's growth (read once); a due row's end
+            # (chunk + drafts) is its request's computed count, as `commit_rows` just left it
+            ids = ints[0].take(ints[4, :n_due])
             drops, nd, tf = self.drops, self.next_drop, None
-            for j in due[:n_due].tolist():
-                i = int(act[j])
-                t, p = int(c[j] + nn[j] + spec[j]), int(self.part[i])
+            for i, t, p in zip(ids.tolist(), self.computed.take(ids).tolist(), self.part.take(ids).tolist()):
                 d = drops[i]
                 while d and d[0][0] < t:
                     _, _, e, f = d.pop(0)
