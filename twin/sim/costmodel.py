@@ -281,44 +281,20 @@ class CostModel:
 
     # ---- dispatches -------------------------------------------------------------------------------
     def prefill(self, groups: list[list[tuple[int, int]]]) -> tuple[float, dict]:
-        """One packed prefill dispatch: per group, (chunk tokens, start position) per request."""
-        w = self.w["l3_prefill_fwd"]
-        P = max((sum(n for n, _ in g) for g in groups), default=0)
-        P = -(-P // self.tp) * self.tp
-        L = P // self.tp
-        logit = sum(len(g) for g in groups)
-        dense = self._dense(w, L, logit)
-        attn = 0.0
-        for g in groups:
-            b = f = 0.0
-            for n, start in g:
-                kb, fl = self._attn(n, start + n / 2)
-                b += kb + n * self.tok_bytes_all        # written rows
-                f += fl
-            attn = max(attn, max(b / self.bw, f / self.tp / self.f16))
-        moe = self.moe_time(self.R * L, "target", "l3_prefill_fwd")
-        comm = self._comm(L, self.m.num_hidden_layers)
-        parts = {"dense": dense, "attention": attn, "moe": moe, "comm": comm,
-                 "overhead": self.device.dispatch_overhead}
-        return self.cal.prefill * sum(parts.values()), parts
+        """One packed prefill dispatch: per group, (chunk tokens, start position) per request
+        (`prefill_arrays` over the flattened rows)."""
+        rows = [(n, st, g) for g, grp in enumerate(groups) for n, st in grp]
+        tokens, start, group = (np.array(c, dtype=np.int64) for c in zip(*rows)) if rows else (
+            np.zeros(0, np.int64),) * 3
+        return self.prefill_arrays(tokens, start, group)
 
     def decode(self, contexts: list[list[float]], owners: list[list[int]]) -> tuple[float, dict]:
-        """One decode step: per group, each request's context and owner rank (lease % 4 at K=7)."""
-        w = self.w[self.decode_program]
-        q = 1 + self.dep.k
-        active = sum(len(c) for c in contexts)
-        rows_rank = C.LOCAL_ROWS if self.fixed_tile else max(
-            (max(np.bincount(o, minlength=self.tp)) * q for o in owners if o), default=0)
-        parts = self._decode_parts(w, q, active, rows_rank)
-        attn = 0.0
-        wrow = q * self.tok_bytes_all
-        for ctx, own in zip(contexts, owners):
-            if len(ctx):
-                kb, fl = self._attn(q, np.asarray(ctx, dtype=float))
-                t = np.bincount(own, weights=(kb + wrow) / self.bw + fl / self.f16, minlength=self.tp)
-                attn = max(attn, float(t.max()))
-        parts["attention"] = attn
-        return self.cal.decode * sum(parts.values()), parts
+        """One decode step: per group, each request's context and owner rank (lease % 4 at K=7)
+        (`decode_arrays` over the flattened rows)."""
+        group = np.array([g for g, c in enumerate(contexts) for _ in c], dtype=np.int64)
+        ctx = np.array([x for c in contexts for x in c])
+        owner = np.array([o for os_ in owners for o in os_], dtype=np.int64)
+        return self.decode_arrays(ctx, group, owner)
 
     def _decode_parts(self, w: dict, q: int, active: int, rows_rank: int) -> dict:
         """A decode step's parts set by its shape alone (attention 0.0, in its place: the sum's
@@ -353,19 +329,23 @@ class CostModel:
             if ctx.dtype.kind in "iu" and ctx.max() < len(self._decode_row_time()):
                 per = self._row_time[ctx]          # the same values, looked up by context length
             else:
-                kb, fl = self._attn(q, ctx.astype(float))
-                per = (kb + q * self.tok_bytes_all) / self.bw + fl / self.f16
+                per = self._decode_row_seconds(ctx.astype(float))
             parts["attention"] = float(np.bincount(cell, weights=per).max())
         return self.cal.decode * sum(parts.values()), parts
 
+    def _decode_row_seconds(self, ctx: np.ndarray) -> np.ndarray:
+        """One decode request's attention time (its KV reads and written rows, or its FLOPs) at
+        each context in `ctx` (float)."""
+        q = 1 + self.dep.k
+        kb, fl = self._attn(q, ctx)
+        return (kb + q * self.tok_bytes_all) / self.bw + fl / self.f16
+
     def _decode_row_time(self) -> np.ndarray:
-        """One decode request's attention time at each context 0..max_model_len + 8 (a table
-        built once: the formula is elementwise in the context)."""
+        """`_decode_row_seconds` at each context 0..max_model_len + 8 (a table built once: the
+        formula is elementwise in the context)."""
         if self._row_time is None:
-            q = 1 + self.dep.k
-            ctx = np.arange(self.dep.limits.max_model_len + C.DECODE_SEQ + 1, dtype=float)
-            kb, fl = self._attn(q, ctx)
-            self._row_time = (kb + q * self.tok_bytes_all) / self.bw + fl / self.f16
+            self._row_time = self._decode_row_seconds(
+                np.arange(self.dep.limits.max_model_len + C.DECODE_SEQ + 1, dtype=float))
         return self._row_time
 
     def prefill_arrays(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
