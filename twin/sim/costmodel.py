@@ -283,9 +283,9 @@ class CostModel:
     def prefill(self, groups: list[list[tuple[int, int]]]) -> tuple[float, dict]:
         """One packed prefill dispatch: per group, (chunk tokens, start position) per request
         (`prefill_arrays` over the flattened rows)."""
-        rows = [(n, st, g) for g, grp in enumerate(groups) for n, st in grp]
-        tokens, start, group = (np.array(c, dtype=np.int64) for c in zip(*rows)) if rows else (
-            np.zeros(0, np.int64),) * 3
+        tokens = np.array([n for grp in groups for n, _ in grp], dtype=np.int64)
+        start = np.array([st for grp in groups for _, st in grp])      # int or float positions, as given
+        group = np.array([g for g, grp in enumerate(groups) for _ in grp], dtype=np.int64)
         return self.prefill_arrays(tokens, start, group)
 
     def decode(self, contexts: list[list[float]], owners: list[list[int]]) -> tuple[float, dict]:
