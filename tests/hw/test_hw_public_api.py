@@ -4,6 +4,7 @@ only from the packages."""
 import ast
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ def test_every_export_resolves_and_is_documented(package):
     for name in pkg.__all__:
         obj = getattr(pkg, name)
         assert not isinstance(obj, type(sys)), name             # a name, never a submodule
-        assert name in pkg.__doc__, f"{package}.{name} is exported but not in the package's API table"
+        assert re.search(rf"(?<![\w.]){re.escape(name)}\b", pkg.__doc__), \
+            f"{package}.{name} is exported but not in the package's API table"
         mod = getattr(obj, "__module__", None)
         assert mod is None or mod.startswith(package + "."), (name, mod)
 
