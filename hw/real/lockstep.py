@@ -226,9 +226,9 @@ class RealLockstep:
         failed = [f for f in findings if not f.passed]
         entry = {"index": rd.index, "program": rd.dispatch.program, "kind": rd.kind, "rows": len(rd.rows),
                  "verdict": "fail" if failed else "pass",
-                 # every failing finding, every output's, and the passing ones of pools with rows this
-                 # dispatch wrote
-                 # (a pool nobody touched is skipped by identity live but not in an offline replay)
+                 # every failing finding, every numeric output's, and the passing ones of pools with rows
+                 # this dispatch wrote (a pool nobody touched is skipped by identity live but not in an
+                 # offline replay)
                  "findings": [f.to_dict() for f in findings],
                  "first_divergence": self.localize(list(gtaps), dtaps, gtaps, failed) if failed else None,
                  "resyncs": resyncs}
