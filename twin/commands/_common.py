@@ -8,7 +8,7 @@ import sys
 from twin.abi import PRESETS
 
 
-def add_deployment_args(p: argparse.ArgumentParser, *, preset: str = "flash",
+def add_deployment_args(p: argparse.ArgumentParser, *,
                         overrides: dict[str, tuple[object, str]] | None = None) -> None:
     """The deployment flags.  overrides: dest -> (default, help) for a command whose defaults differ
     from the others' (simulate's saturating FLASH setup)."""
@@ -19,7 +19,7 @@ def add_deployment_args(p: argparse.ArgumentParser, *, preset: str = "flash",
         default, help = overrides.pop(dest, (default, help))
         p.add_argument(*flags, dest=dest, default=default, help=help, **kw)
 
-    arg("--preset", dest="preset", default=preset, choices=sorted(PRESETS), help=f"model preset (default {preset})")
+    arg("--preset", dest="preset", default="flash", choices=sorted(PRESETS), help="model preset (default flash)")
     arg("--ep", dest="ep", type=int, default=16, help="expert-parallel world size = ranks (8 or 16; default 16)")
     arg("--tp", dest="tp", type=int, default=4, help="ranks per TP group (4; 1 only for small presets)")
     arg("--max-model-len", dest="max_model_len", type=int, default=1024, help="context ceiling (default 1024)")
