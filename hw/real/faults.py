@@ -136,9 +136,9 @@ class RealFault:
         n = cfg.num_hidden_layers
         if self.layer >= n:
             raise AbiError("layer", self.layer, f"0..{n - 1}", where="hw.real fault")
-        if self.kind == "dropped_boundary" and cfg.layer_kind(self.layer) not in ("csa", "hca"):
-            ok = [l for l in range(n) if cfg.layer_kind(l) in ("csa", "hca")]
-            raise AbiError("layer", self.layer, f"a compressed layer (ratio {CSA} or {HCA}): one of {ok}",
+        cmp = sorted(cfg.csa_layers + cfg.hca_layers)
+        if self.kind == "dropped_boundary" and self.layer not in cmp:
+            raise AbiError("layer", self.layer, f"a compressed layer (ratio {CSA} or {HCA}): one of {cmp}",
                            where="hw.real fault dropped_boundary")
         if self.kind in ("wrong_slot", "dropped_boundary"):
             if not hasattr(side.g.nm, "on_write"):
@@ -388,11 +388,10 @@ def sweep_layers(cfg, kind: str) -> tuple[int, ...]:
     if kind in LAYERLESS:
         return (0,)
     if kind == "dropped_boundary":
-        cmp = [l for l in range(n) if cfg.layer_kind(l) in ("csa", "hca")]
-        first = [min(l for l in cmp if cfg.layer_kind(l) == k) for k in ("csa", "hca")]
-        return tuple(dict.fromkeys(first + cmp[-1:]))
+        last = max(cfg.csa_layers + cfg.hca_layers)
+        return tuple(dict.fromkeys((min(cfg.csa_layers), min(cfg.hca_layers), last)))
     if kind == "ring_alias":
-        return tuple(min(l for l in range(n) if cfg.layer_kind(l) == k) for k in ("swa", "csa", "hca"))
+        return tuple(min(ls) for ls in (cfg.swa_layers, cfg.csa_layers, cfg.hca_layers))
     return tuple(dict.fromkeys((0, n // 2, n - 1)))
 
 
