@@ -137,9 +137,9 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         nan = lambda: np.full(n, np.nan)                       # noqa: E731
         self.first, self.last, self.end, self.admitted = nan(), nan(), nan(), nan()
         # page rows live in fixed slots, one per running request (`slot`: request -> slot,
-        # `occ`: slot -> request, `spart`: slot -> partition): a step grows every slot at once
-        # (an idle slot grows to 0 tokens, which needs nothing) and writes the rows back whole,
-        # instead of gathering and scattering the running requests' rows of a request-indexed matrix
+        # `occ`: slot -> request, `spart`: slot -> partition): the kernels reach a request's rows
+        # through `slot[i]` and grow only the scheduled ones, and a released slot is zeroed in one
+        # write, instead of gathering and scattering rows of a request-indexed matrix
         self.slot = np.full(n, -1, dtype=np.int64)
         self._pinned_any = False                                # some slot holds pinned pages
         self._slots(max(1, self.max_running))

@@ -4,8 +4,11 @@ A saturated step touches ~250 running requests x 7 families; as numpy calls that
 small-array operations per step, each ~1 us of dispatch.  Here each piece is one plain loop over
 the running slots in request order, so the step costs what its arithmetic costs.  It is integer
 logic (page and token counts) but for the inter-token gaps (one subtraction each, as before), so
-a kernel returns exactly what the numpy formulation it replaced returned
-(tests/sim/test_fleet_kernels.py checks each against it).
+a kernel returns exactly what the numpy formulation it replaced returned.
+tests/sim/test_fleet_kernels.py checks `family_table`, `grow_rows`, `phase1` / `_search`,
+`prefill_rows` and `decode_rows` against those forms; the others (`apply_rows`, `commit_rows` after
+an overflow, `end_rows`, `release_pages`, `place`, `settle`) are held by the fleet digests
+(bit-identical to the numpy step they replaced) and by tests/sim/test_fleet.py's invariants.
 
 Python keeps the per-event work: admissions with prefix lookup, prefix releases, publication, and
 the preemptions this module only *chooses* (`phase1` returns the victims in order; `FleetSchedule`
@@ -24,7 +27,7 @@ from numba import njit as _numba_njit
 
 from .fleet_command import EOS, FINISHED, LENGTH
 
-_uncached = []
+_warned = False          # the no-cache warning is given once per process
 
 
 def njit(fn=None, *, cache: bool = True, **kw):
@@ -35,10 +38,11 @@ def njit(fn=None, *, cache: bool = True, **kw):
         try:
             return _numba_njit(cache=cache, **kw)(f)
         except RuntimeError as e:
-            if not _uncached:
+            global _warned
+            if not _warned:
                 warnings.warn(f"fleet kernels compile without numba's cache (~7 s per process): {e}", RuntimeWarning,
                               stacklevel=3)
-            _uncached.append(f.__name__)
+                _warned = True
             return _numba_njit(**kw)(f)
     return deco if fn is None else deco(fn)
 
