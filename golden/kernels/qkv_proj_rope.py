@@ -19,7 +19,8 @@ def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos,
     T = x.shape[0]
     H, HD = cfg.num_attention_heads, cfg.head_dim
     if proj is None:
-        proj = nm.mm(nm.act(x), nm.asf(wq_a)), nm.mm(nm.act(x), nm.asf(wkv))
+        a = nm.act(x)
+        proj = nm.mm(a, nm.asf(wq_a)), nm.mm(a, nm.asf(wkv))
     qr_f = rmsnorm_f(proj[0], gamma_cq, nm, eps)                                # f32, not rounded
     qr, qr_scale = nm.q8(qr_f)
     q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
