@@ -27,11 +27,11 @@ LAYERS = 3
 
 def lease_ring_table(lease: int, layer: int, depth: int) -> np.ndarray:
     """Every logical entry of a drafter block table filled with the lease's rotating ring ids."""
-    return np.asarray(lease_block(lease, np.arange(depth), layer)).astype(np.int32)
+    return lease_block(lease, np.arange(depth), layer).astype(np.int32)
 
 
 def filler_ring_table(layer: int, depth: int) -> np.ndarray:
-    return np.asarray(filler_block(np.arange(depth), layer)).astype(np.int32)
+    return filler_block(np.arange(depth), layer).astype(np.int32)
 
 
 def _ring_slot(pos, block_of) -> np.ndarray:
