@@ -34,10 +34,12 @@ def compress_project(x, wkv, wgate, ape, positions, *, ratio, nm, proj=None):
 def compressed_rows(pooled, norm_w, cos, sin, *, cfg, nm):
     """Pooled rows -> the compressed KV rows (bf16 values): RMSNorm, the RoPE tail, and official's
     FP8 round trip of the non-RoPE part (kernel-math §8 (b))."""
-    y = rope_tail(rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps), cos, sin, nm)
-    if nm.mode == "official":
-        R = cfg.qk_rope_head_dim
-        y = nm.xp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
+    y = rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps)
+    if nm.mode != "official":
+        return rope_tail_bf16(y, cos, sin, nm)
+    y = rope_tail(y, cos, sin, nm)
+    R = cfg.qk_rope_head_dim
+    y = nm.xp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
     return nm.bf16(y)
 
 
