@@ -15,7 +15,7 @@ so pooling never reads a row this call writes.
 from __future__ import annotations
 
 from .rmsnorm import rmsnorm_f
-from .rope import rope_tail, rope_tail_bf16
+from .rope import compressed_rows, rope_tail_bf16   # compressed_rows: re-exported for existing importers
 
 EXCLUDE, ZERO = "exclude", "zero"     # how a missing (unmapped) state row enters the softmax
 
@@ -29,18 +29,6 @@ def compress_project(x, wkv, wgate, ape, positions, *, ratio, nm, proj=None):
         proj = nm.mm(xf, nm.asf(wkv).T), nm.mm(xf, nm.asf(wgate).T)
     kvp, scp = proj[0], proj[1] + nm.asf(ape)[positions % ratio]
     return nm.r32(kvp), nm.r32(scp)             # f32 rows: the same bits as the state pool holds
-
-
-def compressed_rows(pooled, norm_w, cos, sin, *, cfg, nm):
-    """Pooled rows -> the compressed KV rows (bf16 values): RMSNorm, the RoPE tail, and official's
-    FP8 round trip of the non-RoPE part (kernel-math §8 (b))."""
-    y = rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps)
-    if nm.mode != "official":
-        return rope_tail_bf16(y, cos, sin, nm)
-    y = rope_tail(y, cos, sin, nm)
-    R = cfg.qk_rope_head_dim
-    y = nm.xp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
-    return nm.bf16(y)
 
 
 def window_len(ratio: int) -> int:

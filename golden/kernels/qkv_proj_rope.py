@@ -6,7 +6,7 @@ the profile is only in the cos/sin rows the caller passes.
 from __future__ import annotations
 
 from .rmsnorm import rmsnorm_f
-from .rope import rope_tail, rope_tail_bf16
+from .rope import compressed_rows, rope_tail_bf16
 
 
 def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos, rope_sin, *, cfg, nm,
@@ -26,10 +26,5 @@ def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos,
     q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
     q = rmsnorm_f(q.reshape(T, H, HD), None, nm, eps)                        # per-head, unweighted
     q = rope_tail_bf16(q, rope_cos[:, None, :], rope_sin[:, None, :], nm)
-    kv = rmsnorm_f(proj[1], gamma_ckv, nm, eps)
-    if nm.mode != "official":
-        return q, rope_tail_bf16(kv, rope_cos, rope_sin, nm), qr, qr_scale
-    kv = rope_tail(kv, rope_cos, rope_sin, nm)
-    R = cfg.qk_rope_head_dim                                                 # FP8 nope part (§7 #7)
-    kv = nm.xp.concatenate([nm.kv_fp8(kv[:, :-R]), kv[:, -R:]], axis=-1)
-    return q, nm.bf16(kv), qr, qr_scale
+    kv = compressed_rows(proj[1], gamma_ckv, rope_cos, rope_sin, cfg=cfg, nm=nm)   # official: FP8 nope part (§7 #7)
+    return q, kv, qr, qr_scale

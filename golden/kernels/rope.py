@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ..numerics import BF16
+from .rmsnorm import rmsnorm_f
 
 SWA_PROFILE, COMPRESS_PROFILE = "swa", "compress"
 PROFILES = (SWA_PROFILE, COMPRESS_PROFILE)
@@ -109,3 +110,16 @@ def _rope_tail_bf16_np(x, cos, sin, nm, inverse):
     y[..., :-R] = x[..., :-R]
     rope_rotate(x[..., -R:], cos, sin, nm, inverse, out=y[..., -R:])
     return y.astype(BF16).astype(nm.f)
+
+
+def compressed_rows(pooled, norm_w, cos, sin, *, cfg, nm):
+    """Pooled (the compressors) or projected (qkv_proj_rope's KV) rows -> KV rows (bf16 values):
+    RMSNorm, the RoPE tail, and official's FP8 round trip of the non-RoPE part (kernel-math §8 (b),
+    §7 #7)."""
+    y = rmsnorm_f(pooled, norm_w, nm, cfg.rms_norm_eps)
+    if nm.mode != "official":
+        return rope_tail_bf16(y, cos, sin, nm)
+    y = rope_tail(y, cos, sin, nm)
+    R = cfg.qk_rope_head_dim
+    y = nm.xp.concatenate([nm.kv_fp8(y[:, :-R]), y[:, -R:]], axis=-1)
+    return nm.bf16(y)
