@@ -90,25 +90,16 @@ def routed_expert(x_i8, x_scale, ew, route_weight, *, cfg, nm):
 def moe_experts(x_i8, x_scale, indices, weights, expert, shared, *, cfg, nm):
     """Grouped dispatch: each expert runs once on all its routes.  expert(e) -> routed weights of e.
 
-    Returns ffn_out [T, D] (bf16 values) = bf16(sh + sum_k routed[t, k]) with routes added in k order."""
+    Returns ffn_out [T, D] (bf16 values) = bf16(sh + sum_k routed[t, k]) with routes added in k order.
+    NumPy numerics only (hw.real's TorchNumerics included): the JAX path runs its expert blocks
+    (golden.jax_moe) and shares only moe_combine."""
     import numpy as np
     T, K = indices.shape
     flat = np.asarray(indices).reshape(-1)
     order = np.argsort(flat, kind="stable")            # routes grouped by expert, one sort
     bounds = np.searchsorted(flat[order], np.arange(cfg.n_routed_experts + 1))
     wts = np.asarray(weights).reshape(-1)
-    if nm.is_numpy:
-        routed = _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, cfg=cfg, nm=nm)
-    else:
-        routed = np.zeros((T * K, x_i8.shape[1]), np.float64)
-        rows_all = order // K
-        for e in range(cfg.n_routed_experts):
-            lo, hi = bounds[e], bounds[e + 1]
-            if lo == hi:
-                continue
-            routes = order[lo:hi]
-            rows = rows_all[lo:hi]
-            routed[routes] = routed_expert(x_i8[rows], x_scale[rows], expert(e), wts[routes], cfg=cfg, nm=nm)
+    routed = _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, cfg=cfg, nm=nm)
     return moe_combine(routed.reshape(T, K, -1), x_i8, x_scale, shared, cfg=cfg, nm=nm)
 
 
