@@ -12,8 +12,9 @@ from golden.heap import retain_heap
 from golden.kernels.hyper_connections import sinkhorn
 from golden.kernels.moe import moe_experts, routed_expert, shared_expert
 from golden.kernels.rope import rope_tail, rope_tail_bf16
-from golden.kernels.sparse_attention import _combine_tiles_np, candidate_slots, gather_candidates, sparse_attention
-from golden.numerics import BF16, Numerics
+from golden.kernels.sparse_attention import (TILE, _combine_tiles_np, attend, candidate_slots, gather_candidates,
+                                             sparse_attention)
+from golden.numerics import BF16, NEG_INF_ATTN, Numerics
 from golden_testlib import DEVICE
 from twin.abi.errors import AbiError
 from twin.abi.presets import SMALL
@@ -160,14 +161,38 @@ def test_rope_tail_rounded_once_gives_the_bits_of_rounding_twice(mode, t, heads,
     assert np.array_equal(got.view(np.int64), want.view(np.int64))
 
 
+def _attend_qk_reference(q, K, valid, sink, *, cfg, nm):
+    """attend's device-mode steps as written for every namespace, with the scores as the plain
+    q K^T GEMM (attend's NumPy device path computes them as (K q^T)^T)."""
+    T, N, HD = K.shape
+    nt = N // TILE
+    s = np.asarray(q, np.float64) @ K.transpose(0, 2, 1)                    # [T, H, N]
+    v = valid.reshape(T, 1, nt, TILE)
+    s = np.where(v, (s * cfg.softmax_scale).reshape(T, -1, nt, TILE), NEG_INF_ATTN)
+    m = np.max(s, axis=-1)
+    e = np.where(v, np.exp(s - m[..., None]), 0.0)
+    l_t = np.sum(e, axis=-1)
+    pt = np.ascontiguousarray(nm.bf16(e).transpose(0, 2, 1, 3))
+    o_raw = nm.mm(pt, K.reshape(T, nt, TILE, HD))
+    return _combine_tiles_generic(m, l_t, o_raw, np.any(v, axis=-1), nm.asf(sink))
+
+
 def test_device_scores_orientation_gives_the_same_bits():
-    """Device mode scores as (K q^T)^T; on bf16 values it is the q K^T GEMM's bits."""
+    """attend in device mode scores as (K q^T)^T; on bf16 values it gives the bits of the q K^T
+    GEMM (the reference), masked rows and an all-masked tile included."""
+    cfg, nm = SMALL, DEVICE
     rng = np.random.default_rng(5)
     bf = lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)
-    for n in (128, 256, 640):
-        q, K = bf(rng.standard_normal((6, 8, 128))), bf(rng.standard_normal((6, n, 128)))
-        assert np.array_equal((K @ np.ascontiguousarray(q.transpose(0, 2, 1))).transpose(0, 2, 1),
-                              q @ K.transpose(0, 2, 1))
+    H, HD = cfg.num_attention_heads, cfg.head_dim
+    for T, n in ((6, 128), (6, 256), (3, 640)):
+        q, K = bf(rng.standard_normal((T, H, HD))), bf(rng.standard_normal((T, n, HD)))
+        valid = rng.random((T, n)) < 0.8
+        valid[0, :TILE] = False                                 # one tile with no candidate
+        sink = rng.standard_normal(H).astype(np.float32)
+        got = attend(q, K, valid, sink, cfg=cfg, nm=nm)
+        want = _attend_qk_reference(q, K, valid, sink, cfg=cfg, nm=nm)
+        assert np.isfinite(got).all() and np.abs(got).max() > 0
+        assert np.array_equal(np.asarray(got, np.float64).view(np.int64), want.view(np.int64)), n
 
 
 def test_retain_heap_names_bad_thresholds():
