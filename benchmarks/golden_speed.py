@@ -1,6 +1,7 @@
 """Golden speed, measured as ratios side by side in one run; prints JSON.
 
-1. small-preset decode step (SMALL, 16 requests x 8 rows against a resident prefix):
+1. small-preset decode step (SMALL, 16 distinct requests x 8 rows against a resident prefix of 160
+   tokens; --requests 64 gives the 512-row decode tile):
    - the NumPy step against the same GEMMs alone (every GEMM the step ran, recorded with
      `MatmulRecorder` and replayed on ready operands: what is left is golden's own overhead),
      the two interleaved, wall and CPU time (step_over_gemms_cpu: the steadier of the two on a
@@ -22,7 +23,7 @@ Threads: NumPy's BLAS and XLA both get one thread by default (--blas-threads, --
 setting is fixed when JAX starts, so it applies to the whole process).  Heap: freed temporaries are
 kept for reuse (golden.heap.retain_heap; --default-heap for glibc's own thresholds).
 
-    python benchmarks/golden_speed.py [--skip-flash] [--reps 3] [--modes device,exact]
+    python benchmarks/golden_speed.py [--skip-flash] [--reps 3] [--modes device,exact] [--requests 16]
 """
 from __future__ import annotations
 
@@ -102,13 +103,15 @@ def _widener(records):
     return run
 
 
-def small_decode(reps: int, jax_too: bool = True, mode: str = "device") -> dict:
-    cfg, B, S, prefix = SMALL, 16, 8, 160
+def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests: int = 16) -> dict:
+    cfg, B, S, prefix = SMALL, requests, 8, 160
     ck = SyntheticCheckpoint(cfg, seed=0)
     s = Session(ck, cfg, mode, B, prefix + S)
-    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, prefix + S)
-    s.run({r: ids[:prefix] for r in range(B)})
-    meta = lower(cfg, [Span(r, prefix, tuple(ids[prefix:]), s.blocks[r]) for r in range(B)], form=DECODE)
+    # distinct requests: identical ones route alike (every expert's count a multiple of the request
+    # count: no padded expert blocks on JAX, a third of the experts idle at 16 requests)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (B, prefix + S))
+    s.run({r: ids[r, :prefix] for r in range(B)})
+    meta = lower(cfg, [Span(r, prefix, tuple(ids[r, prefix:]), s.blocks[r]) for r in range(B)], form=DECODE)
     step = lambda: forward(ck, meta, s.caches, cfg=cfg, nm=s.nm)
     step()
     with MatmulRecorder() as rec:
@@ -203,6 +206,7 @@ def flash_layer(reps: int, layer: int = 4) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=16, help="requests of the small decode step (8 rows each)")
     ap.add_argument("--skip-flash", action="store_true")
     ap.add_argument("--skip-jax", action="store_true")
     ap.add_argument("--blas-threads", type=int, default=1)
@@ -211,6 +215,8 @@ def main(argv=None):
     ap.add_argument("--default-heap", action="store_true",
                     help="leave glibc's heap thresholds as they are (default: golden.heap.retain_heap)")
     a = ap.parse_args(argv)
+    if a.requests < 1:
+        ap.error(f"--requests: {a.requests}; at least 1")
     old = blas_threads(a.blas_threads)
     heap = "default" if a.default_heap else (retain_heap() or "default (not glibc)")
     if a.xla_threads == 1:     # read when the JAX backend starts (no JAX computation has run yet)
@@ -223,7 +229,7 @@ def main(argv=None):
            "blas_threads": a.blas_threads if old is not None else "unchanged",
            "xla_threads": "default" if a.xla_threads == 0 else 1, "heap": heap}
     for mode in a.modes.split(","):
-        res["small_decode" if mode == "device" else f"small_decode_{mode}"] = small_decode(a.reps, not a.skip_jax, mode)
+        res["small_decode" if mode == "device" else f"small_decode_{mode}"] = small_decode(a.reps, not a.skip_jax, mode, a.requests)
     if not a.skip_flash:
         res["flash_layer"] = flash_layer(a.reps)
     print(json.dumps(res, indent=1))
