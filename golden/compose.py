@@ -97,17 +97,7 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
     pos, req, first = m["position_ids"], m["req"], m["first_pos"]
     cmp = {}
     if ratio == 4:
-        ccos, csin = rope["csa_cmp"]
-        pools["csa_cmp_kv"], pools["csa_compress_state"], rows = compressor(
-            x_n, pos, req, first, pools["csa_compress_state"], m["csa_compress_state_block_table"],
-            m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w["csa_cmp_wkv"],
-            w["csa_cmp_wgate"], w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm)
-        _tap(taps, layer, "cmp_kv", rows)
-        pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"], _ = indexer_compressor(
-            x_n, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
-            m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
-            m["csa_idx_slot_mapping"], w["csa_inner_wkv"], w["csa_inner_wgate"], w["csa_inner_ape"],
-            w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm)
+        _tap(taps, layer, "cmp_kv", csa_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm))
         cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
         _, topk = (indexer or lightning_indexer)(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
                                     w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin, pools["idx_kv_cache"],
@@ -129,6 +119,22 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
     x_hc = hc_post(attn_out, x_hc, post, comb, cfg=cfg, nm=nm)
     _tap(taps, layer, "attn_x_hc", x_hc)
     return x_hc, pools
+
+
+def csa_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm):
+    """The two ratio-4 compressors of a CSA layer, the attention one and the indexer's (writes
+    `pools` in place of the returned arrays) -> the compressed rows written to csa_cmp_kv."""
+    ccos, csin = rope["csa_cmp"]
+    pools["csa_cmp_kv"], pools["csa_compress_state"], rows = compressor(
+        x_n, pos, req, first, pools["csa_compress_state"], m["csa_compress_state_block_table"],
+        m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w["csa_cmp_wkv"],
+        w["csa_cmp_wgate"], w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm)
+    pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"], _ = indexer_compressor(
+        x_n, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
+        m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
+        m["csa_idx_slot_mapping"], w["csa_inner_wkv"], w["csa_inner_wgate"], w["csa_inner_ape"],
+        w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm)
+    return rows
 
 
 def hca_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, form):

@@ -27,8 +27,8 @@ import numpy as np
 from jax import lax
 
 from .jax_select import first_max, top_k_desc
-from .kernels.compressor import EXCLUDE, compress_project, compressed_rows, indexer_compressor, pool_rows
-from .kernels.hyper_connections import hc_head, hc_pre
+from .kernels.compressor import EXCLUDE, compressor, indexer_compressor
+from .kernels.hyper_connections import hc_head, hc_post, hc_pre
 from .kernels.lm_head import lm_head
 from .kernels.indexer import PREFILL_SCORE_CAP, index_query
 from .kernels.moe import swiglu_expert
@@ -121,18 +121,16 @@ def compressor_sel(x, sel, sel_ok, positions, req, first_pos, compress_state, st
     pooling skipped at run time when no row of `sel` is a real boundary (a ratio-128 compressor's
     decode step mostly: 16 padded windows of 128 rows otherwise pooled for nothing).  proj: the
     (x @ wkv.T, x @ wgate.T) products already computed (`fused_projections`)."""
-    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm, proj=proj)
+    def branch(rows, state):
+        def traced(st):
+            y = rows(st)
+            nm.reads.pop(id(st), None)              # a tracer of the branch: see _if_any_boundary
+            return y
+        return _if_any_boundary(sel_ok, traced, state, (sel.shape[0], cmp_kv.shape[-1]), nm)
 
-    def rows(state):
-        pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_block_table, ratio=ratio, nm=nm,
-                           missing=missing)
-        nm.reads.pop(id(state), None)               # a tracer of the branch: see _if_any_boundary
-        return compressed_rows(pooled, norm_w, cmp_cos[sel], cmp_sin[sel], cfg=cfg, nm=nm)
-
-    y = _if_any_boundary(sel_ok, rows, compress_state, (sel.shape[0], cmp_kv.shape[-1]), nm)
-    cmp_kv = nm.set_rows(cmp_kv, jnp.where(sel_ok, cmp_slot_mapping[sel], -1), nm.store_bf16(y))
-    compress_state = nm.set_rows(compress_state, state_slot_mapping, jnp.concatenate([kvp, scp], -1))
-    return cmp_kv, compress_state
+    return compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping, cmp_kv,
+                      cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, ratio=ratio, cfg=cfg, nm=nm,
+                      missing=missing, selection=(sel, sel_ok), proj=proj, pool_branch=branch)[:2]
 
 
 def _if_any_boundary(sel_ok, rows, state, shape, nm):
@@ -382,10 +380,8 @@ def hc_post_streams(x, residual, post, comb, *, cfg, nm):
     """golden.kernels.hyper_connections.hc_post with the [HC, HC] stream mix as a sum of products
     over the input streams (XLA CPU runs the per-token 4 x 4 batched GEMM ~2x slower; written as
     chained multiply-adds instead, XLA fuses it into the next hc_post and recomputes it per read)."""
-    c = comb.reshape(-1, cfg.hc_mult, cfg.hc_mult)                      # [T, in, out]
-    mix = jnp.sum(c[:, :, :, None] * nm.asf(residual)[:, :, None, :], axis=1)
-    y = post[:, :, None] * nm.asf(x)[:, None, :] + mix
-    return nm.bf16(y) if nm.mode == "official" else nm.r32(y)
+    return hc_post(x, residual, post, comb, cfg=cfg, nm=nm,
+                   stream_mix=lambda c, r: jnp.sum(c[:, :, :, None] * r[:, :, None, :], axis=1))
 
 
 def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None):

@@ -83,17 +83,22 @@ def boundary_selection(positions, ratio, nm):
 
 def compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping,
                cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *, ratio, cfg, nm,
-               missing=EXCLUDE):
+               missing=EXCLUDE, selection=None, proj=None, pool_branch=None):
     """Main KV compressor (ratio 4 = CSA, ratio 128 = HCA).
 
     x [T, D] attn-normed; positions/req [T]; first_pos [B]; cmp_cos/sin [T, R] rows of the compress
     profile at the window start p - ratio + 1.  Returns (cmp_kv, compress_state, (sel, rows)) where
-    rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens."""
-    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm)
-    sel, is_b = boundary_selection(positions, ratio, nm)
-    pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, compress_state, state_block_table,
-                       ratio=ratio, nm=nm, missing=missing)
-    y = compressed_rows(pooled, norm_w, cmp_cos[sel], cmp_sin[sel], cfg=cfg, nm=nm)
+    rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens.  selection and
+    proj as in `indexer_compressor`; pool_branch(rows, compress_state) runs rows(compress_state),
+    the pooling (the JAX path skips it at run time in a call without a real boundary)."""
+    kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm, proj=proj)
+    sel, is_b = selection if selection is not None else boundary_selection(positions, ratio, nm)
+
+    def rows(state):
+        pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_block_table, ratio=ratio, nm=nm,
+                           missing=missing)
+        return compressed_rows(pooled, norm_w, cmp_cos[sel], cmp_sin[sel], cfg=cfg, nm=nm)
+    y = rows(compress_state) if pool_branch is None else pool_branch(rows, compress_state)
     slots = nm.xp.where(is_b, cmp_slot_mapping[sel], -1)
     cmp_kv = nm.set_rows(cmp_kv, slots, nm.store_bf16(y))
     compress_state = nm.set_rows(compress_state, state_slot_mapping, nm.xp.concatenate([kvp, scp], -1))

@@ -71,13 +71,17 @@ def hc_pre(x_hc, hc_fn, hc_scale, hc_base, *, cfg, nm):
     return nm.bf16(collapse(x_hc, pre, nm)), nm.r32(post), nm.r32(comb.reshape(-1, hc * hc))
 
 
-def hc_post(x, residual, post, comb, *, cfg, nm):
+def hc_post(x, residual, post, comb, *, cfg, nm, stream_mix=None):
     """y[t, j] = post[t, j] x[t] + sum_i comb[t, i, j] residual[t, i]  -> [T, HC, D] f32.
 
-    pypto keeps the residual in f32; the official reference rounds it to bf16 (§7 #8)."""
+    pypto keeps the residual in f32; the official reference rounds it to bf16 (§7 #8).
+    stream_mix(c [T, in, out], residual [T, in, D]) -> [T, out, D]: the sum over input streams
+    (default: one batched GEMM per token; the JAX path passes multiply-adds, see golden.jax_kernels)."""
     hc = cfg.hc_mult
     c = comb.reshape(-1, hc, hc)
-    y = post[:, :, None] * nm.asf(x)[:, None, :] + nm.mm(c.transpose(0, 2, 1), nm.asf(residual))
+    r = nm.asf(residual)
+    mix = nm.mm(c.transpose(0, 2, 1), r) if stream_mix is None else stream_mix(c, r)
+    y = post[:, :, None] * nm.asf(x)[:, None, :] + mix
     return nm.bf16(y) if nm.mode == "official" else nm.r32(y)
 
 

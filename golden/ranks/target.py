@@ -18,8 +18,7 @@ import numpy as np
 
 from twin.abi.errors import AbiError
 
-from ..compose import ForwardOut, _check_contiguous, _tap, device_meta, hca_compress, rope_inputs
-from ..kernels.compressor import compressor, indexer_compressor
+from ..compose import ForwardOut, _check_contiguous, _tap, csa_compress, device_meta, hca_compress, rope_inputs
 from ..kernels.embedding import lookup_embedding
 from ..kernels.hyper_connections import hc_head, hc_post, hc_pre
 from ..kernels.indexer import PREFILL_SCORE_CAP, lightning_indexer
@@ -63,16 +62,7 @@ def attention_sublayer_ranks(x_hc, layer, w, pools, m, rope, owners, par, *, cfg
     pos, req, first = m["position_ids"], m["req"], m["first_pos"]
     cmp, topk = {}, None
     if ratio == 4:
-        ccos, csin = rope["csa_cmp"]
-        pools["csa_cmp_kv"], pools["csa_compress_state"], _ = compressor(
-            x_n, pos, req, first, pools["csa_compress_state"], m["csa_compress_state_block_table"],
-            m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w["csa_cmp_wkv"],
-            w["csa_cmp_wgate"], w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm)
-        pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"], _ = indexer_compressor(
-            x_n, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
-            m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
-            m["csa_idx_slot_mapping"], w["csa_inner_wkv"], w["csa_inner_wgate"], w["csa_inner_ape"],
-            w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm)
+        csa_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm)
         cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
         lens = m["kv_seq_lens"] // 4
         visible = xp.minimum(xp.minimum(lens[req], (pos + 1) // 4), cap)
