@@ -192,13 +192,19 @@ class PagePools:
                 self._hold_tail(e, b, covered, drops)
         return moved
 
-    def drop_tails(self, drops: list, tokens: int, p: int) -> None:
-        """The request's ring moved past these tails (or it left): their pages join the free queue."""
+    def drop_tails(self, drops: list, tokens: int, p: int, ends: list | None = None) -> list | None:
+        """The request's ring moved past these tails (or it left): a tail whose last holder leaves
+        gets its FIFO position, the queue's end as the pools stand now.  ends: that table
+        ((takes + free) as lists), read once per step by a caller that drops for several requests;
+        returned (read here if it was needed and not given) for the next call."""
         while drops and drops[0][0] < tokens:
             _, _, e, f = drops.pop(0)
             e.tail_refs[f] -= 1
-            if e.tail_refs[f] == 0:
-                e.tail_evict[f] = int(self.takes[p, f] + self.free[p, f])
+            if not e.tail_refs[f]:
+                if ends is None:
+                    ends = (self.takes + self.free).tolist()
+                e.tail_evict[f] = ends[p][f]
+        return ends
 
     def release_entries(self, entries: list, p: int) -> None:
         free = self.free[p]

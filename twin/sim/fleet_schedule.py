@@ -71,20 +71,13 @@ class FleetSchedule:
         kv.stats["detaches"] += det
         kv.stats["rotations"] += rot
         if n_due:
-            # `PagePools.drop_tails` inline: a tail whose last holder leaves gets its FIFO position
-            # from the pools as they stand after this step's growth (read once); a due row's end
+            # the pools as they stand after this step's growth (read at most once); a due row's end
             # (chunk + drafts) is its request's computed count, as `commit_rows` just left it
             ids = ints[0].take(ints[4, :n_due])
-            drops, nd, tf = self.drops, self.next_drop, None
+            drops, nd, ends = self.drops, self.next_drop, None
             for i, t, p in zip(ids.tolist(), self.computed.take(ids).tolist(), self.part.take(ids).tolist()):
                 d = drops[i]
-                while d and d[0][0] < t:
-                    _, _, e, f = d.pop(0)
-                    e.tail_refs[f] -= 1
-                    if not e.tail_refs[f]:
-                        if tf is None:
-                            tf = (self.kv.takes + self.kv.free).tolist()
-                        e.tail_evict[f] = tf[p][f]
+                ends = kv.drop_tails(d, t, p, ends)
                 nd[i] = d[0][0] if d else NEVER
         return ints, flags, n, used, n_pre
 

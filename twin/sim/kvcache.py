@@ -174,12 +174,21 @@ class KvCacheManager:
         return out
 
     def _decref(self, f: int, p: int, b: int) -> None:
-        r = self.ref[f][p]
-        r[b] -= 1
-        if r[b] == 0:
-            self.free[f][p][b] = None
-        elif r[b] < 0:
-            raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+        self._decref_all(f, p, (b,))
+
+    def _decref_all(self, f: int, p: int, blocks) -> None:
+        """One reference fewer on each block (None: no page); a page left unreferenced joins the
+        free queue's tail with its hash kept."""
+        r, fr = self.ref[f][p], self.free[f][p]
+        for b in blocks:
+            if b is None:
+                continue
+            x = r[b] - 1
+            r[b] = x
+            if x == 0:
+                fr[b] = None
+            elif x < 0:
+                raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
 
     def _pinned(self, o: _Owned, f: int, slot: int, b: int) -> bool:
         for pin in o.pins:
@@ -507,17 +516,8 @@ class KvCacheManager:
         self._release_stored(pin)
 
     def _release_stored(self, pin: Pin) -> None:
-        p = pin.partition
-        refs, frees = self.ref, self.free
         for f, bs in pin.stored:
-            r, fr = refs[f][p], frees[f][p]
-            for b in bs:
-                x = r[b] - 1
-                r[b] = x
-                if x == 0:
-                    fr[b] = None
-                elif x < 0:
-                    raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+            self._decref_all(f, pin.partition, bs)
         pin.stored.clear()
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
@@ -575,17 +575,8 @@ class KvCacheManager:
             self._release_stored(pin)
         p = o.partition
         for f, t in enumerate(o.tables):
-            if not t:
-                continue
-            r, fr = self.ref[f][p], self.free[f][p]
-            for b in t:
-                if b is not None:
-                    x = r[b] - 1
-                    r[b] = x
-                    if x == 0:
-                        fr[b] = None
-                    elif x < 0:
-                        raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+            if t:
+                self._decref_all(f, p, t)
         if p is not None:
             self.load[p] -= 1
 
