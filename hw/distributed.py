@@ -27,7 +27,7 @@ from twin.abi.errors import AbiError
 from twin.abi.presets import get_preset
 
 from .compare import compare_tensor
-from .launch import run_local_ranks, torchrun_rank, verdict_status, write_verdict
+from .launch import process_group, run_local_ranks, torchrun_rank, verdict_status, write_verdict
 from .model import golden_np as G
 from .model.spec import Geometry
 from .model.weights import synthetic_weights
@@ -159,14 +159,11 @@ def _count(device: str) -> int:
 
 def worker(rank: int, world: int, preset: str, device: str, rows: int, layer: int, out: str | None,
            init_method: str | None = None) -> dict | None:
-    import torch.distributed as dist
-
     if device not in BACKENDS:
         raise AbiError("device", device, f"one of {sorted(BACKENDS)}", where="hw.distributed")
     if device == "npu":
         import torch_npu  # noqa: F401
-    dist.init_process_group(BACKENDS[device], rank=rank, world_size=world, init_method=init_method or "env://")
-    try:
+    with process_group(BACKENDS[device], rank, world, init_method):
         cfg = get_preset(preset)
         w = synthetic_weights(cfg)
         ids, pos = layer_inputs(cfg, rows)
@@ -179,21 +176,12 @@ def worker(rank: int, world: int, preset: str, device: str, rows: int, layer: in
         res = {"verdict": "pass" if f.passed else "fail", "world": world, "backend": BACKENDS[device],
                "preset": preset, "layer": layer, "rows": rows, "collectives": collectives, **f.to_dict()}
         return write_verdict(res, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawned(rank, world, preset, device, rows, layer, out, init_method):
-    import torch
-
-    torch.set_num_threads(1)
-    worker(rank, world, preset, device, rows, layer, out, init_method)
 
 
 def spawn_local(world: int = 4, *, preset: str = "tiny", rows: int = 64, layer: int = 1, out: str,
                 port: int | None = None, timeout_s: float = 120.0) -> dict:
     """World processes on 127.0.0.1 with gloo (tests and laptops); returns rank 0's verdict."""
-    return run_local_ranks(_spawned, (world, preset, "cpu", rows, layer, out), world, out, port=port,
+    return run_local_ranks(worker, (world, preset, "cpu", rows, layer, out), world, out, port=port,
                            timeout_s=timeout_s)
 
 

@@ -5,12 +5,33 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 
 
-def run_local_ranks(fn, args: tuple, world: int, out: str, *, port: int | None = None,
+@contextmanager
+def process_group(backend: str, rank: int, world: int, init_method: str | None = None):
+    """torch.distributed's default group for the block (torchrun's env:// unless init_method)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, rank=rank, world_size=world, init_method=init_method or "env://")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank, fn, args, kwargs, init_method):
+    import torch
+
+    torch.set_num_threads(1)       # the ranks share the machine's cores
+    fn(rank, *args, init_method=init_method, **kwargs)
+
+
+def run_local_ranks(fn, args: tuple, world: int, out: str, *, kwargs: dict | None = None, port: int | None = None,
                     timeout_s: float = 120.0) -> dict:
-    """`fn(rank, *args, init_method)` in `world` spawned processes on 127.0.0.1 (gloo); returns the
-    verdict rank 0 wrote to `out`.  Ranks still alive at the deadline are terminated."""
+    """`fn(rank, *args, init_method=..., **kwargs)` in `world` spawned processes on 127.0.0.1 (gloo),
+    each on one torch thread; returns the verdict rank 0 wrote to `out`.  Ranks still alive at the
+    deadline are terminated."""
     import socket
     import time
 
@@ -20,8 +41,8 @@ def run_local_ranks(fn, args: tuple, world: int, out: str, *, port: int | None =
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    ctx = mp.start_processes(fn, args=(*args, f"tcp://127.0.0.1:{port}"), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(_spawned, args=(fn, args, kwargs or {}, f"tcp://127.0.0.1:{port}"), nprocs=world,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -136,10 +136,11 @@ class RealFault:
         n = cfg.num_hidden_layers
         if self.layer >= n:
             raise AbiError("layer", self.layer, f"0..{n - 1}", where="hw.real fault")
-        cmp = sorted(cfg.csa_layers + cfg.hca_layers)
-        if self.kind == "dropped_boundary" and self.layer not in cmp:
-            raise AbiError("layer", self.layer, f"a compressed layer (ratio {CSA} or {HCA}): one of {cmp}",
-                           where="hw.real fault dropped_boundary")
+        if self.kind == "dropped_boundary":
+            cmp = sorted(cfg.csa_layers + cfg.hca_layers)
+            if self.layer not in cmp:
+                raise AbiError("layer", self.layer, f"a compressed layer (ratio {CSA} or {HCA}): one of {cmp}",
+                               where="hw.real fault dropped_boundary")
         if self.kind in ("wrong_slot", "dropped_boundary"):
             if not hasattr(side.g.nm, "on_write"):
                 raise AbiError("device numerics", type(side.g.nm).__name__,

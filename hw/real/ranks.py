@@ -24,7 +24,7 @@ import numpy as np
 from golden.ranks.emulation import RankEmulation
 from twin.abi.errors import AbiError
 
-from ..launch import run_local_ranks, torchrun_rank, verdict_status, write_verdict
+from ..launch import process_group, run_local_ranks, torchrun_rank, verdict_status, write_verdict
 from .dist_par import DistPar
 
 __all__ = ["DistPar", "first_prefill", "rank_forward", "spawn_local", "worker"]
@@ -141,29 +141,17 @@ def _bits_equal(a, b) -> bool:
 
 def worker(rank: int, world: int, *, preset: str, seed: int, mode: str, reduction: str, out: str | None,
            init_method: str | None = None) -> dict | None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init_method or "env://")
-    try:
+    with process_group("gloo", rank, world, init_method):
         res = rank_forward(rank, world, preset=preset, seed=seed, mode=mode, reduction=reduction)
         if res is not None:
             res["backend"] = "gloo"
         return write_verdict(res, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawned(rank, world, kw, init_method):
-    import torch
-
-    torch.set_num_threads(1)
-    worker(rank, world, init_method=init_method, **kw)
 
 
 def spawn_local(world: int = 4, *, out: str, timeout_s: float = 150.0, **kw) -> dict:
     """`world` processes on 127.0.0.1 with gloo (tests, laptops); returns rank 0's verdict."""
     kw = {"preset": "tiny", "seed": 0, "mode": "device", "reduction": "ordered", **kw, "out": out}
-    return run_local_ranks(_spawned, (world, kw), world, out, timeout_s=timeout_s)
+    return run_local_ranks(worker, (world,), world, out, kwargs=kw, timeout_s=timeout_s)
 
 
 def main(argv=None) -> int:

@@ -2,11 +2,9 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
+from killed_run import ROOT
 from twin.cli import main
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 REF = ["lockstep", "--golden", "reference"]

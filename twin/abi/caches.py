@@ -156,11 +156,13 @@ class DrafterPools:
         return C.DRAFTER_LEASES_PER_GROUP * (8 * 8 + len(C.STATE_META_FIELDS) * 4)
 
 
-def lease_block(lease: int, logical_block: int, draft_layer: int) -> int:
-    """Physical drafter block: lease*6 + (Lb + 7*l) mod 6 (the three layers rotate one range)."""
+def lease_block(lease: int, logical_block, draft_layer: int):
+    """Physical drafter block: lease*6 + (Lb + 7*l) mod 6 (the three layers rotate one range);
+    logical_block an int or an integer array (then an array of blocks)."""
     n = C.DRAFTER_BLOCKS_PER_LEASE
     return lease * n + (logical_block + C.DSPARK_QUERY_WIDTH * draft_layer) % n
 
 
-def filler_block(logical_block: int, draft_layer: int) -> int:
+def filler_block(logical_block, draft_layer: int):
+    """The filler range's block for logical_block (an int or an integer array), rotated as lease_block."""
     return C.DRAFTER_FILLER_BLOCK_BASE + (logical_block + C.DSPARK_QUERY_WIDTH * draft_layer) % C.DRAFTER_BLOCKS_PER_LEASE

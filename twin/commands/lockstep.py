@@ -10,6 +10,8 @@ stopped.
 """
 from __future__ import annotations
 
+from twin.abi.errors import AbiError
+
 
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="tiny", help="a small preset (tiny or small); FLASH does not run whole on a CPU")
@@ -60,7 +62,6 @@ def run(args) -> int:
     if args.golden == "real":
         from hw.real.lockstep import build_real, parse_real_fault
         from hw.real.records import read_config
-        from twin.abi.errors import AbiError
 
         fault = parse_real_fault(args.inject) if args.inject else None
         # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions);
@@ -112,7 +113,6 @@ def _replay(args, run_dir, con, policy) -> int:
 
     from hw.real.replay import replay
     from hw.report import ReportWriter
-    from twin.abi.errors import AbiError
 
     if args.golden != "real":
         raise AbiError("golden", args.golden, "real (--replay re-judges hw.real records; for the reference golden "
