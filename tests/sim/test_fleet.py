@@ -144,7 +144,10 @@ def test_fidelity_is_checked():
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), fixed=st.booleans())
-def test_cost_model_array_forms_equal_the_list_forms(seed, fixed):
+def test_cost_model_list_forms_flatten_into_the_array_forms(seed, fixed):
+    """decode / prefill flatten their per-group lists into decode_arrays / prefill_arrays: the
+    flattening, the integer-context table against float contexts, and rows priced in Python
+    against numpy."""
     rng = np.random.default_rng(seed)
     a, b = CostModel(DEP, 3, fixed_tile=fixed), CostModel(DEP, 3, fixed_tile=fixed)
     n = int(rng.integers(1, 64))

@@ -29,10 +29,6 @@ DEP = deployment("flash", ep=16, max_model_len=1024, long_prefill_token_threshol
                  max_num_batched_tokens=8192, num_speculative_tokens=7)
 
 
-def _fam(pt, maxb, rolling):
-    return fk.family_table(pt, np.where(rolling, maxb, 1 << 40), maxb)
-
-
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 300), F=st.integers(1, 7), flash=st.booleans())
 def test_growth_equals_the_formula_for_any_page_size(seed, n, F, flash):
@@ -46,7 +42,7 @@ def test_growth_equals_the_formula_for_any_page_size(seed, n, F, flash):
     else:
         pt = rng.integers(1, 300, F)
         maxb = rng.integers(1, 80, F)
-        fam = _fam(pt, maxb, rng.random(F) < 0.5)
+        fam = fk.family_table(pt, maxb, rng.random(F) < 0.5)
     ring = fam[1]
     before = rng.integers(0, 5000, n)
     tokens = before + rng.integers(0, 300, n)
@@ -144,7 +140,6 @@ def _search_reference(run, act, part, rank, need, free, freed):
     pages is dropped, the latest arrival among the other running requests (same partition
     first) preempted, its pages added, the row retried once."""
     n = len(act)
-    G = free.shape[0]
     keep = np.ones(n, dtype=bool)
     free = free.astype(float)
     pa = part[act]
@@ -201,7 +196,6 @@ def _search_reference(run, act, part, rank, need, free, freed):
                 cs_j[kj:] += need[j]
         for g in changed:
             firsts[g] = first_bad(g, j + 1)
-    assert G == free.shape[0]
     return keep, victims
 
 
@@ -251,7 +245,7 @@ def test_prefill_packing_equals_split_prefill(seed, n, big):
     info, term, per_g, waves, chk = fk.prefill_rows(idx, pre, samples, num_new, part, plen, limits)
     rows = pre.nonzero()[0]
     assert info[0].tolist() == rows.tolist() and term.tolist() == rows[samples[rows]].tolist()
-    sim = SimpleNamespace(dep=DEP, rid=[f"r{i}" for i in range(n + 10)], G=G)
+    sim = SimpleNamespace(rid=[f"r{i}" for i in range(n + 10)], G=G, _prefill_limits=limits)
     cmd = SimpleNamespace(idx=idx, error=None)
     got = FleetExecute._pack(sim, info, per_g, chk, cmd)
     items = [SimpleNamespace(request_id=j, partition=int(part[idx[j]]), num_tokens=int(num_new[j])) for j in rows]

@@ -309,10 +309,10 @@ class CostModel:
             parts["drafter_comm"] = self._comm(qrows, self.m.dspark_num_layers)
         return parts
 
-    # ---- struct-of-arrays forms (the fleet fidelity): the same math over request arrays -------
+    # ---- struct-of-arrays forms: the formulas (the list forms above flatten into these) ----------
     def decode_arrays(self, ctx: np.ndarray, group: np.ndarray, owner: np.ndarray) -> tuple[float, dict]:
-        """`decode` for requests given as arrays (context, TP group, owner rank): one bincount
-        over (group, owner) instead of a Python list per group."""
+        """One decode step for requests given as arrays (context, TP group, owner rank): one
+        bincount over (group, owner)."""
         q = 1 + self.dep.k
         active = len(ctx)
         cell = group * self.tp + owner
@@ -349,7 +349,7 @@ class CostModel:
         return self._row_time
 
     def prefill_arrays(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
-        """`prefill` for one packed dispatch given as arrays (chunk tokens, start, TP group)."""
+        """One packed prefill dispatch given as arrays (chunk tokens, start, TP group)."""
         w = self.w["l3_prefill_fwd"]
         n_req = len(tokens)
         if n_req <= self.PREFILL_ROWS_IN_PYTHON:

@@ -163,10 +163,15 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         self.L, self.S, self.own, self.pinned = kv4             # each contiguous (slots x F)
         self._free_slots = list(range(m - 1, k - 1, -1))        # a stack: the lowest slot first
 
-    def _take_slot(self, i: int, p: int) -> int:
+    def _next_free_slot(self) -> int:
+        """The slot the next admission takes (the free stack's top; the arrays grow if none is free)."""
         if not self._free_slots:
             self._slots(2 * len(self.occ))
-        s = self._free_slots.pop()
+        return self._free_slots[-1]
+
+    def _take_slot(self, i: int, p: int) -> int:
+        s = self._next_free_slot()
+        self._free_slots.pop()
         self.slot[i] = s
         self.occ[s] = i
         self.spart[s] = p

@@ -8,19 +8,25 @@ executor), and `CostModel.prefill_arrays` / `decode_arrays` / `seed`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from twin.abi import constants as C
-
 from . import fleet_kernels as fk
 from .executor import HANG_ERROR, prefill_hangs, seed_rows
+from .worker import decode_tile_error, owner_rank_error, prefill_chunk_error, split_prefill
 
 if TYPE_CHECKING:
     from .fleet_command import Command
 
 NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+class _Chunk(NamedTuple):
+    """A prefill row as `split_prefill` reads an item (request_id: the row's position in the step)."""
+    request_id: int
+    partition: int
+    num_tokens: int
 
 
 class FleetExecute:
@@ -36,8 +42,7 @@ class FleetExecute:
         G = self.G
         if cmd.error is None and per[G]:
             err, g, got = per[G:].tolist()
-            cmd.error = (f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {got})"
-                         if err == 1 else f"TP group {g} owner rank over {C.LOCAL_REQUESTS} requests")
+            cmd.error = decode_tile_error(g, got) if err == 1 else owner_rank_error(g)
         if cmd.error:
             cmd.dispatches.append(("error", cm.device.dispatch_overhead, {}, {"error": cmd.error}))
             return
@@ -66,33 +71,25 @@ class FleetExecute:
         self.generated += int(fk.settle(idx, cmd.counts, term, dec, counts, self.committed, self.plen, com))
 
     def _pack(self, info: np.ndarray, per_g: np.ndarray, chk: np.ndarray, cmd: Command) -> list[tuple]:
-        """`split_prefill`: one dispatch when everything fits, else greedy first-fit in order.  Each
-        dispatch as (rows, TP groups, chunk tokens, meta)."""
-        dep = self.dep
+        """`split_prefill`: one dispatch when everything fits (the kernel's check), else its greedy
+        first fit in order.  Each dispatch as (rows, TP groups, chunk tokens, meta)."""
         rows, part, tok = info
-        per_part_cap, max_batch, tok_cap = dep.prefill_requests_per_partition, dep.prefill_batch, C.PREFILL_TOKENS_PER_GROUP
+        _, max_batch, per_part_cap, tok_cap = self._prefill_limits.tolist()
         fits, big, big_row = chk.tolist()
         if big > tok_cap:
-            cmd.error = f"prefill chunk of {self.rid[int(cmd.idx[big_row])]!r} has {big} tokens > {tok_cap} per partition"
+            cmd.error = prefill_chunk_error(self.rid[int(cmd.idx[big_row])], big, tok_cap)
             return []
         if fits:
             return [(rows, part, tok, {"requests_per_group": per_g[0].tolist(), "tokens_per_group": per_g[1].tolist()})]
-        out, pending = [], list(range(len(rows)))
-        while pending:
-            cur, deferred, reqs, toks = [], [], {}, {}
-            for j in pending:
-                p, t = int(part[j]), int(tok[j])
-                if len(cur) < max_batch and reqs.get(p, 0) < per_part_cap and toks.get(p, 0) + t <= tok_cap:
-                    cur.append(j)
-                    reqs[p] = reqs.get(p, 0) + 1
-                    toks[p] = toks.get(p, 0) + t
-                else:
-                    deferred.append(j)
+        # request_id: the row's position here (what a dispatch needs back)
+        chunks = [_Chunk(j, p, t) for j, (p, t) in enumerate(zip(part.tolist(), tok.tolist()))]
+        out = []
+        for batch in split_prefill(chunks, max_batch, per_part_cap, tok_cap):
+            cur = [c.request_id for c in batch.items]
             b_part = part[cur]
             out.append((rows[cur], b_part, tok[cur], {
                 "requests_per_group": np.bincount(b_part, minlength=self.G).tolist(),
                 "tokens_per_group": np.bincount(b_part, weights=tok[cur], minlength=self.G).astype(int).tolist()}))
-            pending = deferred
         return out
 
     def _seed_waves(self, longest: list[int], cmd: Command) -> None:

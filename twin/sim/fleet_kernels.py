@@ -47,10 +47,12 @@ def njit(fn=None, *, cache: bool = True, **kw):
     return deco if fn is None else deco(fn)
 
 
-def family_table(pt, ring, maxb) -> np.ndarray:
-    """The growth kernels' `fam` rows from per-family page tokens, ring sizes (huge for an
-    append-only family) and max blocks per sequence, plus log2 of the page tokens (-1 when not a
+def family_table(pt, maxb, rolling) -> np.ndarray:
+    """The growth kernels' `fam` rows from per-family page tokens, max blocks per sequence and
+    which families are rolling rings: page tokens, ring size (maxb for a ring; an append-only
+    family is a ring that never fills, 2^40), maxb, and log2 of the page tokens (-1 when not a
     power of two)."""
+    ring = np.where(rolling, maxb, 1 << 40)
     shift = [int(p).bit_length() - 1 if p & (p - 1) == 0 else -1 for p in np.asarray(pt).tolist()]
     return np.stack([pt, ring, maxb, np.array(shift, dtype=np.int64)]).astype(np.int64)
 

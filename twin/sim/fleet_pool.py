@@ -65,8 +65,7 @@ class PagePools:
         self.next_partition = np.zeros(1, dtype=np.int64)     # the round-robin start (`fleet_kernels.place`)
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
         self._first: dict[int, tuple] = {}
-        self._ring = np.where(self.rolling, self.maxb, 1 << 40)
-        self.fam = fk.family_table(self.pt, self._ring, self.maxb)      # the growth kernels' per-family rows
+        self.fam = fk.family_table(self.pt, self.maxb, self.rolling)      # the growth kernels' per-family rows
         # tokens past a boundary after which a ring no longer holds that boundary's tail pages
         self.tail_span = np.where(self.rolling, (self.maxb - self.tail) * self.pt, 0)
         self._span = self.tail_span.tolist()

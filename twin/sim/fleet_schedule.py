@@ -89,7 +89,7 @@ class FleetSchedule:
         room = self.max_running - len(self.running)
         budget0 = budget
         waiting, in_pass, this_pass, plen = self.waiting, self.in_pass, self._pass, self._plen
-        prefix, hashes, offset, free_slots = self.prefix, self.hashes, self.max_hit_offset, self._free_slots
+        prefix, hashes, offset = self.prefix, self.hashes, self.max_hit_offset
         status, cached, pub, pins, computed, ph, tpif = (self.status, self.cached, self.pub, self.pins, self.computed,
                                                         self.ph, self.tpif)
         k, A, admitted, now = self.k, kv.align, self.rec.admitted, self.now
@@ -115,13 +115,10 @@ class FleetSchedule:
             if not hit:
                 nn = min(pl, budget, self.max_seq, self.chunk)          # `_first_chunk(i, 0, budget)` inline
                 need, row = kv.first_rows(nn)
-                if not free_slots:
-                    self._slots(2 * len(self.occ))
-                    free_slots = self._free_slots
-                if fk.place(i, free_slots[-1], need, row, kv.free, kv.takes, kv.load, kv.next_partition, self.kv4,
-                            self.occ, self.spart, self.slot, self.part) < 0:
+                if fk.place(i, self._next_free_slot(), need, row, kv.free, kv.takes, kv.load, kv.next_partition,
+                            self.kv4, self.occ, self.spart, self.slot, self.part) < 0:
                     break
-                free_slots.pop()
+                self._free_slots.pop()
             waiting.popleft()
             status[i] = RUNNING
             cached[i] = hit

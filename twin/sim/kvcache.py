@@ -173,9 +173,6 @@ class KvCacheManager:
                 self.stats["evictions"] += 1
         return out
 
-    def _decref(self, f: int, p: int, b: int) -> None:
-        self._decref_all(f, p, (b,))
-
     def _decref_all(self, f: int, p: int, blocks) -> None:
         """One reference fewer on each block (None: no page); a page left unreferenced joins the
         free queue's tail with its hash kept."""

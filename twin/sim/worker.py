@@ -27,6 +27,18 @@ class StepPlan:
     finished_ids: tuple[str, ...] = ()
 
 
+def prefill_chunk_error(request_id, tokens: int, cap: int) -> str:
+    return f"prefill chunk of {request_id!r} has {tokens} tokens > {cap} per partition"
+
+
+def decode_tile_error(group: int, requests: int) -> str:
+    return f"TP group {group} decode batch exceeds local capacity {C.DECODE_BATCH} (got {requests})"
+
+
+def owner_rank_error(group: int) -> str:
+    return f"TP group {group} owner rank over {C.LOCAL_REQUESTS} requests"
+
+
 def split_prefill(items, max_batch: int, per_partition: int,
                   tokens_per_partition: int = C.PREFILL_TOKENS_PER_GROUP) -> list[PrefillBatch]:
     """`_partitioned_prefill_chunks`: greedy first-fit in order; a request that does not fit the
@@ -34,8 +46,7 @@ def split_prefill(items, max_batch: int, per_partition: int,
     pending = list(items)
     for it in pending:
         if it.num_tokens > tokens_per_partition:
-            raise ValueError(f"prefill chunk of {it.request_id!r} has {it.num_tokens} tokens > "
-                             f"{tokens_per_partition} per partition")
+            raise ValueError(prefill_chunk_error(it.request_id, it.num_tokens, tokens_per_partition))
     out = []
     while pending:
         cur, deferred = [], []
@@ -64,14 +75,14 @@ def decode_groups(items, partitions: int, k: int) -> tuple[tuple[tuple[DecodeIte
     error = None
     for g, v in enumerate(groups):
         if len(v) > C.DECODE_BATCH:
-            error = error or f"TP group {g} decode batch exceeds local capacity {C.DECODE_BATCH} (got {len(v)})"
+            error = error or decode_tile_error(g, len(v))
         if k and error is None:
             owners = [0] * C.TP_SIZE
             for it in v:
                 if it.lease is not None:
                     owners[it.lease % C.TP_SIZE] += 1
             if max(owners) > C.LOCAL_REQUESTS:
-                error = f"TP group {g} owner rank over {C.LOCAL_REQUESTS} requests"
+                error = owner_rank_error(g)
     return tuple(tuple(v) for v in groups), error
 
 
