@@ -41,6 +41,7 @@ from golden.compose import Session, forward, layer_step, rope_inputs, device_met
 from golden.heap import retain_heap
 from golden.numerics import EXACT_F32_K, MatmulRecorder, Numerics
 from golden.paged import DECODE, Span, alloc_caches, assign_blocks, lower
+from twin.abi import constants as C
 from twin.abi.presets import FLASH, SMALL
 
 
@@ -103,8 +104,8 @@ def _widener(records):
     return run
 
 
-def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests: int = 16) -> dict:
-    cfg, B, S, prefix = SMALL, requests, 8, 160
+def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests: int = C.LOCAL_REQUESTS) -> dict:
+    cfg, B, S, prefix = SMALL, requests, C.DECODE_SEQ, 160
     ck = SyntheticCheckpoint(cfg, seed=0)
     s = Session(ck, cfg, mode, B, prefix + S)
     # distinct requests: identical ones route alike (every expert's count a multiple of the request
@@ -160,7 +161,7 @@ def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests
 
 
 def flash_layer(reps: int, layer: int = 4) -> dict:
-    cfg, B, S, pos0 = FLASH, 64, 8, 4088
+    cfg, B, S, pos0 = FLASH, C.DECODE_BATCH, C.DECODE_SEQ, 4088
     nm = Numerics("device")
     ck = SyntheticCheckpoint(cfg, seed=0)
     rng = np.random.default_rng(2)
@@ -206,7 +207,9 @@ def flash_layer(reps: int, layer: int = 4) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=16, help="requests of the small decode step (8 rows each)")
+    ap.add_argument("--requests", type=int, default=C.LOCAL_REQUESTS,
+                    help=f"requests of the small decode step, {C.DECODE_SEQ} rows each (default: one owner rank's "
+                         f"{C.LOCAL_REQUESTS}; {C.DECODE_BATCH}: the {C.DECODE_TOKENS}-row decode tile)")
     ap.add_argument("--skip-flash", action="store_true")
     ap.add_argument("--skip-jax", action="store_true")
     ap.add_argument("--blas-threads", type=int, default=1)

@@ -54,6 +54,11 @@ JAX (`golden.jax_path`, `golden.jax_numerics`)
         arrays (to_numpy(tree) converts), donate=True updates them in place; taps from
         JAX_TAP_STAGES
 
+Process setup (`golden.heap`, `golden.blas`)
+    heap.retain_heap() -> glibc settings used (None elsewhere): freed temporaries stay in the heap
+        for the next step's reuse; blas.blas_threads(n) / single_threaded_blas(): NumPy's OpenBLAS
+        threads (golden's many small GEMMs run fastest on one)
+
 Building on it (Golden II): run `forward` with `Taps(stages=["attn_in", "x_hc"])`, take
 `target_hidden(...)` for the drafter input, call `layer_step` for draft layers with your own
 caches, and `final_head` / `lm_head` + `greedy_sample` for the heads.  Caches are plain per-layer

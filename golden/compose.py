@@ -121,42 +121,53 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
     return x_hc, pools
 
 
-def csa_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm):
+def csa_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, selection=None, proj=None, pool_branch=None):
     """The two ratio-4 compressors of a CSA layer, the attention one and the indexer's (writes
-    `pools` in place of the returned arrays) -> the compressed rows written to csa_cmp_kv."""
+    `pools` in place of the returned arrays) -> the compressed rows written to csa_cmp_kv.
+    selection, pool_branch: as `compressor` takes them; proj(wkv name, wgate name): the products
+    when the caller has them (the JAX path's fused projection GEMM; its w then lacks those names)."""
     ccos, csin = rope["csa_cmp"]
+    pj = proj or (lambda a, b: None)
     pools["csa_cmp_kv"], pools["csa_compress_state"], rows = compressor(
         x_n, pos, req, first, pools["csa_compress_state"], m["csa_compress_state_block_table"],
-        m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w["csa_cmp_wkv"],
-        w["csa_cmp_wgate"], w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm)
+        m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w.get("csa_cmp_wkv"),
+        w.get("csa_cmp_wgate"), w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm,
+        selection=selection, proj=pj("csa_cmp_wkv", "csa_cmp_wgate"), pool_branch=pool_branch)
     pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"], _ = indexer_compressor(
         x_n, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
         m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
-        m["csa_idx_slot_mapping"], w["csa_inner_wkv"], w["csa_inner_wgate"], w["csa_inner_ape"],
-        w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm)
+        m["csa_idx_slot_mapping"], w.get("csa_inner_wkv"), w.get("csa_inner_wgate"), w["csa_inner_ape"],
+        w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm, selection=selection,
+        proj=pj("csa_inner_wkv", "csa_inner_wgate"))
     return rows
 
 
-def hca_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, form):
+def hca_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, form, selection=None, proj=None,
+                 pool_branch=None, n_max=None):
     """The ratio-128 compressor of an HCA layer (writes `pools` in place of the returned arrays) and
-    the compressed rows attention reads: (rows written, cmp keyword arguments of sparse_attention)."""
+    the compressed rows attention reads: (rows written, cmp keyword arguments of sparse_attention).
+    selection, proj, pool_branch as in `csa_compress`; n_max: the rows' static width (default:
+    m's n_hca_rows, else the call's most)."""
     hcos, hsin = rope["hca_cmp"]
+    pj = proj or (lambda a, b: None)
     pools["hca_cmp_kv"], pools["hca_compress_state"], rows = compressor(
         x_n, pos, req, first, pools["hca_compress_state"], m["hca_compress_state_block_table"],
-        m["hca_state_slot_mapping"], pools["hca_cmp_kv"], m["hca_cmp_slot_mapping"], w["hca_cmp_wkv"],
-        w["hca_cmp_wgate"], w["hca_cmp_ape"], w["hca_cmp_norm_w"], hcos, hsin, ratio=128, cfg=cfg, nm=nm,
-        missing=ZERO if form == PREFILL else EXCLUDE)
+        m["hca_state_slot_mapping"], pools["hca_cmp_kv"], m["hca_cmp_slot_mapping"], w.get("hca_cmp_wkv"),
+        w.get("hca_cmp_wgate"), w["hca_cmp_ape"], w["hca_cmp_norm_w"], hcos, hsin, ratio=128, cfg=cfg, nm=nm,
+        missing=ZERO if form == PREFILL else EXCLUDE, selection=selection, proj=pj("hca_cmp_wkv", "hca_cmp_wgate"),
+        pool_branch=pool_branch)
     cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
-    cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm,
-                                                             n_max=m.get("n_hca_rows")),
+    n_max = m.get("n_hca_rows") if n_max is None else n_max
+    cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm, n_max=n_max),
                cmp_block_table=m["hca_cmp_block_table"])
     return rows, cmp
 
 
-def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=None, top_k=None, post_fn=None):
+def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=None, top_k=None,
+                 stream_mix=None):
     """One MoE sub-layer.  expert(e) -> routed weights of expert e of this layer.  A backend may
     swap in its own routed/shared experts (`moe`, moe_experts' signature), router selection
-    (`top_k`, as `gate` takes it) and stream mix (`post_fn`, hc_post's signature)."""
+    (`top_k`, as `gate` takes it) and stream mix (`stream_mix`, as `hc_post` takes it)."""
     x_mixed, post, comb = hc_pre(x_hc, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg=cfg, nm=nm)
     _tap(taps, layer, "ffn_x_mixed", x_mixed)
     x_i8, x_scale, idx, wts = gate(x_mixed, w["norm_w"], w["gate_w"], w.get("gate_bias"), w.get("tid2eid"),
@@ -166,7 +177,7 @@ def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=N
     shared = {k: w[k] for k in SHARED_NAMES}
     ffn_out = (moe or moe_experts)(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
     _tap(taps, layer, "ffn_out", ffn_out)
-    x_hc = (post_fn or hc_post)(ffn_out, x_hc, post, comb, cfg=cfg, nm=nm)
+    x_hc = hc_post(ffn_out, x_hc, post, comb, cfg=cfg, nm=nm, stream_mix=stream_mix)
     _tap(taps, layer, "x_hc", x_hc)
     return x_hc
 

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .compose import csa_compress, hca_compress
 from .jax_select import first_max, top_k_desc
-from .kernels.compressor import EXCLUDE, compressor, indexer_compressor
 from .kernels.hyper_connections import hc_head, hc_post, hc_pre
 from .kernels.lm_head import lm_head
 from .kernels.indexer import PREFILL_SCORE_CAP, index_query
@@ -36,7 +36,7 @@ from .kernels.o_proj import o_proj, pack_groups
 from .kernels.qkv_proj_rope import qkv_proj_rope
 from .kernels.rmsnorm import rms_norm
 from .kernels.rope import rope_tail_bf16
-from .kernels.sparse_attention import TILE, csa_rows, hca_rows
+from .kernels.sparse_attention import TILE, csa_rows
 from .numerics import EXACT_F32_K, FP32_NEG_INF, NEG_INF_ATTN
 from .paged import PREFILL
 
@@ -114,23 +114,17 @@ def layout(meta, group: int = GROUP) -> Layout:
 
 
 # ---- compressors: pool the host-selected boundary tokens only ---------------------------------
-def compressor_sel(x, sel, sel_ok, positions, req, first_pos, compress_state, state_block_table,
-                   state_slot_mapping, cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *,
-                   ratio, cfg, nm, missing=EXCLUDE, proj=None):
-    """golden.kernels.compressor.compressor with `sel` given (a static-length list of rows), its
-    pooling skipped at run time when no row of `sel` is a real boundary (a ratio-128 compressor's
-    decode step mostly: 16 padded windows of 128 rows otherwise pooled for nothing).  proj: the
-    (x @ wkv.T, x @ wgate.T) products already computed (`fused_projections`)."""
-    def branch(rows, state):
+def boundary_branch(sel_ok, nm):
+    """`compressor`'s pool_branch on JAX: pool the host-selected rows only when one of them is a real
+    boundary (a ratio-128 compressor's decode step mostly has none, and would pool 16 padded
+    windows of 128 rows for nothing); one compiled step serves both cases."""
+    def branch(rows, state, shape):
         def traced(st):
             y = rows(st)
             nm.reads.pop(id(st), None)              # a tracer of the branch: see _if_any_boundary
             return y
-        return _if_any_boundary(sel_ok, traced, state, (sel.shape[0], cmp_kv.shape[-1]), nm)
-
-    return compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping, cmp_kv,
-                      cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, ratio=ratio, cfg=cfg, nm=nm,
-                      missing=missing, selection=(sel, sel_ok), proj=proj, pool_branch=branch)[:2]
+        return _if_any_boundary(sel_ok, traced, state, shape, nm)
+    return branch
 
 
 def _if_any_boundary(sel_ok, rows, state, shape, nm):
@@ -141,16 +135,6 @@ def _if_any_boundary(sel_ok, rows, state, shape, nm):
     y = lax.cond(jnp.any(sel_ok), rows, lambda st: jnp.zeros(shape, nm.f), state)
     nm.reads[id(state)] = (state, y)
     return y
-
-
-def indexer_compressor_sel(x, sel, sel_ok, positions, req, first_pos, inner_state, state_block_table,
-                           state_slot_mapping, idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate,
-                           inner_ape, inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm, proj=None):
-    """golden.kernels.compressor.indexer_compressor with `sel` given; proj as in compressor_sel."""
-    return indexer_compressor(x, positions, req, first_pos, inner_state, state_block_table, state_slot_mapping,
-                              idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate, inner_ape,
-                              inner_norm_w, hadamard, cmp_cos, cmp_sin, cfg=cfg, nm=nm,
-                              selection=(sel, sel_ok), proj=proj)[:3]
 
 
 # ---- one GEMM for the projections of the attn-normed activations ----------------------------
@@ -376,12 +360,16 @@ def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, fo
     return hc_post_streams(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools
 
 
+def stream_sum(c, r):
+    """hc_post's stream mix [T, in, out] x [T, in, D] -> [T, out, D] as a sum of products over the
+    input streams (XLA CPU runs the per-token 4 x 4 batched GEMM ~2x slower; written as chained
+    multiply-adds instead, XLA fuses it into the next hc_post and recomputes it per read)."""
+    return jnp.sum(c[:, :, :, None] * r[:, :, None, :], axis=1)
+
+
 def hc_post_streams(x, residual, post, comb, *, cfg, nm):
-    """golden.kernels.hyper_connections.hc_post with the [HC, HC] stream mix as a sum of products
-    over the input streams (XLA CPU runs the per-token 4 x 4 batched GEMM ~2x slower; written as
-    chained multiply-adds instead, XLA fuses it into the next hc_post and recomputes it per read)."""
-    return hc_post(x, residual, post, comb, cfg=cfg, nm=nm,
-                   stream_mix=lambda c, r: jnp.sum(c[:, :, :, None] * r[:, :, None, :], axis=1))
+    """golden.kernels.hyper_connections.hc_post with `stream_sum` as its stream mix."""
+    return hc_post(x, residual, post, comb, cfg=cfg, nm=nm, stream_mix=stream_sum)
 
 
 def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None):
@@ -396,19 +384,9 @@ def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n
     pos, req, first = m["position_ids"], m["req"], m["first_pos"]
     cmp = {}
     if ratio == 4:
-        ccos, csin = rope["csa_cmp"]
-        sel, ok = g["g_sel4"], g["g_sel_ok4"]
-        pools["csa_cmp_kv"], pools["csa_compress_state"] = compressor_sel(
-            x_n, sel, ok, pos, req, first, pools["csa_compress_state"], m["csa_compress_state_block_table"],
-            m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w.get("csa_cmp_wkv"),
-            w.get("csa_cmp_wgate"), w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm,
-            proj=pj("csa_cmp_wkv", "csa_cmp_wgate"))
-        pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"] = indexer_compressor_sel(
-            x_n, sel, ok, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
-            m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
-            m["csa_idx_slot_mapping"], w.get("csa_inner_wkv"), w.get("csa_inner_wgate"), w["csa_inner_ape"],
-            w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm,
-            proj=pj("csa_inner_wkv", "csa_inner_wgate"))
+        ok = g["g_sel_ok4"]
+        csa_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, selection=(g["g_sel4"], ok),
+                     proj=pj, pool_branch=boundary_branch(ok, nm))
         cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
         topk = lightning_indexer_grouped(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
                                          w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin, pools["idx_kv_cache"],
@@ -417,20 +395,11 @@ def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n
         cmp = dict(cmp_kv=pools["csa_cmp_kv"], cmp_rows=csa_rows(topk, pos, nm=nm),
                    cmp_block_table=m["csa_cmp_block_table"], n_cmp=n_idx)
     elif ratio == 128:
-        from .compose import PREFILL_HCA_CAP
-        from .kernels.compressor import ZERO
-        hcos, hsin = rope["hca_cmp"]
-        pools["hca_cmp_kv"], pools["hca_compress_state"] = compressor_sel(
-            x_n, g["g_sel128"], g["g_sel_ok128"], pos, req, first, pools["hca_compress_state"],
-            m["hca_compress_state_block_table"], m["hca_state_slot_mapping"], pools["hca_cmp_kv"],
-            m["hca_cmp_slot_mapping"], w.get("hca_cmp_wkv"), w.get("hca_cmp_wgate"), w["hca_cmp_ape"], w["hca_cmp_norm_w"],
-            hcos, hsin, ratio=128, cfg=cfg, nm=nm, missing=ZERO if form == PREFILL else EXCLUDE,
-            proj=pj("hca_cmp_wkv", "hca_cmp_wgate"))
-        cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
+        ok = g["g_sel_ok128"]
+        _, hca = hca_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, form=form,
+                              selection=(g["g_sel128"], ok), proj=pj, pool_branch=boundary_branch(ok, nm), n_max=n_hca)
         if n_hca:
-            cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm,
-                                                                     n_max=n_hca),
-                       cmp_block_table=m["hca_cmp_block_table"], n_cmp=n_hca)
+            cmp = dict(hca, n_cmp=n_hca)
     pools["kv_cache"] = nm.set_rows(pools["kv_cache"], m["ori_slot_mapping"], nm.store_bf16(kv))
     o = sparse_attention_grouped(q, pools["kv_cache"], w["attn_sink"], cos, sin, g, req=req, cfg=cfg, nm=nm, **cmp)
     return o_proj_grouped(o, w["wo_a"], w["wo_b"], w["wo_b_scale"], cfg=cfg, nm=nm), pools

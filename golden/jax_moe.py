@@ -5,7 +5,7 @@ in expert blocks (`golden.jax_kernels.moe_blocks`, combined as moe_experts combi
 from __future__ import annotations
 
 from .compose import moe_sublayer as compose_moe_sublayer
-from .jax_kernels import hc_post_streams, moe_blocks
+from .jax_kernels import moe_blocks, stream_sum
 from .jax_select import top_k_desc
 from .kernels.moe import moe_combine
 
@@ -20,5 +20,5 @@ def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None, scra
                                     scratch=box[0])
         return moe_combine(routed, x_i8, x_scale, shared, cfg=cfg, nm=nm)
     x_hc = compose_moe_sublayer(x_hc, layer, w, None, input_ids, cfg=cfg, nm=nm, taps=taps, moe=moe,
-                                top_k=top_k_desc, post_fn=hc_post_streams)
+                                top_k=top_k_desc, stream_mix=stream_sum)
     return x_hc, box[0]

@@ -34,6 +34,7 @@ from .jax_moe import moe_sublayer
 from .jax_numerics import Fp32Numerics
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
+from .kernels.sparse_attention import TILE
 from .numerics import BF16, Numerics
 from .paged import PREFILL, StepMeta
 
@@ -96,13 +97,13 @@ class JaxGolden:
         self._fns = {}
         self.rope_rows = RopeRows(cfg, self.host_nm, np.dtype(self.nm.f))
 
-    def _step_fn(self, form, n_idx, n_hca, lay, donate, stages, spec):
+    def _step_fn(self, form, n_idx, n_hca, donate, stages, spec):
         # spec (every host array's name, dtype and shape) determines the layout's static sizes:
         # g_tok's shape, g_win_slot's width, the window tiles (swa_indices' width) and g_sel*'s lengths
         key = (form, n_idx, n_hca, donate, stages, spec)
         if key in self._fns:
             return self._fns[key]
-        cfg, nm, n_win_tiles, rows = self.cfg, self.nm, lay.n_win_tiles, self._rows
+        cfg, nm, n_win_tiles, rows = self.cfg, self.nm, win_tiles(spec), self._rows
 
         def step(model, layers, experts, pools, bufs):
             nm.reads.clear()
@@ -176,7 +177,7 @@ class JaxGolden:
         with jax.enable_x64(True):
             bufs = jax.device_put(bufs)
             pools = [c.raw if isinstance(c, LayerPools) else _to_bits(c, donate) for c in caches]
-            fn = self._step_fn(meta.form, n_idx, n_hca, lay, donate, stages, spec)
+            fn = self._step_fn(meta.form, n_idx, n_hca, donate, stages, spec)
             args = (self.model, (self._stacked, self._own), self.experts, pools, bufs)
             # for stablehlo(): the pools by (shape, dtype) only (holding them would keep a copied-in
             # pool set alive between calls; a ShapeDtypeStruct per pool costs ~5 us a call); the
@@ -237,6 +238,12 @@ def stack_vectors(layers: list) -> tuple:
 
 
 _META, _ROPE = "m:", "rope:"      # name prefixes of the packed host arrays (layout names start "g_")
+
+
+def win_tiles(spec) -> int:
+    """The window's tiles of a packed call (Layout.n_win_tiles), from swa_indices' width in its spec."""
+    width = next(shape for name, _, _, shape in spec if name == _META + "swa_indices")[1]
+    return -(-width // TILE)
 
 
 def _pack(arrays: dict):

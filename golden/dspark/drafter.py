@@ -22,8 +22,8 @@ from ..kernels.embedding import lookup_embedding
 from ..kernels.hyper_connections import hc_head, hc_post, hc_pre
 from ..kernels.o_proj import pack_groups
 from ..kernels.qkv_proj_rope import qkv_proj_rope
-from ..kernels.rmsnorm import rms_norm, rmsnorm_f
-from ..kernels.rope import SWA_PROFILE, rope_rotate, rope_rows, rope_tail
+from ..kernels.rmsnorm import rms_norm
+from ..kernels.rope import SWA_PROFILE, compressed_rows, rope_rotate, rope_rows
 from ..numerics import NEG_INF_ATTN
 from .parallel import SINGLE
 from .ring import ring_slots, window_positions
@@ -42,12 +42,7 @@ def dspark_proj(main_hidden, main_proj_weight, main_norm_weight, *, cfg, nm):
 def context_kv(main_x, wkv, gamma_ckv, positions, *, cfg, nm):
     """k = rmsnorm(main_x . wkv) (f32), RoPE (theta 1e4, no YaRN) on the tail, stored bf16."""
     cos, sin = rope_rows(cfg, SWA_PROFILE, positions, nm)
-    k = rmsnorm_f(nm.act(main_x) @ nm.asf(wkv), gamma_ckv, nm, cfg.rms_norm_eps)
-    k = rope_tail(k, cos, sin, nm)
-    if nm.mode == "official":
-        R = cfg.qk_rope_head_dim
-        k = nm.xp.concatenate([nm.kv_fp8(k[:, :-R]), k[:, -R:]], axis=-1)
-    return nm.bf16(k)
+    return compressed_rows(nm.act(main_x) @ nm.asf(wkv), gamma_ckv, cos, sin, cfg=cfg, nm=nm)
 
 
 def write_rows(pool, l, slots, rows, *, nm):

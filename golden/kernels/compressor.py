@@ -15,7 +15,7 @@ so pooling never reads a row this call writes.
 from __future__ import annotations
 
 from .rmsnorm import rmsnorm_f
-from .rope import compressed_rows, rope_tail_bf16   # compressed_rows: re-exported for existing importers
+from .rope import compressed_rows, rope_tail_bf16
 
 EXCLUDE, ZERO = "exclude", "zero"     # how a missing (unmapped) state row enters the softmax
 
@@ -89,8 +89,9 @@ def compressor(x, positions, req, first_pos, compress_state, state_block_table, 
     x [T, D] attn-normed; positions/req [T]; first_pos [B]; cmp_cos/sin [T, R] rows of the compress
     profile at the window start p - ratio + 1.  Returns (cmp_kv, compress_state, (sel, rows)) where
     rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens.  selection and
-    proj as in `indexer_compressor`; pool_branch(rows, compress_state) runs rows(compress_state),
-    the pooling (the JAX path skips it at run time in a call without a real boundary)."""
+    proj as in `indexer_compressor`; pool_branch(rows, compress_state, shape) runs
+    rows(compress_state), the pooling, whose result has `shape` (the JAX path skips it at run time in
+    a call without a real boundary)."""
     kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm, proj=proj)
     sel, is_b = selection if selection is not None else boundary_selection(positions, ratio, nm)
 
@@ -98,7 +99,8 @@ def compressor(x, positions, req, first_pos, compress_state, state_block_table, 
         pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_block_table, ratio=ratio, nm=nm,
                            missing=missing)
         return compressed_rows(pooled, norm_w, cmp_cos[sel], cmp_sin[sel], cfg=cfg, nm=nm)
-    y = rows(compress_state) if pool_branch is None else pool_branch(rows, compress_state)
+    y = (rows(compress_state) if pool_branch is None else
+         pool_branch(rows, compress_state, (sel.shape[0], cmp_kv.shape[-1])))
     slots = nm.xp.where(is_b, cmp_slot_mapping[sel], -1)
     cmp_kv = nm.set_rows(cmp_kv, slots, nm.store_bf16(y))
     compress_state = nm.set_rows(compress_state, state_slot_mapping, nm.xp.concatenate([kvp, scp], -1))

@@ -23,7 +23,6 @@ def test_small_decode_prints_its_step_against_its_gemms():
     assert d["requests"] == 2 and d["rows_per_request"] == 8 and d["gemm_calls"] > 0
     for k in ("numpy_step_s", "gemms_alone_s", "step_over_gemms", "step_over_gemms_cpu"):
         assert math.isfinite(d[k]) and d[k] > 0, k
-    assert d["step_over_gemms"] == d["numpy_step_s"] / d["gemms_alone_s"]
     assert "jax_speedup" not in d and d["target_step_over_gemms"] == 2.0
 
 

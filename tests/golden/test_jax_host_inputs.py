@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 from golden.compose import rope_inputs
 from golden.jax_kernels import layout
-from golden.jax_path import _META, RopeRows, _pack, _unpack
-from golden.kernels.sparse_attention import TILE
+from golden.jax_path import _META, RopeRows, _pack, _unpack, win_tiles
 from golden.paged import DECODE, PREFILL, Span, assign_blocks, lower
 from golden.numerics import Numerics
 from twin.abi.presets import SMALL, TINY
@@ -81,5 +80,5 @@ def test_the_packed_spec_determines_the_layouts_static_sizes(cfg, form, spans):
     _, spec = _pack({**{_META + k: v for k, v in meta.arrays().items()}, **lay.arrays()})
     shape = {name: s for name, _, _, s in spec}
     assert shape["g_tok"] == lay.tok.shape and shape["g_win_slot"][1] == lay.win_slot.shape[1]
-    assert -(-shape[_META + "swa_indices"][1] // TILE) == lay.n_win_tiles
+    assert win_tiles(spec) == lay.n_win_tiles          # what the jitted step reads (JaxGolden._step_fn)
     assert {r: shape[f"g_sel{r}"][0] for r in lay.sel} == {r: len(v) for r, v in lay.sel.items()}

@@ -219,7 +219,7 @@ def test_grouped_attention_equals_numpy(kind):
 
 @pytest.mark.parametrize("mode", ["device", "exact"])
 @pytest.mark.parametrize("routing", ["random", "skewed", "repeats"])
-def test_moe_blocked_equals_grouped_dispatch(tiny_ckpt, mode, routing):
+def test_moe_blocks_equal_grouped_dispatch(tiny_ckpt, mode, routing):
     """Every route lands in its expert's block: random routing, all routes on two experts (blocks
     of one expert far past the block size), and tokens that pick one expert more than once (a
     route's rank counts its own token's earlier picks)."""

@@ -6,7 +6,7 @@ import platform
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from golden.compose import SHARED_NAMES
@@ -130,15 +130,19 @@ def _combine_tiles_generic(m, l_t, o_raw, any_t, sink):
 @settings(max_examples=40)
 @given(t=st.integers(1, 12), nt=st.sampled_from([1, 2, 3, 5, 9]), empty=st.floats(0.0, 0.6),
        seed=st.integers(0, 2 ** 16))
+@example(t=5, nt=3, empty=0.0, seed=1)        # every tile valid: the path that skips the masks
+@example(t=12, nt=9, empty=0.0, seed=2)
 def test_tile_combination_gives_the_generic_bits(t, nt, empty, seed):
     """Tiles with no valid candidate (m = the masking value) and rows with none at all included;
-    9 tiles: the denominator's sum over tiles is pairwise there, as in the generic code."""
+    9 tiles: the denominator's sum over tiles is pairwise there, as in the generic code; -0 and +0
+    terms in the output sums."""
     rng = np.random.default_rng(seed)
     H, HD = 8, 16
     any_t = rng.random((t, 1, nt)) >= empty
     m = np.where(any_t, rng.standard_normal((t, H, nt)) * 4, -1e20)
     l_t = np.where(any_t, rng.uniform(1, 50, (t, H, nt)), 0.0)
     o_raw = rng.standard_normal((t, nt, H, HD)) * (rng.random((t, nt, 1, 1)) < 0.9)
+    o_raw[0, :, 0, 0] = -0.0
     sink = rng.standard_normal(H)
     got = _combine_tiles_np(m, l_t, o_raw, any_t, sink)
     want = _combine_tiles_generic(m, l_t, o_raw, any_t, sink)
@@ -208,22 +212,6 @@ def test_retain_heap_names_bad_thresholds():
         assert got == want
     else:
         assert got is None or got == want
-
-
-@settings(max_examples=20)
-@given(t=st.integers(1, 12), nt=st.sampled_from([2, 3, 9]), seed=st.integers(0, 2 ** 16))
-def test_tile_combination_with_every_tile_valid_gives_the_generic_bits(t, nt, seed):
-    rng = np.random.default_rng(seed)
-    H, HD = 8, 16
-    any_t = np.ones((t, 1, nt), bool)
-    m = rng.standard_normal((t, H, nt)) * 4
-    l_t = rng.uniform(1, 50, (t, H, nt))
-    o_raw = rng.standard_normal((t, nt, H, HD)) * (rng.random((t, nt, 1, 1)) < 0.9)   # -0 and +0 terms too
-    o_raw[0, :, 0, 0] = -0.0
-    sink = rng.standard_normal(H)
-    got = _combine_tiles_np(m, l_t, o_raw, any_t, sink)
-    want = _combine_tiles_generic(m, l_t, o_raw, any_t, sink)
-    assert np.array_equal(got.view(np.int64), want.view(np.int64))
 
 
 @settings(max_examples=15)
