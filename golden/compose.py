@@ -128,11 +128,8 @@ def csa_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, selection=
     when the caller has them (the JAX path's fused projection GEMM; its w then lacks those names)."""
     ccos, csin = rope["csa_cmp"]
     pj = proj or (lambda a, b: None)
-    pools["csa_cmp_kv"], pools["csa_compress_state"], rows = compressor(
-        x_n, pos, req, first, pools["csa_compress_state"], m["csa_compress_state_block_table"],
-        m["csa_state_slot_mapping"], pools["csa_cmp_kv"], m["csa_cmp_slot_mapping"], w.get("csa_cmp_wkv"),
-        w.get("csa_cmp_wgate"), w["csa_cmp_ape"], w["csa_cmp_norm_w"], ccos, csin, ratio=4, cfg=cfg, nm=nm,
-        selection=selection, proj=pj("csa_cmp_wkv", "csa_cmp_wgate"), pool_branch=pool_branch)
+    rows = _main_compressor("csa", 4, x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, selection=selection,
+                            proj=pj, pool_branch=pool_branch)
     pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"], _ = indexer_compressor(
         x_n, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
         m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
@@ -142,20 +139,28 @@ def csa_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, selection=
     return rows
 
 
+def _main_compressor(kind, ratio, x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, proj, missing=EXCLUDE,
+                     selection=None, pool_branch=None):
+    """The layer's main KV compressor ("csa": ratio 4, "hca": ratio 128), its ABI names by kind."""
+    cos, sin = rope[f"{kind}_cmp"]
+    wkv, wgate = f"{kind}_cmp_wkv", f"{kind}_cmp_wgate"
+    pools[f"{kind}_cmp_kv"], pools[f"{kind}_compress_state"], rows = compressor(
+        x_n, pos, req, first, pools[f"{kind}_compress_state"], m[f"{kind}_compress_state_block_table"],
+        m[f"{kind}_state_slot_mapping"], pools[f"{kind}_cmp_kv"], m[f"{kind}_cmp_slot_mapping"], w.get(wkv),
+        w.get(wgate), w[f"{kind}_cmp_ape"], w[f"{kind}_cmp_norm_w"], cos, sin, ratio=ratio, cfg=cfg, nm=nm,
+        missing=missing, selection=selection, proj=proj(wkv, wgate), pool_branch=pool_branch)
+    return rows
+
+
 def hca_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, form, selection=None, proj=None,
                  pool_branch=None, n_max=None):
     """The ratio-128 compressor of an HCA layer (writes `pools` in place of the returned arrays) and
     the compressed rows attention reads: (rows written, cmp keyword arguments of sparse_attention).
     selection, proj, pool_branch as in `csa_compress`; n_max: the rows' static width (default:
     m's n_hca_rows, else the call's most)."""
-    hcos, hsin = rope["hca_cmp"]
-    pj = proj or (lambda a, b: None)
-    pools["hca_cmp_kv"], pools["hca_compress_state"], rows = compressor(
-        x_n, pos, req, first, pools["hca_compress_state"], m["hca_compress_state_block_table"],
-        m["hca_state_slot_mapping"], pools["hca_cmp_kv"], m["hca_cmp_slot_mapping"], w.get("hca_cmp_wkv"),
-        w.get("hca_cmp_wgate"), w["hca_cmp_ape"], w["hca_cmp_norm_w"], hcos, hsin, ratio=128, cfg=cfg, nm=nm,
-        missing=ZERO if form == PREFILL else EXCLUDE, selection=selection, proj=pj("hca_cmp_wkv", "hca_cmp_wgate"),
-        pool_branch=pool_branch)
+    rows = _main_compressor("hca", 128, x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm,
+                            missing=ZERO if form == PREFILL else EXCLUDE, selection=selection,
+                            proj=proj or (lambda a, b: None), pool_branch=pool_branch)
     cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
     n_max = m.get("n_hca_rows") if n_max is None else n_max
     cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm, n_max=n_max),
