@@ -173,12 +173,17 @@ def test_total_kv_pages_as_upstream():
         hbm_account(d, total_kv_pages=90, measured=Measurement(SLOTS, 3))
 
 
-def test_allocation_is_tested_against_the_physically_free_hbm():
-    d = flash(1024, 8192)
+def test_allocation_is_tested_against_the_physically_free_hbm_and_halves():
+    d = flash(1024, 8192)                            # 376 MB per slot, ori 37 blocks per request
     acct = hbm_account(d)
     free = HBM - acct.used_before_kv - acct.scratch_bytes
     n = free // acct.bytes_per_slot
     assert acct.allocates(n) and not acct.allocates(n + 1)
+    assert acct.requested_slots == acct.slots_per_partition < n          # the 0.9 budget always allocates
+    # upstream's page knob asks for 64 slots; the pools do not fit, so they halve to the largest that does
+    pages = hbm_account(d, total_kv_pages=64 * 37)
+    got = pages.slots_per_partition
+    assert pages.requested_slots == 64 and got in (1, 2, 4, 8, 16, 32) and got <= n < 2 * got
 
 
 @pytest.mark.parametrize("m,match", [

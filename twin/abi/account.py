@@ -11,7 +11,7 @@ from typing import Mapping
 from . import constants as C
 from .budget import (MEASURED_BOOT, NOMINAL_HBM, SLOTS, Boot, Measurement, Remainder, budget_interval,
                      slots_or_zero, validate_measurement)
-from .capacity import admit_slots, bytes_per_slot, family_sizing, kv_budget, scratch_bytes, slots_from_budget
+from .capacity import admit_slots, allocate_with_retry, bytes_per_slot, family_sizing, kv_budget, scratch_bytes, slots_from_budget
 from .errors import CapacityError, ConfigError
 from .hbm import AFTER, BEFORE, SOURCES, Line, device_buffers, itemized_lines, used_before_kv
 from .topology import Deployment
@@ -44,6 +44,7 @@ class HbmAccount:
     env: Mapping[str, str] | None = None
     ring_heap: str | None = None
     weights_by_buffer: dict[str, int] = field(default_factory=dict)
+    requested_slots: int = 0              # before the halving retry (upstream's `requested` in its log line)
 
     @property
     def fits(self) -> bool:
@@ -127,7 +128,7 @@ class HbmAccount:
             "kv_budget_bytes": self.kv_budget, "kv_budget_interval_bytes": list(self.kv_budget_interval),
             "unexplained_bytes": self.remainder.point,
             "unexplained_interval_bytes": [self.remainder.lo, self.remainder.hi],
-            "slots_per_partition": self.slots_per_partition,
+            "requested_slots_per_partition": self.requested_slots, "slots_per_partition": self.slots_per_partition,
             "max_live_max_length_requests": self.slots_per_partition * d.partitions,
             "per_rank_bytes": self.breakdown, "per_rank_used_bytes": self.total_used,
             "per_rank_after_kv_sizing_bytes": self.after_kv_sizing, "headroom_after_kv_bytes": self.headroom,
@@ -159,8 +160,9 @@ def hbm_account(dep: Deployment, *, hbm_bytes: int = NOMINAL_HBM, env: Mapping[s
 
     measured: a figure of a boot at `dep` (it fixes the `unexplained` line); otherwise the line
     comes from MEASURED_BOOT.  total_kv_pages: upstream's knob, slots = pages // ori blocks, capped at
-    64, no budget check (allocation may still fail: `allocates`).  When not even one slot fits,
-    `strict` raises the startup error; otherwise the account carries it."""
+    64, no budget check.  The requested slots then go through the halving retry against the HBM left
+    physically free (`allocates`).  When not even one slot fits, `strict` raises the startup error;
+    otherwise the account carries it."""
     if measured is not None and total_kv_pages is not None:
         raise ConfigError("total_kv_pages", total_kv_pages, "None when a measured figure fixes the budget")
     if measured is not None:
@@ -195,5 +197,13 @@ def hbm_account(dep: Deployment, *, hbm_bytes: int = NOMINAL_HBM, env: Mapping[s
             raise
         slots, error = 0, str(e)
     bufs = device_buffers(dep)
-    return HbmAccount(dep, hbm_bytes, lines, remainder, source, detail, point, interval, slots, error, env,
-                      ring_heap, {**bufs["target_weights"], **bufs["drafter_weights"]})
+    acct = HbmAccount(dep, hbm_bytes, lines, remainder, source, detail, point, interval, slots, error, env,
+                      ring_heap, {**bufs["target_weights"], **bufs["drafter_weights"]}, requested_slots=slots)
+    if slots and not (measured is not None and measured.kind == SLOTS):     # a measured count was allocated
+        try:
+            acct.slots_per_partition = allocate_with_retry(slots, acct.allocates)
+        except CapacityError as e:
+            if strict:
+                raise
+            acct.slots_per_partition, acct.error = 0, str(e)
+    return acct

@@ -75,6 +75,9 @@ def run(args) -> int:
         con.print(f"[yellow]warning[/yellow]: what is allocated after KV sizing "
                   f"({sum(acct.after_kv_sizing.values()) / GIB:.3f} GiB) exceeds the {acct.headroom / GIB:.3f} GiB "
                   "left: a later dispatch would run out of HBM")
+    if acct.fits and acct.requested_slots != acct.slots_per_partition:
+        con.print(f"requested {acct.requested_slots} slots: the pools do not fit the HBM left free, halved to "
+                  f"{acct.slots_per_partition}")
     if acct.fits:
         con.print(f"slots per partition: [bold]{acct.slots_per_partition}[/bold] "
                   f"(x {dep.partitions} partitions = {acct.slots_per_partition * dep.partitions} max-length requests)")
