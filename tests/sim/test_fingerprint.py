@@ -91,7 +91,9 @@ def saturated_cfg(n=300, seed=0):
     dep = make_dep(max_num_seqs=256)
     reqs = generate(WorkloadSpec(num_requests=n, arrival="burst", prompt=LengthDist("uniform", 192, 128, 64, 320),
                                  output=LengthDist("uniform", 320, 160, 160, 400), eos_fraction=0.2, seed=seed))
-    return SimConfig(dep, reqs)
+    # 64 slots per partition: the digests guard the scheduler's decisions at full pools, whatever
+    # startup admission grants (the measured boot's account admits 37 at this setting)
+    return SimConfig(dep, reqs, slots=64)
 
 
 def pressure_cfg(depth=2):
