@@ -191,6 +191,18 @@ class Numerics:
         xi, dq = self.q8(x)
         return self.int_mm(xi, w_i8) * dq * self.asf(w_scale)
 
+    # ---- the indexer's Hadamard rotation ------------------------------------------------------
+    def rotation(self, hadamard):
+        """The indexer's Hadamard matrix [n, n] as a GEMM operand.  Device: the ABI's BF16 tensor as
+        given (bf16(1/sqrt(n)) is 0.3 % off, a uniform factor the INT8 scales absorb).  Exact and
+        official: the exact orthonormal +-1/sqrt(n) with the given sign pattern, as the official
+        `rotate_activation` (a fast Walsh-Hadamard transform scaled by n^-0.5) computes it; ahead
+        of the FP4 round trip the BF16 factor would move values across FP4 steps."""
+        h = self.asf(hadamard)
+        if self.mode == "device":
+            return h
+        return self.xp.sign(h) * (h.shape[-1] ** -0.5)
+
     # ---- official-mode round trips -----------------------------------------------------------
     def act(self, x, block: int = 128):
         """Input of an official FP8 linear: block-128 e4m3 round trip in official mode."""

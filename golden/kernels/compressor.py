@@ -119,7 +119,7 @@ def indexer_compressor(x, positions, req, first_pos, inner_state, state_block_ta
     sel, is_b = selection if selection is not None else boundary_selection(positions, 4, nm)
     pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
     y = rope_tail_bf16(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
-    y = nm.bf16(nm.mm(y, nm.asf(hadamard)))
+    y = nm.bf16(nm.mm(y, nm.rotation(hadamard)))
     if nm.mode == "device":
         y_q, dq = nm.q8(y)
     else:
