@@ -236,7 +236,7 @@ class ForwardOut:
 def forward(ckpt, meta: StepMeta, caches, *, cfg, nm="device", taps=None, moe=None, indexer=None) -> ForwardOut:
     """Run the whole target model over one call's tokens.  Pools come in and new pools go out
     (NumPy never mutates the inputs)."""
-    nm = numerics(nm)
+    nm = numerics(nm, cfg=cfg)
     if len(caches) != cfg.num_hidden_layers:
         raise AbiError("caches", len(caches), f"one pool dict per layer ({cfg.num_hidden_layers})", where="forward")
     _check_contiguous(meta)
@@ -302,7 +302,7 @@ class Session:
     lengths: list = field(default_factory=list)
 
     def __post_init__(self):
-        self.nm = numerics(self.nm)
+        self.nm = numerics(self.nm, cfg=self.cfg)
         rng = None if self.seed is None else np.random.default_rng(self.seed)
         self.blocks, self.pages = assign_blocks(self.cfg, self.n_requests, self.max_len, rng=rng)
         self.caches = alloc_caches(self.cfg, self.pages, self.nm)

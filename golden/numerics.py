@@ -4,9 +4,12 @@
            rounding points of kernel-math.md (the PyPTO-Lib kernels' contract).
 `exact`    float64 everywhere, no rounding and no quantization: measures what quantization costs
            and is the mode in which independent formulations must agree to ~1e-12.
-`official` the official DeepSeek-V4 reference's own round trips: block-scaled FP8 e4m3
-           activations and KV, FP4 e2m1 indexer path, power-of-two (ue8m0) scales; FP32 compute
-           otherwise (kernel-math.md §7 #7).
+`official` the official DeepSeek-V4 reference's own round trips: FP8 e4m3 KV (non-RoPE dims,
+           compressed rows) and the FP4 e2m1 indexer path always (its quantization-aware-training
+           steps); block-128 FP8 e4m3 linear inputs only where the linear's weight is FP8, which
+           for these checkpoints is the config's `dtype` (an FP8 release: yes; a BF16 or FP32
+           checkpoint: no, as the official `linear` passes such inputs through); power-of-two
+           (ue8m0) scales; FP32 compute otherwise (kernel-math.md §7 #7).
 
 Accumulation: the device accumulates in FP32 in its own tile order.  The golden carries every
 in-kernel sum in float64 and rounds to FP32 at each kernel's FP32 outputs and storage (a correctly
@@ -21,7 +24,7 @@ few operations that differ (scatter, integer GEMM) live here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
@@ -86,10 +89,17 @@ def fit_block(x, block: int) -> int:
 class Numerics:
     mode: str = "device"
     xp: Any = np
+    fp8_linears: bool = True       # official mode: the checkpoint's linear weights are FP8
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise AbiError("mode", self.mode, f"one of {MODES}", where="golden numerics")
+
+    def for_config(self, cfg) -> "Numerics":
+        """These numerics for a checkpoint of `cfg`: official mode follows its weight dtype
+        (`ModelConfig.dtype`, one of presets.WEIGHT_DTYPES)."""
+        fp8 = cfg.dtype == "fp8"
+        return self if fp8 == self.fp8_linears else replace(self, fp8_linears=fp8)
 
     # ---- basics --------------------------------------------------------------------------
     @property
@@ -205,9 +215,12 @@ class Numerics:
 
     # ---- official-mode round trips -----------------------------------------------------------
     def act(self, x, block: int = 128):
-        """Input of an official FP8 linear: block-128 e4m3 round trip in official mode."""
+        """Input of a linear that is FP8 in the official release: block-128 e4m3 round trip in
+        official mode when the checkpoint's weights are FP8 (`fp8_linears`), else x as it is."""
         x = self.asf(x)
-        return block_round_trip(x, fit_block(x, block), FP8, FP8_MAX, self.xp) if self.mode == "official" else x
+        if self.mode == "official" and self.fp8_linears:
+            return block_round_trip(x, fit_block(x, block), FP8, FP8_MAX, self.xp)
+        return x
 
     def kv_fp8(self, x, block: int = 64):
         """Official FP8 simulation of the non-RoPE KV dims (blocks of 64)."""
@@ -285,5 +298,7 @@ EXACT = Numerics("exact")
 OFFICIAL = Numerics("official")
 
 
-def numerics(mode: str | Numerics, xp=np) -> Numerics:
-    return mode if isinstance(mode, Numerics) else Numerics(mode, xp)
+def numerics(mode: str | Numerics, xp=np, cfg=None) -> Numerics:
+    """A mode name or Numerics -> Numerics; with `cfg`, for that config's checkpoint (for_config)."""
+    nm = mode if isinstance(mode, Numerics) else Numerics(mode, xp)
+    return nm if cfg is None else nm.for_config(cfg)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from .errors import ConfigError
 
 SWA, CSA, HCA = 0, 4, 128
+WEIGHT_DTYPES = ("fp8", "bf16", "fp32")    # `dtype`: the checkpoint's linear weights
 LAYER_KIND = {SWA: "swa", CSA: "csa", HCA: "hca"}
 
 
@@ -69,7 +70,8 @@ class ModelConfig:
     original_max_position_embeddings: int
     bos_token_id: int = 0
     eos_token_id: int = 1
-    # checkpoint metadata only: the PyPTO kernels run W8A8 INT8
+    # checkpoint metadata: the PyPTO kernels run W8A8 INT8 whatever it says; golden's official mode
+    # rounds a linear's input to FP8 only when `dtype` says the release's linear weights are FP8
     dtype: str = "fp8"
     scale_fmt: str = "ue8m0"
     expert_dtype: str = "fp4"
@@ -179,6 +181,7 @@ class ModelConfig:
              "1..n_routed_experts")
         need("hc_mult", self.hc_mult == 4, "4 (the hyper-connection ABI is 4 streams)")
         need("sliding_window", self.sliding_window == 128, "128 (frozen by the cache families)")
+        need("dtype", self.dtype in WEIGHT_DTYPES, f"one of {WEIGHT_DTYPES}")
         need("scoring_func", self.scoring_func == "sqrtsoftplus", "'sqrtsoftplus'")
         need("dspark_num_drafts", self.dspark_num_drafts == 7, "7 (DSPARK_QUERY_WIDTH)")
         need("dspark_num_layers", self.dspark_num_layers == 3, "3")
