@@ -52,7 +52,7 @@ def test_official_mode_rounds_linear_inputs_only_when_the_weights_are_fp8(small_
     for dtype in ("fp8", "fp32"):
         cfg = SMALL.replace(dtype=dtype)
         s = Session(small_ckpt, cfg, "official", 1, 48)
-        assert s.nm.fp8_linears == (dtype == "fp8")
+        assert s.nm.fp8_linears == (dtype == "fp8") and s.nm.rounds_bf16 == (dtype == "fp8")
         taps[dtype] = Taps(stages=["kv"])
         out[dtype] = forward(small_ckpt, lower(cfg, [Span(0, 0, tuple(ids), s.blocks[0])], logits="all"), s.caches,
                              cfg=cfg, nm="official", taps=taps[dtype]).logits
