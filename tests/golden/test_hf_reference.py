@@ -15,26 +15,31 @@ from twin.abi.presets import TINY  # noqa: E402
 
 PROMPT, STEPS = 110, 32      # decode crosses the 128 window and the ratio-128 boundary at 127
 
-# (indexer heads, prompt length).  With few heads a candidate whose head dot products are all
+# TINY with 16, 4 or 2 indexer heads.  With few heads a candidate whose head dot products are all
 # non-positive scores exactly 0, so rows with fewer positive scores than index_topk select among
 # exact ties: golden's order (lower index first) and torch.topk's (unspecified) differ there, and
 # the comparison applies golden's selection to both (golden.ties).  16 heads meet no exact tie.
-CONFIGS = [(16, PROMPT), (4, PROMPT), (2, PROMPT)]
-
-
 def _config(heads, **kw):
     return TINY.replace(name=f"tiny-hf-{heads}", index_n_heads=heads, **kw)
 
 
-@pytest.mark.parametrize("heads,prompt_len", CONFIGS)
-def test_hf_agrees_with_golden_exact_over_32_greedy_steps_tie_aware(heads, prompt_len):
-    cfg = _config(heads)
+# not FLASH's shape: 6 layers in another order, 2 output groups, a 16-token window; the prompt
+# crosses the ratio-128 boundary at 127 (4 indexer heads: it meets ties too)
+SIX = TINY.replace(name="six-layers", num_hidden_layers=6, compress_ratios=(128, 4, 0, 4, 128, 0, 0),
+                   dspark_target_layer_ids=(3, 4, 5), o_groups=2, sliding_window=16)
+CONFIGS = {"16 heads": (_config(16), PROMPT), "4 heads": (_config(4), PROMPT), "2 heads": (_config(2), PROMPT),
+           "six layers": (SIX, 140)}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_hf_agrees_with_golden_exact_over_greedy_steps_tie_aware(name):
+    cfg, prompt_len = CONFIGS[name]
     ck = SyntheticCheckpoint(cfg, seed=0)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len)
-    tokens, g_logits, calls = golden_greedy(ck, cfg, "exact", prompt, STEPS)
+    tokens, g_logits, calls = golden_greedy(ck, cfg, "exact", prompt, STEPS if prompt_len == PROMPT else 24)
     h_logits, stats = hf_with_golden_ties(hf_model(ck, cfg), cfg, prompt, tokens, calls)
     assert stats["diverged"] == 0                  # every selection difference was an exact tie
-    if heads < 16:
+    if cfg.index_n_heads < 16:
         assert stats["adopted"] > 0 and stats["short"] > 0     # the config does meet ties
     assert cosine_rows(g_logits, h_logits).min() >= 0.999999
     assert np.abs(g_logits - h_logits).max() <= 1e-4
