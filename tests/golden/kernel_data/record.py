@@ -1,0 +1,185 @@
+"""Record pypto-lib's decode-compressor golden functions at small fixture shapes, as test data.
+
+    python tests/golden/kernel_data/record.py PYPTO_LIB [--rev HEAD]
+
+PYPTO_LIB is a pypto-lib checkout or bare git directory (github.com/hw-native-sys/pypto-lib).
+Each `golden_compressor` of models/deepseek_v4_flash_dspark/{decode_compressor_ratio4,
+decode_compressor_ratio128, decode_indexer_compressor}.py is plain torch: this script reads its
+source from pypto-lib, runs it on CPU with the module constants set to the fixture's small shapes
+(the `pypto` runtime is not needed), and writes the inputs and the outputs it produced to
+`<kernel>.npz` next to this file, with the pypto-lib revision and file hash.  CI cannot fetch
+pypto-lib; tests/golden/test_kernel_data.py holds golden's device mode to these files.
+
+The fixture: 4 requests x 8 decode rows (S = 1 + 7 drafts) at first positions that cross two
+ratio-4 boundaries in one call, start at position 0, miss a state page, or wrap a short state
+ring (the call's writes alias rows of its own window); ratio 128 at positions crossing 127,
+255 and 1023, one request without a boundary and one whose state page is unmapped.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import math
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+MODELS = "models/deepseek_v4_flash_dspark"
+
+# fixture shapes (FLASH: D 4096, HEAD_DIM 512, rope 64, index_head_dim 128)
+B, S, D, HEAD_DIM, ROPE, IDX_HEAD_DIM = 4, 8, 64, 32, 16, 32
+BLOCK_SIZE = 32              # compressed rows per cmp_kv / idx_kv page (pypto-lib's BLOCK_SIZE)
+EPS = 1e-6
+KERNELS = {
+    # kernel -> (file, ratio, state page size, first positions, head dim)
+    "decode_compressor_ratio4": ("decode_compressor_ratio4.py", 4, 2, (0, 5, 12, 21), HEAD_DIM),
+    "decode_indexer_compressor": ("decode_indexer_compressor.py", 4, 2, (0, 5, 12, 21), IDX_HEAD_DIM),
+    "decode_compressor_ratio128": ("decode_compressor_ratio128.py", 128, 8, (120, 250, 300, 1016), HEAD_DIM),
+}
+MAX_SEQ = 1032
+
+
+def read_source(repo: str, rev: str, path: str) -> str:
+    full = os.path.join(repo, path)
+    if os.path.isfile(full):
+        with open(full) as f:
+            return f.read()
+    return subprocess.run(["git", "--git-dir", repo, "show", f"{rev}:{path}"], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def revision(repo: str, rev: str) -> str:
+    git = ["git", "--git-dir", repo] if not os.path.isdir(os.path.join(repo, ".git")) else ["git", "-C", repo]
+    return subprocess.run(git + ["rev-parse", rev], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def golden_function(source: str, name: str = "golden_compressor"):
+    """The source of pypto-lib's golden function alone (the module imports the pypto runtime)."""
+    tree = ast.parse(source)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(source, node)
+    raise SystemExit(f"{name} not found")
+
+
+def bf16(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def tables(ratio, page, firsts):
+    """State block tables [B, MAX_SEQ/page]: physical pages for the logical pages a request's call
+    reads or writes, -1 elsewhere; request 3 of the ratio-4 fixture on a 4-page ring (8 positions:
+    its call's writes alias rows of its own window); one page unmapped in each fixture."""
+    t = np.full((B, MAX_SEQ // page), -1, np.int32)
+    nxt = 0
+    for b, f in enumerate(firsts):
+        lo, hi = max(0, f - 2 * ratio) // page, (f + S - 1) // page
+        ring = ratio == 4 and b == 3
+        for lp in range(lo, hi + 1):
+            t[b, lp] = nxt + (lp % 4 if ring else lp - lo)
+        nxt += 4 if ring else hi - lo + 1
+    if ratio == 4:
+        t[2, 8 // page] = -1                         # request 2: positions 8-9 (its first window)
+    else:
+        t[0, 120 // page] = -1                       # request 0: positions 120-127 (its own call)
+    return t
+
+
+def fixture(kernel, seed=0):
+    file, ratio, page, firsts, hd = KERNELS[kernel]
+    rng = np.random.default_rng(seed)
+    out_dim = 2 * hd if ratio == 4 else hd
+    pos = (np.asarray(firsts)[:, None] + np.arange(S)[None, :]).astype(np.int32)          # [B, S]
+    table = tables(ratio, page, firsts)
+    n_pages = int(table.max()) + 1
+    slots = np.where(table[np.arange(B)[:, None], pos // page] >= 0,
+                     table[np.arange(B)[:, None], pos // page].astype(np.int64) * page + pos % page, -1)
+    cmp_table = np.full((B, MAX_SEQ // ratio // BLOCK_SIZE + 1), -1, np.int32)
+    cmp_table[:, 0] = np.arange(B)[::-1]              # every call's compressed rows sit in page 0
+    col = pos // ratio
+    cmp_slots = np.where((pos + 1) % ratio == 0,
+                         cmp_table[np.arange(B)[:, None], col // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE
+                         + col % BLOCK_SIZE, -1)
+    # the compress RoPE profile at each request's first window start (the kernel's [B, R/2] rows)
+    from golden.kernels.rope import COMPRESS_PROFILE, rope_rows
+    from golden.numerics import DEVICE
+    from twin.abi.presets import TINY
+    cfg = TINY.replace(name="kernel-data", qk_rope_head_dim=ROPE, head_dim=HEAD_DIM, index_head_dim=IDX_HEAD_DIM)
+    first_b = pos[:, 0] + (ratio - 1 - pos[:, 0] % ratio)
+    cos, sin = rope_rows(cfg, COMPRESS_PROFILE, np.maximum(first_b - ratio + 1, 0), DEVICE)
+    t = {
+        "x": bf16(rng.random((B * S, D))),
+        "compress_state": np.concatenate([rng.standard_normal((n_pages, page, out_dim)),
+                                          rng.standard_normal((n_pages, page, out_dim))], -1).astype(np.float32),
+        "compress_state_block_table": table,
+        "wkv": bf16(rng.standard_normal((out_dim, D)) * 0.1),
+        "wgate": bf16(rng.standard_normal((out_dim, D)) * 0.1),
+        "ape": (rng.standard_normal((ratio, out_dim)) * 0.12).astype(np.float32),
+        "norm_w": bf16(0.96 + 0.19 * rng.standard_normal(hd)),
+        "cos": np.asarray(cos[:, :ROPE // 2], np.float32),
+        "sin": np.asarray(sin[:, :ROPE // 2], np.float32),
+        "position_ids": pos.reshape(-1),
+        "state_slot_mapping": slots.reshape(-1),
+        "kv": np.zeros((B * S, hd), np.float32),
+    }
+    cmp_pages = int(cmp_table.max()) + 1
+    if kernel == "decode_indexer_compressor":
+        n = hd
+        h = np.ones((1, 1))
+        while h.shape[0] < n:
+            h = np.block([[h, h], [h, -h]])
+        t.update(hadamard=bf16(h / math.sqrt(n)), idx_kv_cache=np.zeros((cmp_pages, BLOCK_SIZE, 1, hd), np.int8),
+                 idx_kv_scale=np.zeros((cmp_pages, BLOCK_SIZE, 1, 1), np.float32),
+                 idx_slot_mapping=cmp_slots.reshape(-1), inner_state_slot_mapping=t.pop("state_slot_mapping"))
+    else:
+        t.update(cmp_kv_cache=np.zeros((cmp_pages, BLOCK_SIZE, 1, hd), np.float32), cmp_slot_mapping=cmp_slots.reshape(-1))
+    return t, dict(ratio=ratio, page=page, head_dim=hd)
+
+
+def run(kernel, source):
+    import torch
+    file, ratio, page, firsts, hd = KERNELS[kernel]
+    t, meta = fixture(kernel)
+    inputs = {k: v.copy() for k, v in t.items()}
+    out_dim = 2 * hd if ratio == 4 else hd
+    env = dict(S=S, D=D, HEAD_DIM=hd, ROPE_HEAD_DIM=ROPE, COMPRESS_RATIO=ratio, OUT_DIM=out_dim,
+               COMPRESS_STATE_BLOCK_SIZE=page, BLOCK_SIZE=BLOCK_SIZE, EPS=EPS, INT8_AMAX_EPS=1e-4,
+               INT8_SCALE_MAX=127.0, FP32_NEG_INF=-3.4028234663852886e38)
+    exec(compile(golden_function(source), f"pypto-lib/{MODELS}/{file}", "exec"), env)
+    bf16_names = {"x", "wkv", "wgate", "norm_w", "cmp_kv_cache", "hadamard"}
+    tens = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in t.items()}
+    for k in bf16_names & set(tens):
+        tens[k] = tens[k].to(torch.bfloat16)
+    env["golden_compressor"](tens)
+    outs = {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in tens.items()}
+    names = ["kv", "compress_state"] + (["idx_kv_cache", "idx_kv_scale"] if "idx_kv_cache" in t else ["cmp_kv_cache"])
+    return inputs, {k: outs[k] for k in names}, meta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pypto_lib", help="a pypto-lib checkout or bare git directory")
+    ap.add_argument("--rev", default="HEAD")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    rev = revision(a.pypto_lib, a.rev)
+    for kernel, (file, *_rest) in KERNELS.items():
+        src = read_source(a.pypto_lib, a.rev, f"{MODELS}/{file}")
+        inputs, outputs, meta = run(kernel, src)
+        blob = {f"in.{k}": v for k, v in inputs.items()}
+        blob.update({f"out.{k}": v for k, v in outputs.items()})
+        blob["meta"] = np.array([f"pypto-lib {rev} {MODELS}/{file} sha256 {hashlib.sha256(src.encode()).hexdigest()}",
+                                 str(meta)])
+        path = os.path.join(HERE, f"{kernel}.npz")
+        np.savez_compressed(path, **blob)
+        print(path, os.path.getsize(path), "bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Golden's device mode against pypto-lib's own golden functions, recorded as test data
+(tests/golden/kernel_data/record.py), with the comparators and tolerances of pypto-lib's tests."""
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from golden.kernels.compressor import DEVICE_KERNEL, EAGER_PUBLISH, compressor, indexer_compressor
+from golden.numerics import DEVICE
+from twin.abi.presets import TINY
+
+DATA = os.path.join(os.path.dirname(__file__), "kernel_data")
+S = 8                                      # decode rows per request
+CFG = TINY                                 # D 64, head_dim 32, rope 16, index_head_dim 32: the fixture's shapes
+# pypto-lib's compare_fn of each kernel's test: output -> (atol, rtol, max_error_ratio)
+TOLERANCES = {
+    "decode_compressor_ratio4": {"kv": (1e-4, 1 / 128, 0.0), "compress_state": (1e-3, 1e-3, 0.0),
+                                 "cmp_kv_cache": (1e-4, 1 / 128, 0.0)},
+    "decode_compressor_ratio128": {"kv": (1e-4, 1 / 128, 0.0), "compress_state": (1e-3, 1e-3, 0.0),
+                                   "cmp_kv_cache": (1e-4, 1 / 128, 0.0)},
+    "decode_indexer_compressor": {"kv": (1e-3, 1 / 128, 0.0), "compress_state": (1e-3, 1e-3, 0.0),
+                                  "idx_kv_cache": (1, 0, 0.01), "idx_kv_scale": (1e-4, 1 / 128, 0.01)},
+}
+
+
+def ratio_allclose(actual, expected, atol, rtol, max_error_ratio):
+    """pypto-lib's comparator: a point fails where |actual - expected| > atol + rtol |expected|; the
+    output passes when the failing fraction is <= max_error_ratio (NaN / Inf always fail)."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if a.shape != e.shape or not (np.isfinite(a).all() and np.isfinite(e).all()):
+        return False
+    bad = np.abs(a - e) > atol + rtol * np.abs(e)
+    return bad.sum() <= max_error_ratio * bad.size
+
+
+def load(kernel):
+    z = np.load(os.path.join(DATA, f"{kernel}.npz"))
+    return {k[3:]: z[k] for k in z.files if k.startswith("in.")}, {k[4:]: z[k] for k in z.files if k.startswith("out.")}
+
+
+def run_golden(kernel, t, contract):
+    """Golden's kernel on the recorded inputs -> outputs named as pypto-lib's."""
+    pos = t["position_ids"].astype(np.int64)
+    T = pos.size
+    req = np.arange(T) // S
+    first = pos[::S]
+    ratio = 128 if kernel.endswith("128") else 4
+    half = lambda v: np.repeat(np.concatenate([v, v], -1), S, axis=0)      # [B, R/2] -> per-token [T, R]
+    cos, sin = half(t["cos"]), half(t["sin"])
+    x = t["x"].astype(ml_dtypes.bfloat16)
+    bf = lambda k: t[k].astype(ml_dtypes.bfloat16)
+    out = {}
+    if kernel == "decode_indexer_compressor":
+        cache, scale, state, (sel, _, pre) = indexer_compressor(
+            x, pos, req, first, t["compress_state"], t["compress_state_block_table"], t["inner_state_slot_mapping"],
+            t["idx_kv_cache"], t["idx_kv_scale"], t["idx_slot_mapping"], bf("wkv"), bf("wgate"), t["ape"],
+            bf("norm_w"), bf("hadamard"), cos, sin, cfg=CFG, nm=DEVICE, contract=contract)
+        out.update(idx_kv_cache=cache, idx_kv_scale=scale, compress_state=state)
+        rows, slots = pre, t["idx_slot_mapping"]
+    else:
+        cmp, state, (sel, rows) = compressor(
+            x, pos, req, first, t["compress_state"], t["compress_state_block_table"], t["state_slot_mapping"],
+            t["cmp_kv_cache"].astype(ml_dtypes.bfloat16), t["cmp_slot_mapping"], bf("wkv"), bf("wgate"), t["ape"],
+            bf("norm_w"), cos, sin, ratio=ratio, cfg=CFG, nm=DEVICE, contract=contract)
+        out.update(cmp_kv_cache=cmp, compress_state=state)
+        slots = t["cmp_slot_mapping"]
+    # the kernel's f32 `kv` output: row b*S holds request b's first pooled boundary, if written
+    kv = np.zeros_like(t["kv"])
+    for j, tok in enumerate(np.asarray(sel)):
+        b = req[tok]
+        if pos[tok] - first[b] < ratio and slots[tok] >= 0:
+            kv[b * S] = rows[j]
+    out["kv"] = kv
+    return out
+
+
+@pytest.mark.parametrize("kernel", sorted(TOLERANCES))
+def test_device_mode_matches_the_recorded_kernel_goldens(kernel):
+    inputs, want = load(kernel)
+    got = run_golden(kernel, inputs, DEVICE_KERNEL)
+    assert set(want) == set(TOLERANCES[kernel])
+    for name, tol in TOLERANCES[kernel].items():
+        assert ratio_allclose(got[name], want[name], *tol), name
+    # the data exercise what they are for: pooled rows were written, and state was committed
+    assert np.abs(want["kv"]).sum(-1).astype(bool).sum() >= 3
+    assert not np.array_equal(want["compress_state"], inputs["compress_state"])
+
+
+@pytest.mark.parametrize("kernel,request_,why", [
+    ("decode_compressor_ratio4", 3, "its call's state writes alias rows of its window (a 4-page ring)"),
+    ("decode_indexer_compressor", 3, "its call's state writes alias rows of its window (a 4-page ring)"),
+    ("decode_compressor_ratio128", 0, "its call's own state page is unmapped"),
+])
+def test_eager_publish_is_another_contract_where_it_matters(kernel, request_, why):
+    """Serving's eager-publish contract pools from the call's own rows before committing state and
+    publishes every boundary; on the kernels' data it differs exactly where the contracts say."""
+    inputs, want = load(kernel)
+    eager = run_golden(kernel, inputs, EAGER_PUBLISH)
+    kernel_side = run_golden(kernel, inputs, DEVICE_KERNEL)
+    row = request_ * S
+    atol, rtol, _ = TOLERANCES[kernel]["kv"]
+    assert ratio_allclose(kernel_side["kv"][row], want["kv"][row], atol, rtol, 0.0)
+    assert not ratio_allclose(eager["kv"][row], want["kv"][row], atol, rtol, 0.0), why
+    # state commits are the same; other requests' first boundaries agree under both contracts
+    np.testing.assert_array_equal(eager["compress_state"], kernel_side["compress_state"])
+    others = [b * S for b in range(4) if b != request_ and b * S != row and kernel_side["kv"][b * S].any()]
+    assert others and all(ratio_allclose(eager["kv"][r], want["kv"][r], atol, rtol, 0.0) for r in others)
+    if kernel == "decode_compressor_ratio4":
+        # every request's call crosses a second boundary: eager publishes its row, the kernel leaves
+        # it unwritten (zero)
+        cache = np.asarray(eager["cmp_kv_cache"], np.float64).reshape(-1, want["cmp_kv_cache"].shape[-1])
+        ref = want["cmp_kv_cache"].reshape(cache.shape)
+        published = np.flatnonzero(cache.any(-1) & ~ref.any(-1))
+        assert published.size == 4
