@@ -34,6 +34,18 @@ def ratio_allclose(actual, expected, atol, rtol, max_error_ratio):
     return bad.sum() <= max_error_ratio * bad.size
 
 
+def ratio_reldiff(actual, expected, diff_thd, pct_thd):
+    """pypto-lib's relative-difference comparator: a point's difference counts relative to
+    max(|actual|, |expected|, 2^-14 / diff_thd) once it reaches diff_thd; the output passes when at
+    most pct_thd of the points exceed diff_thd."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if a.shape != e.shape or not (np.isfinite(a).all() and np.isfinite(e).all()):
+        return False
+    d = np.abs(a - e)
+    r = np.where(d < diff_thd, d, d / (np.maximum(np.maximum(np.abs(a), np.abs(e)), 2.0 ** -14 / diff_thd) + 1e-9))
+    return (r > diff_thd).sum() <= pct_thd * r.size
+
+
 def load(kernel):
     z = np.load(os.path.join(DATA, f"{kernel}.npz"))
     return {k[3:]: z[k] for k in z.files if k.startswith("in.")}, {k[4:]: z[k] for k in z.files if k.startswith("out.")}
@@ -113,3 +125,71 @@ def test_eager_publish_is_another_contract_where_it_matters(kernel, request_, wh
         ref = want["cmp_kv_cache"].reshape(cache.shape)
         published = np.flatnonzero(cache.any(-1) & ~ref.any(-1))
         assert published.size == 4
+
+
+# ---- kernels recorded on pypto-lib's own fixtures (build_tensor_specs at TINY's shapes) ----------
+BF = ml_dtypes.bfloat16
+# kernel -> output -> comparator: (atol, rtol, max_error_ratio) for ratio_allclose (pypto-lib's
+# default max_error_ratio is 0.005; a kernel without compare_fn uses run_jit's allclose at 1e-3),
+# ("reldiff", diff_thd, pct_thd) for ratio_reldiff
+FIXTURE_TOLERANCES = {
+    "rmsnorm": {"x_normed": (1e-4, 1 / 128, 0.005)},
+    "hc_pre": {"x_mixed": (1e-4, 1 / 128, 0.005), "post": (2.5e-5, 5e-3, 0.005), "comb": (2.5e-5, 5e-3, 0.005)},
+    "hc_post": {"y": (1e-3, 1e-3, 0.0)},
+    "hc_head": {"y": (1e-4, 1 / 128, 0.005)},
+    "qkv_proj_rope": {"q": (1e-4, 1 / 128, 0.005), "kv": (1e-4, 1 / 128, 0.005), "qr": (1, 0, 0.0),
+                      "qr_scale": (2.5e-5, 5e-3, 0.005)},
+    "expert_routed": {"recv_y": ("reldiff", 2e-3, 0.01)},
+}
+
+
+def run_fixture_golden(kernel, t):
+    from golden.kernels.hyper_connections import hc_head, hc_post, hc_pre
+    from golden.kernels.moe import swiglu_expert
+    from golden.kernels.qkv_proj_rope import qkv_proj_rope
+    from golden.kernels.rmsnorm import rms_norm
+    kw = dict(cfg=CFG, nm=DEVICE)
+    bf = lambda k: t[k].astype(BF)
+    if kernel == "rmsnorm":
+        return {"x_normed": rms_norm(bf("x"), bf("norm_w"), **kw)}
+    if kernel == "hc_pre":
+        x_mixed, post, comb = hc_pre(t["x"], t["hc_fn"], t["hc_scale"], t["hc_base"], **kw)
+        return {"x_mixed": x_mixed, "post": post, "comb": comb}
+    if kernel == "hc_post":
+        return {"y": hc_post(bf("x"), t["residual"], t["post"], t["comb"], **kw)}
+    if kernel == "hc_head":
+        return {"y": hc_head(t["x_hc"], t["hc_head_fn"], t["hc_head_scale"], t["hc_head_base"], **kw)}
+    if kernel == "qkv_proj_rope":
+        q, kv, qr, qr_scale = qkv_proj_rope(bf("x"), bf("wq_a"), t["wq_b"], t["wq_b_scale"], bf("wkv"), bf("gamma_cq"),
+                                            bf("gamma_ckv"), bf("rope_cos"), bf("rope_sin"), **kw)
+        return {"q": q, "kv": kv, "qr": qr, "qr_scale": qr_scale}
+    if kernel == "expert_routed":
+        y = np.zeros(t["recv_x"].shape, np.float64)
+        for e, (n,) in enumerate(t["recv_expert_count"]):
+            y[e, :n] = swiglu_expert(t["recv_x"][e, :n], t["recv_scale_dq"][e, :n, None], t["routed_w1"][e],
+                                     t["routed_w1_scale"][e], t["routed_w3"][e], t["routed_w3_scale"][e],
+                                     t["routed_w2"][e], t["routed_w2_scale"][e], route_weight=t["recv_weights"][e, :n],
+                                     **kw)
+        return {"recv_y": y}
+    raise KeyError(kernel)
+
+
+@pytest.mark.parametrize("kernel", sorted(FIXTURE_TOLERANCES))
+def test_device_mode_matches_pypto_goldens_on_their_own_fixtures(kernel):
+    inputs, want = load(kernel)
+    got = run_fixture_golden(kernel, inputs)
+    assert set(want) == set(FIXTURE_TOLERANCES[kernel])
+    for name, tol in FIXTURE_TOLERANCES[kernel].items():
+        ok = (ratio_reldiff(got[name], want[name], *tol[1:]) if tol[0] == "reldiff" else
+              ratio_allclose(got[name], want[name], *tol))
+        assert ok, name
+        assert np.abs(want[name]).max() > 0           # the recorded output holds values, not zeros
+
+
+def test_kernel_data_stays_small_and_names_its_source():
+    files = sorted(f for f in os.listdir(DATA) if f.endswith(".npz"))
+    assert {f[:-4] for f in files} == set(TOLERANCES) | set(FIXTURE_TOLERANCES)
+    assert sum(os.path.getsize(os.path.join(DATA, f)) for f in files) < 4 * 2 ** 20
+    for f in files:
+        meta = str(np.load(os.path.join(DATA, f))["meta"][0])
+        assert meta.startswith("pypto-lib ") and "sha256 " in meta and "models/deepseek_v4_flash_dspark/" in meta

@@ -1,16 +1,22 @@
-"""Record pypto-lib's decode-compressor golden functions at small fixture shapes, as test data.
+"""Record pypto-lib's kernel golden functions at small fixture shapes, as test data.
 
     python tests/golden/kernel_data/record.py PYPTO_LIB [--rev HEAD]
 
 PYPTO_LIB is a pypto-lib checkout or bare git directory (github.com/hw-native-sys/pypto-lib).
-Each `golden_compressor` of models/deepseek_v4_flash_dspark/{decode_compressor_ratio4,
-decode_compressor_ratio128, decode_indexer_compressor}.py is plain torch: this script reads its
-source from pypto-lib, runs it on CPU with the module constants set to the fixture's small shapes
-(the `pypto` runtime is not needed), and writes the inputs and the outputs it produced to
-`<kernel>.npz` next to this file, with the pypto-lib revision and file hash.  CI cannot fetch
-pypto-lib; tests/golden/test_kernel_data.py holds golden's device mode to these files.
+The golden functions of models/deepseek_v4_flash_dspark/*.py are plain torch: this script reads
+their source from pypto-lib, runs them on CPU at small shapes (the `pypto` runtime is not needed)
+and writes the inputs and the outputs they produced to `<kernel>.npz` next to this file, with the
+pypto-lib revision and file hash.  CI cannot fetch pypto-lib; tests/golden/test_kernel_data.py
+holds golden's device mode to these files.
 
-The fixture: 4 requests x 8 decode rows (S = 1 + 7 drafts) at first positions that cross two
+Two kinds of fixture:
+* `FIXTURES` (rmsnorm, hc_pre, hc_post, hc_head, qkv_proj_rope, expert_routed): pypto-lib's own
+  `build_tensor_specs` and golden function, the module executed with its config's FLASH replaced
+  by `SMALL` (TINY's shapes), stand-ins for the PyPTO runtime imports (only kernel definitions
+  use them) and its module-level tiling asserts dropped (they constrain the kernels' tiles, not
+  the math); torch seeded with 0, the decode form (16 requests x 8 rows).
+* `KERNELS` (the three decode compressors), whose `golden_compressor` alone is run on this
+  script's fixture: 4 requests x 8 decode rows (S = 1 + 7 drafts) at first positions that cross two
 ratio-4 boundaries in one call, start at position 0, miss a state page, or wrap a short state
 ring (the call's writes alias rows of its own window); ratio 128 at positions crossing 127,
 255 and 1023, one request without a boundary and one whose state page is unmapped.
@@ -162,6 +168,119 @@ def run(kernel, source):
     return inputs, {k: outs[k] for k in names}, meta
 
 
+# ---- pypto-lib's own fixtures ---------------------------------------------------------------------
+SMALL = dict(hidden_size=64, num_attention_heads=8, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32,
+             o_lora_rank=32, o_groups=4, vocab_size=1616, moe_intermediate_size=32, n_routed_experts=16,
+             num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_topk=16,
+             max_position_embeddings=16384)
+FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments)
+    "rmsnorm": ("rmsnorm.py", "golden_rms_norm_test", (16, 8)),
+    "hc_pre": ("hc_pre.py", "golden_hc_pre", (16, 8)),
+    "hc_post": ("hc_post.py", "golden_hc_post", (16, 8)),
+    "hc_head": ("hc_head.py", "golden_hc_head", (128,)),
+    "qkv_proj_rope": ("qkv_proj_rope.py", "golden_qkv_proj_rope", (16, 8)),
+    "expert_routed": ("expert_routed.py", "golden_expert_routed", ()),
+}
+RUNTIME = ("pypto", "pypto.language", "pypto.language.distributed", "pypto.ir",
+           "pypto.ir.distributed_compiled_program")
+
+
+class _Runtime:
+    """Stands in for the PyPTO runtime's names: attributes, calls, subscripts and decorators all
+    succeed (only the kernel definitions, never the golden functions, use them)."""
+
+    def __getattr__(self, k):
+        return _Runtime()
+
+    def __call__(self, *a, **k):
+        return a[0] if len(a) == 1 and callable(a[0]) and not k else _Runtime()
+
+    def __getitem__(self, k):
+        return _Runtime()
+
+
+def pypto_module(repo, rev, name):
+    """pypto-lib's module `name` executed as described in the module docstring."""
+    import dataclasses
+    import types
+    saved = {k: sys.modules.get(k) for k in RUNTIME + ("config", "golden", "utils", "rope_interleave",
+                                                        "pypto_" + name[:-3])}
+    try:
+        for n in RUNTIME:
+            m = types.ModuleType(n)
+            m.__getattr__ = lambda k: _Runtime()
+            sys.modules[n] = m
+        cfg = read_source(repo, rev, f"{MODELS}/config.py").replace(
+            "\nPRESETS = ", "\nFLASH = __import__('dataclasses').replace(FLASH, **_SMALL)\nPRESETS = ", 1)
+        c = types.ModuleType("config")
+        c._SMALL = SMALL
+        sys.modules["config"] = c
+        exec(compile(cfg, "config.py", "exec"), c.__dict__)
+        harness = types.ModuleType("golden")         # pypto-lib's harness package, not ours
+
+        @dataclasses.dataclass
+        class TensorSpec:
+            name: str
+            shape: list
+            dtype: object
+            init_value: object = None
+            is_output: bool = False
+        harness.TensorSpec = TensorSpec
+        sys.modules["golden"] = harness
+        for dep in ("utils", "rope_interleave"):
+            u = types.ModuleType(dep)
+            sys.modules[dep] = u
+            exec(compile(read_source(repo, rev, f"{MODELS}/{dep}.py"), dep + ".py", "exec"), u.__dict__)
+            sys.modules[dep] = u
+        source = read_source(repo, rev, f"{MODELS}/{name}")
+        tree = ast.parse(source)
+        tree.body = [n for n in tree.body if not isinstance(n, ast.Assert)]
+        mod = types.ModuleType("pypto_" + name[:-3])
+        sys.modules[mod.__name__] = mod
+        exec(compile(tree, name, "exec"), mod.__dict__)
+        return mod, source, saved
+    except BaseException:
+        _restore(saved)
+        raise
+
+
+def _restore(saved):
+    for k, v in saved.items():
+        if v is None:
+            sys.modules.pop(k, None)
+        else:
+            sys.modules[k] = v
+
+
+def run_fixture(repo, rev, kernel):
+    import torch
+    file, fn, args = FIXTURES[kernel]
+    mod, source, saved = pypto_module(repo, rev, file)
+    try:
+        torch.manual_seed(0)
+        specs = mod.build_tensor_specs(*args)
+        t = {sp.name: (sp.init_value() if sp.init_value is not None else torch.zeros(sp.shape)).to(sp.dtype)
+             for sp in specs}
+        inputs = {k: v.clone() for k, v in t.items()}
+        getattr(mod, fn)(t)
+    finally:
+        _restore(saved)
+    np_ = lambda v: (v.float() if v.dtype == torch.bfloat16 else v).numpy()
+    outs = [sp.name for sp in specs if sp.is_output]
+    return ({k: np_(v) for k, v in inputs.items()}, {k: np_(t[k]) for k in outs}, source,
+            {"file": file, "golden": fn, "build_tensor_specs": args, "small": SMALL})
+
+
+def save(kernel, rev, file, source, inputs, outputs, meta):
+    blob = {f"in.{k}": v for k, v in inputs.items()}
+    blob.update({f"out.{k}": v for k, v in outputs.items()})
+    blob["meta"] = np.array([f"pypto-lib {rev} {MODELS}/{file} sha256 {hashlib.sha256(source.encode()).hexdigest()}",
+                             str(meta)])
+    path = os.path.join(HERE, f"{kernel}.npz")
+    np.savez_compressed(path, **blob)
+    print(path, os.path.getsize(path), "bytes")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pypto_lib", help="a pypto-lib checkout or bare git directory")
@@ -172,13 +291,10 @@ def main(argv=None):
     for kernel, (file, *_rest) in KERNELS.items():
         src = read_source(a.pypto_lib, a.rev, f"{MODELS}/{file}")
         inputs, outputs, meta = run(kernel, src)
-        blob = {f"in.{k}": v for k, v in inputs.items()}
-        blob.update({f"out.{k}": v for k, v in outputs.items()})
-        blob["meta"] = np.array([f"pypto-lib {rev} {MODELS}/{file} sha256 {hashlib.sha256(src.encode()).hexdigest()}",
-                                 str(meta)])
-        path = os.path.join(HERE, f"{kernel}.npz")
-        np.savez_compressed(path, **blob)
-        print(path, os.path.getsize(path), "bytes")
+        save(kernel, rev, file, src, inputs, outputs, meta)
+    for kernel, (file, *_rest) in FIXTURES.items():
+        inputs, outputs, src, meta = run_fixture(a.pypto_lib, a.rev, kernel)
+        save(kernel, rev, file, src, inputs, outputs, meta)
 
 
 if __name__ == "__main__":
