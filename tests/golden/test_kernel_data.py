@@ -47,8 +47,18 @@ def ratio_reldiff(actual, expected, diff_thd, pct_thd):
 
 
 def load(kernel):
+    """-> (inputs, outputs); BF16 arrays (stored as 16-bit patterns, `<name>.bf16`) as float32."""
     z = np.load(os.path.join(DATA, f"{kernel}.npz"))
-    return {k[3:]: z[k] for k in z.files if k.startswith("in.")}, {k[4:]: z[k] for k in z.files if k.startswith("out.")}
+    out = ({}, {})
+    for k in z.files:
+        side, _, name = k.partition(".")
+        if side not in ("in", "out"):
+            continue
+        v = z[k]
+        if name.endswith(".bf16"):
+            name, v = name[:-5], v.view(ml_dtypes.bfloat16).astype(np.float32)
+        out[side == "out"][name] = v
+    return out
 
 
 def run_golden(kernel, t, contract):
@@ -140,12 +150,20 @@ FIXTURE_TOLERANCES = {
     "qkv_proj_rope": {"q": (1e-4, 1 / 128, 0.005), "kv": (1e-4, 1 / 128, 0.005), "qr": (1, 0, 0.0),
                       "qr_scale": (2.5e-5, 5e-3, 0.005)},
     "expert_routed": {"recv_y": ("reldiff", 2e-3, 0.01)},
+    # indices: pypto-lib's topk_pair_compare admits tie swaps; golden sorts as the kernel does
+    # (stable, lower id first), so the ids must be equal
+    "gate": {"x_norm_i8": (1, 0, 0.001), "x_norm_scale": (1e-3, 1e-3, 0.0), "indices": (0, 0, 0.0),
+             "weights": (1e-3, 1e-3, 0.0)},
+    "gate_hash": {"x_norm_i8": (1, 0, 0.001), "x_norm_scale": (1e-3, 1e-3, 0.0), "indices": (0, 0, 0.0),
+                  "weights": (1e-3, 1e-3, 0.0)},
+    "lookup_embedding": {"hidden_states": (0, 0, 0.0), "x_hc": (0, 0, 0.0)},
 }
 
 
 def run_fixture_golden(kernel, t):
     from golden.kernels.hyper_connections import hc_head, hc_post, hc_pre
-    from golden.kernels.moe import swiglu_expert
+    from golden.kernels.embedding import lookup_embedding
+    from golden.kernels.moe import gate, swiglu_expert
     from golden.kernels.qkv_proj_rope import qkv_proj_rope
     from golden.kernels.rmsnorm import rms_norm
     kw = dict(cfg=CFG, nm=DEVICE)
@@ -171,6 +189,14 @@ def run_fixture_golden(kernel, t):
                                      t["routed_w2"][e], t["routed_w2_scale"][e], route_weight=t["recv_weights"][e, :n],
                                      **kw)
         return {"recv_y": y}
+    if kernel in ("gate", "gate_hash"):
+        x_i8, x_scale, idx, wts = gate(bf("x_mixed"), bf("norm_w"), t["gate_w"], t["gate_bias"], t["tid2eid"],
+                                       t["input_ids"], layer=int(t["layer_id"]), num_tokens=int(t["num_tokens"]),
+                                       cfg=CFG.replace(num_hash_layers=3), nm=DEVICE)
+        return {"x_norm_i8": x_i8, "x_norm_scale": x_scale, "indices": idx, "weights": wts}
+    if kernel == "lookup_embedding":
+        hidden, x_hc = lookup_embedding(t["input_ids"], bf("embed_weight"), **kw)
+        return {"hidden_states": hidden, "x_hc": x_hc}
     raise KeyError(kernel)
 
 

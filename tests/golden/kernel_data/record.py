@@ -180,6 +180,9 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments)
     "hc_head": ("hc_head.py", "golden_hc_head", (128,)),
     "qkv_proj_rope": ("qkv_proj_rope.py", "golden_qkv_proj_rope", (16, 8)),
     "expert_routed": ("expert_routed.py", "golden_expert_routed", ()),
+    "gate": ("gate.py", "golden_gate_core", (10,)),                  # a score-routed layer
+    "gate_hash": ("gate.py", "golden_gate_core", (0,)),              # a hash-routed layer
+    "lookup_embedding": ("lookup_embedding.py", "golden_lookup_embedding_test", (128, 256)),
 }
 RUNTIME = ("pypto", "pypto.language", "pypto.language.distributed", "pypto.ir",
            "pypto.ir.distributed_compiled_program")
@@ -218,14 +221,22 @@ def pypto_module(repo, rev, name):
         exec(compile(cfg, "config.py", "exec"), c.__dict__)
         harness = types.ModuleType("golden")         # pypto-lib's harness package, not ours
 
-        @dataclasses.dataclass
         class TensorSpec:
+            def __init__(self, name, shape, dtype, init_value=None, is_output=False, **_placement):
+                self.name, self.shape, self.dtype = name, shape, dtype
+                self.init_value, self.is_output = init_value, is_output
+
+        @dataclasses.dataclass
+        class ScalarSpec:
             name: str
-            shape: list
             dtype: object
-            init_value: object = None
-            is_output: bool = False
-        harness.TensorSpec = TensorSpec
+            value: object
+
+            def init_value(self):
+                import torch
+                return torch.tensor(self.value, dtype=self.dtype)
+            is_output = False
+        harness.TensorSpec, harness.ScalarSpec = TensorSpec, ScalarSpec
         sys.modules["golden"] = harness
         for dep in ("utils", "rope_interleave"):
             u = types.ModuleType(dep)
@@ -259,21 +270,29 @@ def run_fixture(repo, rev, kernel):
     try:
         torch.manual_seed(0)
         specs = mod.build_tensor_specs(*args)
-        t = {sp.name: (sp.init_value() if sp.init_value is not None else torch.zeros(sp.shape)).to(sp.dtype)
+        t = {sp.name: (sp.init_value() if sp.init_value is not None else torch.zeros(sp.shape, dtype=sp.dtype))
              for sp in specs}
+        t = {k: v.to(sp.dtype) for (k, v), sp in zip(t.items(), specs)}
         inputs = {k: v.clone() for k, v in t.items()}
         getattr(mod, fn)(t)
     finally:
         _restore(saved)
-    np_ = lambda v: (v.float() if v.dtype == torch.bfloat16 else v).numpy()
+    np_ = lambda v: v.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else v.numpy()
     outs = [sp.name for sp in specs if sp.is_output]
     return ({k: np_(v) for k, v in inputs.items()}, {k: np_(t[k]) for k in outs}, source,
             {"file": file, "golden": fn, "build_tensor_specs": args, "small": SMALL})
 
 
 def save(kernel, rev, file, source, inputs, outputs, meta):
-    blob = {f"in.{k}": v for k, v in inputs.items()}
-    blob.update({f"out.{k}": v for k, v in outputs.items()})
+    """<kernel>.npz: in.<name>, out.<name>; BF16 arrays as their 16-bit patterns, named <name>.bf16."""
+    def entries(prefix, d):
+        for k, v in d.items():
+            if v.dtype == ml_dtypes.bfloat16:
+                yield f"{prefix}.{k}.bf16", v.view(np.uint16)
+            else:
+                yield f"{prefix}.{k}", v
+    blob = dict(entries("in", inputs))
+    blob.update(entries("out", outputs))
     blob["meta"] = np.array([f"pypto-lib {rev} {MODELS}/{file} sha256 {hashlib.sha256(source.encode()).hexdigest()}",
                              str(meta)])
     path = os.path.join(HERE, f"{kernel}.npz")
