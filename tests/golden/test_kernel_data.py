@@ -157,6 +157,7 @@ FIXTURE_TOLERANCES = {
     "gate_hash": {"x_norm_i8": (1, 0, 0.001), "x_norm_scale": (1e-3, 1e-3, 0.0), "indices": (0, 0, 0.0),
                   "weights": (1e-3, 1e-3, 0.0)},
     "lookup_embedding": {"hidden_states": (0, 0, 0.0), "x_hc": (0, 0, 0.0)},
+    "decode_sparse_attn_swa": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
 }
 
 
@@ -166,6 +167,7 @@ def run_fixture_golden(kernel, t):
     from golden.kernels.moe import gate, swiglu_expert
     from golden.kernels.qkv_proj_rope import qkv_proj_rope
     from golden.kernels.rmsnorm import rms_norm
+    from golden.kernels.sparse_attention import sparse_attention
     kw = dict(cfg=CFG, nm=DEVICE)
     bf = lambda k: t[k].astype(BF)
     if kernel == "rmsnorm":
@@ -197,6 +199,14 @@ def run_fixture_golden(kernel, t):
     if kernel == "lookup_embedding":
         hidden, x_hc = lookup_embedding(t["input_ids"], bf("embed_weight"), **kw)
         return {"hidden_states": hidden, "x_hc": x_hc}
+    if kernel == "decode_sparse_attn_swa":
+        o = sparse_attention(bf("q"), bf("ori_kv"), t["swa_indices"], t["swa_lens"], t["attn_sink"], bf("freqs_cos"),
+                             bf("freqs_sin"), **kw)
+        T, G = o.shape[0], CFG.o_groups
+        packed = np.zeros(t["o_packed_heads"].shape, np.float64)
+        view = packed.reshape(G, -1, CFG.heads_per_group, CFG.head_dim)     # [group, T_PAD, head, dim]
+        view[:, :T] = np.asarray(o, np.float64).reshape(T, G, CFG.heads_per_group, -1).transpose(1, 0, 2, 3)
+        return {"o_packed_heads": packed}
     raise KeyError(kernel)
 
 

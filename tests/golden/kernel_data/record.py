@@ -173,7 +173,7 @@ SMALL = dict(hidden_size=64, num_attention_heads=8, head_dim=32, qk_rope_head_di
              o_lora_rank=32, o_groups=4, vocab_size=1616, moe_intermediate_size=32, n_routed_experts=16,
              num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_topk=16,
              max_position_embeddings=16384)
-FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments)
+FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[, config overrides])
     "rmsnorm": ("rmsnorm.py", "golden_rms_norm_test", (16, 8)),
     "hc_pre": ("hc_pre.py", "golden_hc_pre", (16, 8)),
     "hc_post": ("hc_post.py", "golden_hc_post", (16, 8)),
@@ -183,6 +183,7 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments)
     "gate": ("gate.py", "golden_gate_core", (10,)),                  # a score-routed layer
     "gate_hash": ("gate.py", "golden_gate_core", (0,)),              # a hash-routed layer
     "lookup_embedding": ("lookup_embedding.py", "golden_lookup_embedding_test", (128, 256)),
+    "decode_sparse_attn_swa": ("decode_sparse_attn_swa.py", "golden_sparse_attn", (), {"KV_ORI_BLOCK_NUM": 64}),
 }
 RUNTIME = ("pypto", "pypto.language", "pypto.language.distributed", "pypto.ir",
            "pypto.ir.distributed_compiled_program")
@@ -202,8 +203,9 @@ class _Runtime:
         return _Runtime()
 
 
-def pypto_module(repo, rev, name):
-    """pypto-lib's module `name` executed as described in the module docstring."""
+def pypto_module(repo, rev, name, overrides=None):
+    """pypto-lib's module `name` executed as described in the module docstring; `overrides`: config
+    constants set before the module reads them (pool sizes, to keep the data small)."""
     import dataclasses
     import types
     saved = {k: sys.modules.get(k) for k in RUNTIME + ("config", "golden", "utils", "rope_interleave",
@@ -219,6 +221,7 @@ def pypto_module(repo, rev, name):
         c._SMALL = SMALL
         sys.modules["config"] = c
         exec(compile(cfg, "config.py", "exec"), c.__dict__)
+        c.__dict__.update(overrides or {})
         harness = types.ModuleType("golden")         # pypto-lib's harness package, not ours
 
         class TensorSpec:
@@ -265,8 +268,8 @@ def _restore(saved):
 
 def run_fixture(repo, rev, kernel):
     import torch
-    file, fn, args = FIXTURES[kernel]
-    mod, source, saved = pypto_module(repo, rev, file)
+    file, fn, args, *overrides = FIXTURES[kernel]
+    mod, source, saved = pypto_module(repo, rev, file, *overrides)
     try:
         torch.manual_seed(0)
         specs = mod.build_tensor_specs(*args)
@@ -280,7 +283,7 @@ def run_fixture(repo, rev, kernel):
     np_ = lambda v: v.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else v.numpy()
     outs = [sp.name for sp in specs if sp.is_output]
     return ({k: np_(v) for k, v in inputs.items()}, {k: np_(t[k]) for k in outs}, source,
-            {"file": file, "golden": fn, "build_tensor_specs": args, "small": SMALL})
+            {"file": file, "golden": fn, "build_tensor_specs": args, "small": SMALL, "config": overrides})
 
 
 def save(kernel, rev, file, source, inputs, outputs, meta):
