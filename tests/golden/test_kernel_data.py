@@ -158,6 +158,8 @@ FIXTURE_TOLERANCES = {
                   "weights": (1e-3, 1e-3, 0.0)},
     "lookup_embedding": {"hidden_states": (0, 0, 0.0), "x_hc": (0, 0, 0.0)},
     "decode_sparse_attn_swa": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
+    "decode_sparse_attn_csa": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
+    "decode_sparse_attn_hca": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
 }
 
 
@@ -167,7 +169,7 @@ def run_fixture_golden(kernel, t):
     from golden.kernels.moe import gate, swiglu_expert
     from golden.kernels.qkv_proj_rope import qkv_proj_rope
     from golden.kernels.rmsnorm import rms_norm
-    from golden.kernels.sparse_attention import sparse_attention
+    from golden.kernels.sparse_attention import csa_rows, hca_rows, sparse_attention
     kw = dict(cfg=CFG, nm=DEVICE)
     bf = lambda k: t[k].astype(BF)
     if kernel == "rmsnorm":
@@ -199,13 +201,23 @@ def run_fixture_golden(kernel, t):
     if kernel == "lookup_embedding":
         hidden, x_hc = lookup_embedding(t["input_ids"], bf("embed_weight"), **kw)
         return {"hidden_states": hidden, "x_hc": x_hc}
-    if kernel == "decode_sparse_attn_swa":
-        o = sparse_attention(bf("q"), bf("ori_kv"), t["swa_indices"], t["swa_lens"], t["attn_sink"], bf("freqs_cos"),
-                             bf("freqs_sin"), **kw)
-        T, G = o.shape[0], CFG.o_groups
+    if kernel.startswith("decode_sparse_attn_"):
+        T, G = t["q"].shape[0], CFG.o_groups
+        req = np.arange(T) // S
+        if kernel.endswith("swa"):
+            window, lens, cmp = t["swa_indices"], t["swa_lens"], {}
+        else:
+            window = t["window_swa_indices"]
+            lens = np.full(T, window.shape[1])          # every window column is read (-1: none)
+            pos = t["position_ids"].reshape(T).astype(np.int64)
+            rows = (csa_rows(t["idx_topk"][:, :CFG.index_topk], pos, nm=DEVICE) if kernel.endswith("csa") else
+                    hca_rows(pos, req, t["kv_seq_lens"], cap=CFG.max_position_embeddings // 128, nm=DEVICE))
+            cmp = dict(cmp_kv=bf("cmp_kv"), cmp_rows=rows, cmp_block_table=t["cmp_block_table"], req=req)
+        o = np.asarray(sparse_attention(bf("q"), bf("ori_kv"), window, lens, t["attn_sink"], bf("freqs_cos"),
+                                        bf("freqs_sin"), **cmp, **kw), np.float64)
         packed = np.zeros(t["o_packed_heads"].shape, np.float64)
-        view = packed.reshape(G, -1, CFG.heads_per_group, CFG.head_dim)     # [group, T_PAD, head, dim]
-        view[:, :T] = np.asarray(o, np.float64).reshape(T, G, CFG.heads_per_group, -1).transpose(1, 0, 2, 3)
+        view = packed.reshape(G, -1, CFG.o_group_in)                     # [group, T_PAD, heads x dim]
+        view[:, :T] = o.reshape(T, G, CFG.o_group_in).transpose(1, 0, 2)
         return {"o_packed_heads": packed}
     raise KeyError(kernel)
 
