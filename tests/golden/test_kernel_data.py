@@ -160,12 +160,14 @@ FIXTURE_TOLERANCES = {
     "decode_sparse_attn_swa": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
     "decode_sparse_attn_csa": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
     "decode_sparse_attn_hca": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
+    "lm_head": {"logits": (1e-3, 1e-3, 0.0)},
 }
 
 
 def run_fixture_golden(kernel, t):
     from golden.kernels.hyper_connections import hc_head, hc_post, hc_pre
     from golden.kernels.embedding import lookup_embedding
+    from golden.kernels.lm_head import lm_head
     from golden.kernels.moe import gate, swiglu_expert
     from golden.kernels.qkv_proj_rope import qkv_proj_rope
     from golden.kernels.rmsnorm import rms_norm
@@ -219,6 +221,12 @@ def run_fixture_golden(kernel, t):
         view = packed.reshape(G, -1, CFG.o_group_in)                     # [group, T_PAD, heads x dim]
         view[:, :T] = o.reshape(T, G, CFG.o_group_in).transpose(1, 0, 2)
         return {"o_packed_heads": packed}
+    if kernel == "lm_head":
+        W = t["lm_head_weight"]                  # [owner ranks, V / TP, D]: rank r holds shard r % TP
+        tp = t["logits"].shape[-1] // W.shape[1]
+        full = np.concatenate([W[r] for r in range(tp)]).astype(BF)     # the vocabulary in shard order
+        return {"logits": np.stack([lm_head(t["hidden_states"][r].astype(BF), full, t["logit_row_indices"][r], nm=DEVICE)
+                                    for r in range(W.shape[0])])}
     raise KeyError(kernel)
 
 

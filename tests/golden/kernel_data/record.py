@@ -184,6 +184,7 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
     "gate_hash": ("gate.py", "golden_gate_core", (0,)),              # a hash-routed layer
     "lookup_embedding": ("lookup_embedding.py", "golden_lookup_embedding_test", (128, 256)),
     "decode_sparse_attn_swa": ("decode_sparse_attn_swa.py", "golden_sparse_attn", (), {"KV_ORI_BLOCK_NUM": 64}),
+    "lm_head": ("lm_head.py", "golden_lm_head", (24,)),                 # 24 active rows per owner rank
     "decode_sparse_attn_csa": ("decode_sparse_attn_csa.py", "golden_sparse_attn", (),
                                {"KV_ORI_BLOCK_NUM": 64, "KV_CMP_BLOCK_NUM": 32}),
     "decode_sparse_attn_hca": ("decode_sparse_attn_hca.py", "golden_sparse_attn", (),
