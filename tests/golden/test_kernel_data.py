@@ -161,6 +161,7 @@ FIXTURE_TOLERANCES = {
     "decode_sparse_attn_csa": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
     "decode_sparse_attn_hca": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
     "lm_head": {"logits": (1e-3, 1e-3, 0.0)},
+    "expert_shared": {"sh": ("reldiff", 2e-3, 0.01)},
 }
 
 
@@ -168,7 +169,7 @@ def run_fixture_golden(kernel, t):
     from golden.kernels.hyper_connections import hc_head, hc_post, hc_pre
     from golden.kernels.embedding import lookup_embedding
     from golden.kernels.lm_head import lm_head
-    from golden.kernels.moe import gate, swiglu_expert
+    from golden.kernels.moe import gate, shared_expert, swiglu_expert
     from golden.kernels.qkv_proj_rope import qkv_proj_rope
     from golden.kernels.rmsnorm import rms_norm
     from golden.kernels.sparse_attention import csa_rows, hca_rows, sparse_attention
@@ -221,6 +222,10 @@ def run_fixture_golden(kernel, t):
         view = packed.reshape(G, -1, CFG.o_group_in)                     # [group, T_PAD, heads x dim]
         view[:, :T] = o.reshape(T, G, CFG.o_group_in).transpose(1, 0, 2)
         return {"o_packed_heads": packed}
+    if kernel == "expert_shared":
+        shared = {k: t[k] for k in ("shared_w1", "shared_w1_scale", "shared_w3", "shared_w3_scale", "shared_w2",
+                                    "shared_w2_scale")}
+        return {"sh": shared_expert(t["x_local_i8"], t["x_local_scale_dq"], shared, **kw)}
     if kernel == "lm_head":
         W = t["lm_head_weight"]                  # [owner ranks, V / TP, D]: rank r holds shard r % TP
         tp = t["logits"].shape[-1] // W.shape[1]

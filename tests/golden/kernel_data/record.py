@@ -173,7 +173,8 @@ SMALL = dict(hidden_size=64, num_attention_heads=8, head_dim=32, qk_rope_head_di
              o_lora_rank=32, o_groups=4, vocab_size=1616, moe_intermediate_size=32, n_routed_experts=16,
              num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_topk=16,
              max_position_embeddings=16384)
-FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[, config overrides])
+FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[, config overrides
+               # ("model": fields of SMALL to change for this kernel)])
     "rmsnorm": ("rmsnorm.py", "golden_rms_norm_test", (16, 8)),
     "hc_pre": ("hc_pre.py", "golden_hc_pre", (16, 8)),
     "hc_post": ("hc_post.py", "golden_hc_post", (16, 8)),
@@ -184,7 +185,10 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
     "gate_hash": ("gate.py", "golden_gate_core", (0,)),              # a hash-routed layer
     "lookup_embedding": ("lookup_embedding.py", "golden_lookup_embedding_test", (128, 256)),
     "decode_sparse_attn_swa": ("decode_sparse_attn_swa.py", "golden_sparse_attn", (), {"KV_ORI_BLOCK_NUM": 64}),
-    "lm_head": ("lm_head.py", "golden_lm_head", (24,)),                 # 24 active rows per owner rank
+    "lm_head": ("lm_head.py", "golden_lm_head", (24,)),
+    # its weight generator simulates FP8 in 128 x 128 blocks: D and the intermediate size 128
+    "expert_shared": ("expert_shared.py", "golden_expert_shared", (),
+                      {"model": {"hidden_size": 128, "moe_intermediate_size": 128}}),                 # 24 active rows per owner rank
     "decode_sparse_attn_csa": ("decode_sparse_attn_csa.py", "golden_sparse_attn", (),
                                {"KV_ORI_BLOCK_NUM": 64, "KV_CMP_BLOCK_NUM": 32}),
     "decode_sparse_attn_hca": ("decode_sparse_attn_hca.py", "golden_sparse_attn", (),
@@ -222,8 +226,9 @@ def pypto_module(repo, rev, name, overrides=None):
             sys.modules[n] = m
         cfg = read_source(repo, rev, f"{MODELS}/config.py").replace(
             "\nPRESETS = ", "\nFLASH = __import__('dataclasses').replace(FLASH, **_SMALL)\nPRESETS = ", 1)
+        overrides = dict(overrides or {})
         c = types.ModuleType("config")
-        c._SMALL = SMALL
+        c._SMALL = {**SMALL, **overrides.pop("model", {})}
         sys.modules["config"] = c
         exec(compile(cfg, "config.py", "exec"), c.__dict__)
         c.__dict__.update(overrides or {})
