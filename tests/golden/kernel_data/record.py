@@ -186,6 +186,7 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
     "lookup_embedding": ("lookup_embedding.py", "golden_lookup_embedding_test", (128, 256)),
     "decode_sparse_attn_swa": ("decode_sparse_attn_swa.py", "golden_sparse_attn", (), {"KV_ORI_BLOCK_NUM": 64}),
     "lm_head": ("lm_head.py", "golden_lm_head", (24,)),
+    "decode_indexer": ("decode_indexer.py", "golden_indexer", (), {"model": {"q_lora_rank": 128}}),
     # its weight generator simulates FP8 in 128 x 128 blocks: D and the intermediate size 128
     "expert_shared": ("expert_shared.py", "golden_expert_shared", (),
                       {"model": {"hidden_size": 128, "moe_intermediate_size": 128}}),                 # 24 active rows per owner rank
@@ -251,17 +252,23 @@ def pypto_module(repo, rev, name, overrides=None):
             is_output = False
         harness.TensorSpec, harness.ScalarSpec = TensorSpec, ScalarSpec
         sys.modules["golden"] = harness
+        def sibling(mod_name, as_name):
+            """A module of models/deepseek_v4_flash_dspark, its own sibling imports first."""
+            source = read_source(repo, rev, f"{MODELS}/{mod_name}.py")
+            tree = ast.parse(source)
+            tree.body = [n for n in tree.body if not isinstance(n, ast.Assert)]
+            for n in tree.body:
+                if isinstance(n, ast.ImportFrom) and n.module not in sys.modules and n.module != "config" \
+                        and not (n.module or "").startswith(("pypto", "__future__")):
+                    saved.setdefault(n.module, sys.modules.get(n.module))
+                    sibling(n.module, n.module)
+            mod = types.ModuleType(as_name)
+            sys.modules[as_name] = mod
+            exec(compile(tree, mod_name + ".py", "exec"), mod.__dict__)
+            return mod, source
         for dep in ("utils", "rope_interleave"):
-            u = types.ModuleType(dep)
-            sys.modules[dep] = u
-            exec(compile(read_source(repo, rev, f"{MODELS}/{dep}.py"), dep + ".py", "exec"), u.__dict__)
-            sys.modules[dep] = u
-        source = read_source(repo, rev, f"{MODELS}/{name}")
-        tree = ast.parse(source)
-        tree.body = [n for n in tree.body if not isinstance(n, ast.Assert)]
-        mod = types.ModuleType("pypto_" + name[:-3])
-        sys.modules[mod.__name__] = mod
-        exec(compile(tree, name, "exec"), mod.__dict__)
+            sibling(dep, dep)
+        mod, source = sibling(name[:-3], "pypto_" + name[:-3])
         return mod, source, saved
     except BaseException:
         _restore(saved)
