@@ -13,8 +13,8 @@ Two kinds of fixture:
 * `FIXTURES` (rmsnorm, hc_pre, hc_post, hc_head, qkv_proj_rope, expert_routed): pypto-lib's own
   `build_tensor_specs` and golden function, the module executed with its config's FLASH replaced
   by `SMALL` (TINY's shapes), stand-ins for the PyPTO runtime imports (only kernel definitions
-  use them) and its module-level tiling asserts dropped (they constrain the kernels' tiles, not
-  the math); torch seeded with 0, the decode form (16 requests x 8 rows).
+  use them) and its module-level tiling checks (asserts, `if ...: raise`) dropped (they constrain
+  the kernels' tiles, not the math); torch seeded with 0, the decode form (16 requests x 8 rows).
 * `KERNELS` (the three decode compressors), whose `golden_compressor` alone is run on this
   script's fixture: 4 requests x 8 decode rows (S = 1 + 7 drafts) at first positions that cross two
 ratio-4 boundaries in one call, start at position 0, miss a state page, or wrap a short state
@@ -174,7 +174,7 @@ SMALL = dict(hidden_size=64, num_attention_heads=8, head_dim=32, qk_rope_head_di
              num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_topk=16,
              max_position_embeddings=16384)
 FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[, config overrides
-               # ("model": fields of SMALL to change for this kernel)])
+               # ("model": fields of SMALL to change for this kernel; "build": another builder)])
     "rmsnorm": ("rmsnorm.py", "golden_rms_norm_test", (16, 8)),
     "hc_pre": ("hc_pre.py", "golden_hc_pre", (16, 8)),
     "hc_post": ("hc_post.py", "golden_hc_post", (16, 8)),
@@ -187,6 +187,9 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
     "decode_sparse_attn_swa": ("decode_sparse_attn_swa.py", "golden_sparse_attn", (), {"KV_ORI_BLOCK_NUM": 64}),
     "lm_head": ("lm_head.py", "golden_lm_head", (24,)),
     "decode_indexer": ("decode_indexer.py", "golden_indexer", (), {"model": {"q_lora_rank": 128}}),
+    # one TP rank's grouped projection; its fixture's wo_a spans 4 x o_lora_rank of a group's input
+    "decode_o_proj": ("decode_o_proj.py", "golden_decode_o_proj", (31,),
+                      {"model": {"o_lora_rank": 16}, "build": "build_o_proj_tensor_specs"}),
     # its weight generator simulates FP8 in 128 x 128 blocks: D and the intermediate size 128
     "expert_shared": ("expert_shared.py", "golden_expert_shared", (),
                       {"model": {"hidden_size": 128, "moe_intermediate_size": 128}}),                 # 24 active rows per owner rank
@@ -227,7 +230,7 @@ def pypto_module(repo, rev, name, overrides=None):
             sys.modules[n] = m
         cfg = read_source(repo, rev, f"{MODELS}/config.py").replace(
             "\nPRESETS = ", "\nFLASH = __import__('dataclasses').replace(FLASH, **_SMALL)\nPRESETS = ", 1)
-        overrides = dict(overrides or {})
+        overrides = {k: v for k, v in (overrides or {}).items() if k != "build"}
         c = types.ModuleType("config")
         c._SMALL = {**SMALL, **overrides.pop("model", {})}
         sys.modules["config"] = c
@@ -256,7 +259,7 @@ def pypto_module(repo, rev, name, overrides=None):
             """A module of models/deepseek_v4_flash_dspark, its own sibling imports first."""
             source = read_source(repo, rev, f"{MODELS}/{mod_name}.py")
             tree = ast.parse(source)
-            tree.body = [n for n in tree.body if not isinstance(n, ast.Assert)]
+            tree.body = [n for n in tree.body if not isinstance(n, ast.Assert) and not _raises_only(n)]
             for n in tree.body:
                 if isinstance(n, ast.ImportFrom) and n.module not in sys.modules and n.module != "config" \
                         and not (n.module or "").startswith(("pypto", "__future__")):
@@ -275,6 +278,11 @@ def pypto_module(repo, rev, name, overrides=None):
         raise
 
 
+def _raises_only(node):
+    """A module-level `if <tiling constraint>: raise ...` (a kernel tile check, like the asserts)."""
+    return isinstance(node, ast.If) and not node.orelse and all(isinstance(b, ast.Raise) for b in node.body)
+
+
 def _restore(saved):
     for k, v in saved.items():
         if v is None:
@@ -289,7 +297,7 @@ def run_fixture(repo, rev, kernel):
     mod, source, saved = pypto_module(repo, rev, file, *overrides)
     try:
         torch.manual_seed(0)
-        specs = mod.build_tensor_specs(*args)
+        specs = getattr(mod, (overrides[0] if overrides else {}).get("build", "build_tensor_specs"))(*args)
         t = {sp.name: (sp.init_value() if sp.init_value is not None else torch.zeros(sp.shape, dtype=sp.dtype))
              for sp in specs}
         t = {k: v.to(sp.dtype) for (k, v), sp in zip(t.items(), specs)}
