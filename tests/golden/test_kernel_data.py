@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from golden.kernels.compressor import DEVICE_KERNEL, EAGER_PUBLISH, compressor, indexer_compressor
+from golden.kernels.compressor import DEVICE_KERNEL, EAGER_PUBLISH, EXCLUDE, ZERO, compressor, indexer_compressor
 from golden.numerics import DEVICE
 from twin.abi.presets import TINY
 
@@ -165,6 +165,8 @@ FIXTURE_TOLERANCES = {
     # score over its valid region; topk_idxs: pypto-lib's topk_pair_compare admits tie swaps, here
     # the project's tie rule (golden.ties) on golden's scores
     "decode_o_proj": {"o_partial": (1e-4, 1 / 128, 0.0)},
+    "prefill_compressor_ratio4": {"compress_state": (1e-3, 1e-3, 0.0), "cmp_kv": (1e-4, 1 / 128, 0.0)},
+    "prefill_compressor_ratio128": {"compress_state": (1e-3, 1e-3, 0.0), "cmp_kv": (1e-4, 1 / 128, 0.0)},
     "decode_indexer": {"score": (1e-4, 1 / 128, 0.005), "topk_idxs": "ties", "idx_kv_cache": (1, 0, 0.01),
                        "idx_kv_scale": (1e-4, 1 / 128, 0.01)},
 }
@@ -239,6 +241,18 @@ def run_fixture_golden(kernel, t):
         out = np.zeros(t["o_partial"].shape, np.float64)
         out[:rows] = o_proj_partial(a[:, :rows].astype(BF), bf("wo_a"), wo_b, t["wo_b_scale"], **kw)
         return {"o_partial": out}
+    if kernel.startswith("prefill_compressor_ratio"):
+        # one request's prefill chunk: every boundary pooled (serving's eager-publish contract,
+        # which the prefill kernel computes: its state scatter precedes pooling, per 512-row tile)
+        ratio = int(kernel.rsplit("ratio", 1)[1])
+        pos = t["position_ids"].astype(np.int64)
+        start = np.maximum(pos - ratio + 1, 0)
+        cmp, state, _ = compressor(
+            bf("x"), pos, np.zeros(pos.size, np.int64), pos[:1], t["compress_state"],
+            t["compress_state_block_table"][None], t["state_slot_mapping"], bf("cmp_kv"), t["cmp_slot_mapping"],
+            bf("wkv"), bf("wgate"), t["ape"], bf("norm_w"), bf("freqs_cos")[start], bf("freqs_sin")[start],
+            ratio=ratio, cfg=CFG, nm=DEVICE, missing=ZERO if ratio == 128 else EXCLUDE)
+        return {"compress_state": state, "cmp_kv": cmp}
     if kernel == "expert_shared":
         shared = {k: t[k] for k in ("shared_w1", "shared_w1_scale", "shared_w3", "shared_w3_scale", "shared_w2",
                                     "shared_w2_scale")}
@@ -308,7 +322,7 @@ def test_device_mode_matches_pypto_goldens_on_their_own_fixtures(kernel):
 def test_kernel_data_stays_small_and_names_its_source():
     files = sorted(f for f in os.listdir(DATA) if f.endswith(".npz"))
     assert {f[:-4] for f in files} == set(TOLERANCES) | set(FIXTURE_TOLERANCES)
-    assert sum(os.path.getsize(os.path.join(DATA, f)) for f in files) < 4 * 2 ** 20
+    assert sum(os.path.getsize(os.path.join(DATA, f)) for f in files) < 5 * 2 ** 20          # "a few MB"
     for f in files:
         meta = str(np.load(os.path.join(DATA, f))["meta"][0])
         assert meta.startswith("pypto-lib ") and "sha256 " in meta and "models/deepseek_v4_flash_dspark/" in meta

@@ -185,14 +185,19 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
     "gate_hash": ("gate.py", "golden_gate_core", (0,)),              # a hash-routed layer
     "lookup_embedding": ("lookup_embedding.py", "golden_lookup_embedding_test", (128, 256)),
     "decode_sparse_attn_swa": ("decode_sparse_attn_swa.py", "golden_sparse_attn", (), {"KV_ORI_BLOCK_NUM": 64}),
-    "lm_head": ("lm_head.py", "golden_lm_head", (24,)),
+    "lm_head": ("lm_head.py", "golden_lm_head", (8,)),
     "decode_indexer": ("decode_indexer.py", "golden_indexer", (), {"model": {"q_lora_rank": 128}}),
     # one TP rank's grouped projection; its fixture's wo_a spans 4 x o_lora_rank of a group's input
     "decode_o_proj": ("decode_o_proj.py", "golden_decode_o_proj", (31,),
                       {"model": {"o_lora_rank": 16}, "build": "build_o_proj_tensor_specs"}),
     # its weight generator simulates FP8 in 128 x 128 blocks: D and the intermediate size 128
     "expert_shared": ("expert_shared.py", "golden_expert_shared", (),
-                      {"model": {"hidden_size": 128, "moe_intermediate_size": 128}}),                 # 24 active rows per owner rank
+                      {"model": {"hidden_size": 128, "moe_intermediate_size": 128}}),                 # 8 active rows per owner rank
+    # one 512-token prefill chunk; RoPE tables cut to 1024 positions
+    "prefill_compressor_ratio4": ("prefill_compressor_ratio4.py", "golden_prefill_compressor_ratio4", (),
+                                  {"model": {"max_position_embeddings": 1024}}),
+    "prefill_compressor_ratio128": ("prefill_compressor_ratio128.py", "golden_prefill_compressor_ratio128", (),
+                                    {"model": {"max_position_embeddings": 1024}}),
     "decode_sparse_attn_csa": ("decode_sparse_attn_csa.py", "golden_sparse_attn", (),
                                {"KV_ORI_BLOCK_NUM": 64, "KV_CMP_BLOCK_NUM": 32}),
     "decode_sparse_attn_hca": ("decode_sparse_attn_hca.py", "golden_sparse_attn", (),
