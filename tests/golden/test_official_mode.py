@@ -60,3 +60,13 @@ def test_official_mode_rounds_linear_inputs_only_when_the_weights_are_fp8(small_
     kv = taps["fp32"][(2, "kv")][:, :-SMALL.qk_rope_head_dim].reshape(40, -1, 32)    # still FP8 (QAT)
     scale = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(kv).max(-1, keepdims=True), 1e-4) / 448.0))
     assert np.array_equal((kv / scale).astype(FP8).astype(np.float64), kv / scale)
+
+
+def test_jax_path_names_the_fp32_official_checkpoint_it_does_not_run(tiny_ckpt):
+    pytest = __import__("pytest")
+    pytest.importorskip("jax")
+    from golden.jax_path import JaxGolden
+    from twin.abi.errors import AbiError
+    from twin.abi.presets import TINY
+    with pytest.raises(AbiError, match="dtype='fp32'.*fp8 or bf16"):
+        JaxGolden(tiny_ckpt, TINY.replace(dtype="fp32"), "official")
