@@ -171,12 +171,12 @@ def hf_with_golden_ties(model, cfg, prompt, tokens, calls, *, qat=None):
     try:
         with torch.no_grad():
             out = model(torch.tensor(np.asarray(prompt)[None]), use_cache=True)
-            cache = out.past_key_values
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
             logits = [out.logits[0].numpy()]
             for t in tokens[:-1]:
                 state["call"] += 1
-                out = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+                cache = out.cache if hasattr(out, "cache") else out.past_key_values
                 logits.append(out.logits[0].numpy())
     finally:
         for h in handles:
