@@ -6,7 +6,13 @@ Numerics (`golden.numerics`)
     Numerics("device" | "exact" | "official", xp=numpy)  - mode + array namespace, passed as `nm=`.
     device: bf16 storage, W8A8 per-row INT8 (amax floor 1e-4, 127, half-even), f32 rounding points,
     in-kernel sums carried in float64 and rounded once (batch- and padding-invariant bits);
-    exact: float64, no rounding; official: FP8 e4m3 / FP4 e2m1 block round trips with ue8m0 scales.
+    exact: float64, no rounding; official: FP8 e4m3 / FP4 e2m1 block round trips with ue8m0 scales,
+    following the checkpoint's weight dtype (numerics(mode, cfg=cfg) / Numerics.for_config(cfg):
+    FP8 linear inputs only for FP8 weights, FP32 activations for an FP32 checkpoint).
+    Numerics.rotation(hadamard): the indexer's rotation (exact +-1/sqrt(d) outside device mode).
+
+Ties (`golden.ties`): the one tie rule for top-k selections
+    equivalent_rows(scores, a, b) / adopt_equivalent(scores, mine, theirs) -> (selection, rows)
 
 Kernels (`golden.kernels.<family>`; ABI argument names; functions, state in and out)
     embedding.lookup_embedding       rmsnorm.rms_norm

@@ -22,7 +22,7 @@ import numpy as np
 
 from twin.abi.errors import AbiError
 
-from .kernels.compressor import EXCLUDE, ZERO, compressor, indexer_compressor
+from .kernels.compressor import EAGER_PUBLISH, EXCLUDE, ZERO, compressor, indexer_compressor
 from .kernels.embedding import lookup_embedding
 from .kernels.hyper_connections import hc_head, hc_post, hc_pre
 from .kernels.indexer import PREFILL_SCORE_CAP, lightning_indexer
@@ -76,12 +76,15 @@ def device_meta(meta: StepMeta, nm) -> dict:
     return {k: xp.asarray(v) for k, v in meta.arrays().items()}
 
 
-def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=None, ratio=None, indexer=None):
+def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=None, ratio=None, indexer=None,
+                       contract=EAGER_PUBLISH):
     """One attention sub-layer: x_hc [T, HC, D] -> (x_hc, pools).  `m` = device_meta(meta).
 
     `ratio` overrides compress_ratios[layer] (the DSpark draft layers are SWA-profile layers that
     carry target layer ids 40..42 for routing); swa_indices may be wider than 128 (192 there).
-    `indexer` replaces lightning_indexer (same signature; lockstep re-syncs near-tie top-k with it)."""
+    `indexer` replaces lightning_indexer (same signature; lockstep re-syncs near-tie top-k with it).
+    `contract`: the compressors' named contract (golden.kernels.compressor: EAGER_PUBLISH, serving's,
+    or DEVICE_KERNEL, pypto-lib's decode kernels)."""
     ratio = cfg.compress_ratios[layer] if ratio is None else ratio
     pools = dict(pools)
     _tap(taps, layer, "attn_in", x_hc)
@@ -97,7 +100,8 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
     pos, req, first = m["position_ids"], m["req"], m["first_pos"]
     cmp = {}
     if ratio == 4:
-        _tap(taps, layer, "cmp_kv", csa_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm))
+        _tap(taps, layer, "cmp_kv", csa_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm,
+                                                 contract=contract))
         cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
         _, topk = (indexer or lightning_indexer)(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
                                     w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin, pools["idx_kv_cache"],
@@ -107,7 +111,7 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
         cmp = dict(cmp_kv=pools["csa_cmp_kv"], cmp_rows=csa_rows(topk, pos, nm=nm),
                    cmp_block_table=m["csa_cmp_block_table"], req=req)
     elif ratio == 128:
-        rows, cmp = hca_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, form=form)
+        rows, cmp = hca_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, form=form, contract=contract)
         _tap(taps, layer, "cmp_kv", rows)
         cmp["req"] = req
     pools["kv_cache"] = nm.set_rows(pools["kv_cache"], m["ori_slot_mapping"], nm.store_bf16(kv))
@@ -121,7 +125,8 @@ def attention_sublayer(x_hc, layer, w, pools, m, rope, *, cfg, nm, form, taps=No
     return x_hc, pools
 
 
-def csa_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, selection=None, proj=None, pool_branch=None):
+def csa_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, selection=None, proj=None, pool_branch=None,
+                 contract=EAGER_PUBLISH):
     """The two ratio-4 compressors of a CSA layer, the attention one and the indexer's (writes
     `pools` in place of the returned arrays) -> the compressed rows written to csa_cmp_kv.
     selection, pool_branch: as `compressor` takes them; proj(wkv name, wgate name): the products
@@ -129,18 +134,18 @@ def csa_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, selection=
     ccos, csin = rope["csa_cmp"]
     pj = proj or (lambda a, b: None)
     rows = _main_compressor("csa", 4, x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, selection=selection,
-                            proj=pj, pool_branch=pool_branch)
+                            proj=pj, pool_branch=pool_branch, contract=contract)
     pools["idx_kv_cache"], pools["idx_kv_scale"], pools["csa_inner_compress_state"], _ = indexer_compressor(
         x_n, pos, req, first, pools["csa_inner_compress_state"], m["csa_inner_compress_state_block_table"],
         m["csa_inner_state_slot_mapping"], pools["idx_kv_cache"], pools["idx_kv_scale"],
         m["csa_idx_slot_mapping"], w.get("csa_inner_wkv"), w.get("csa_inner_wgate"), w["csa_inner_ape"],
         w["csa_inner_norm_w"], w["csa_hadamard_idx"], ccos, csin, cfg=cfg, nm=nm, selection=selection,
-        proj=pj("csa_inner_wkv", "csa_inner_wgate"))
+        proj=pj("csa_inner_wkv", "csa_inner_wgate"), contract=contract)
     return rows
 
 
 def _main_compressor(kind, ratio, x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, proj, missing=EXCLUDE,
-                     selection=None, pool_branch=None):
+                     selection=None, pool_branch=None, contract=EAGER_PUBLISH):
     """The layer's main KV compressor ("csa": ratio 4, "hca": ratio 128), its ABI names by kind."""
     cos, sin = rope[f"{kind}_cmp"]
     wkv, wgate = f"{kind}_cmp_wkv", f"{kind}_cmp_wgate"
@@ -148,19 +153,19 @@ def _main_compressor(kind, ratio, x_n, pos, req, first, w, pools, m, rope, *, cf
         x_n, pos, req, first, pools[f"{kind}_compress_state"], m[f"{kind}_compress_state_block_table"],
         m[f"{kind}_state_slot_mapping"], pools[f"{kind}_cmp_kv"], m[f"{kind}_cmp_slot_mapping"], w.get(wkv),
         w.get(wgate), w[f"{kind}_cmp_ape"], w[f"{kind}_cmp_norm_w"], cos, sin, ratio=ratio, cfg=cfg, nm=nm,
-        missing=missing, selection=selection, proj=proj(wkv, wgate), pool_branch=pool_branch)
+        missing=missing, selection=selection, proj=proj(wkv, wgate), pool_branch=pool_branch, contract=contract)
     return rows
 
 
 def hca_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, form, selection=None, proj=None,
-                 pool_branch=None, n_max=None):
+                 pool_branch=None, n_max=None, contract=EAGER_PUBLISH):
     """The ratio-128 compressor of an HCA layer (writes `pools` in place of the returned arrays) and
     the compressed rows attention reads: (rows written, cmp keyword arguments of sparse_attention).
     selection, proj, pool_branch as in `csa_compress`; n_max: the rows' static width (default:
     m's n_hca_rows, else the call's most)."""
     rows = _main_compressor("hca", 128, x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm,
                             missing=ZERO if form == PREFILL else EXCLUDE, selection=selection,
-                            proj=proj or (lambda a, b: None), pool_branch=pool_branch)
+                            proj=proj or (lambda a, b: None), pool_branch=pool_branch, contract=contract)
     cap = PREFILL_HCA_CAP if form == PREFILL else cfg.max_position_embeddings // 128
     n_max = m.get("n_hca_rows") if n_max is None else n_max
     cmp = dict(cmp_kv=pools["hca_cmp_kv"], cmp_rows=hca_rows(pos, req, m["kv_seq_lens"], cap=cap, nm=nm, n_max=n_max),
@@ -187,11 +192,12 @@ def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=N
     return x_hc
 
 
-def layer_step(x_hc, layer, ckpt, pools, m, rope, *, cfg, nm, form, taps=None, moe=None, ratio=None, indexer=None):
+def layer_step(x_hc, layer, ckpt, pools, m, rope, *, cfg, nm, form, taps=None, moe=None, ratio=None, indexer=None,
+               contract=EAGER_PUBLISH):
     """Attention + MoE of target layer `layer`: (x_hc, pools) -> (x_hc, pools)."""
     w = ckpt.layer(layer)
     x_hc, pools = attention_sublayer(x_hc, layer, w, pools, m, rope, cfg=cfg, nm=nm, form=form, taps=taps,
-                                     ratio=ratio, indexer=indexer)
+                                     ratio=ratio, indexer=indexer, contract=contract)
     expert = ckpt.experts_of(layer) if hasattr(ckpt, "experts_of") else (lambda e: ckpt.expert(layer, e))
     x_hc = moe_sublayer(x_hc, layer, w, expert, m["input_ids"], cfg=cfg, nm=nm, taps=taps, moe=moe)
     return x_hc, pools
@@ -233,10 +239,11 @@ class ForwardOut:
     meta: StepMeta | None = None
 
 
-def forward(ckpt, meta: StepMeta, caches, *, cfg, nm="device", taps=None, moe=None, indexer=None) -> ForwardOut:
+def forward(ckpt, meta: StepMeta, caches, *, cfg, nm="device", taps=None, moe=None, indexer=None,
+            contract=EAGER_PUBLISH) -> ForwardOut:
     """Run the whole target model over one call's tokens.  Pools come in and new pools go out
-    (NumPy never mutates the inputs)."""
-    nm = numerics(nm)
+    (NumPy never mutates the inputs).  contract: the compressors' (attention_sublayer)."""
+    nm = numerics(nm, cfg=cfg)
     if len(caches) != cfg.num_hidden_layers:
         raise AbiError("caches", len(caches), f"one pool dict per layer ({cfg.num_hidden_layers})", where="forward")
     _check_contiguous(meta)
@@ -247,7 +254,7 @@ def forward(ckpt, meta: StepMeta, caches, *, cfg, nm="device", taps=None, moe=No
     out = []
     for layer in range(cfg.num_hidden_layers):
         x_hc, pools = layer_step(x_hc, layer, ckpt, caches[layer], m, rope, cfg=cfg, nm=nm, form=meta.form,
-                                 taps=taps, moe=moe, indexer=indexer)
+                                 taps=taps, moe=moe, indexer=indexer, contract=contract)
         out.append(pools)
     logits, sampled = final_head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm, taps=taps)
     return ForwardOut(logits, sampled, out, x_hc, taps, meta)
@@ -302,7 +309,7 @@ class Session:
     lengths: list = field(default_factory=list)
 
     def __post_init__(self):
-        self.nm = numerics(self.nm)
+        self.nm = numerics(self.nm, cfg=self.cfg)
         rng = None if self.seed is None else np.random.default_rng(self.seed)
         self.blocks, self.pages = assign_blocks(self.cfg, self.n_requests, self.max_len, rng=rng)
         self.caches = alloc_caches(self.cfg, self.pages, self.nm)

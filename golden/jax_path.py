@@ -58,9 +58,13 @@ class JaxGolden:
         operands are BF16 values (Fp32Numerics); forward() then sets `bf16_operands_ok`."""
         self.cfg = cfg
         self.compiler_options = {**XLA_OPTIONS, **(compiler_options or {})}
-        self.nm = Fp32Numerics(mode, jnp, verify_bf16=verify_bf16)
+        self.nm = Fp32Numerics(mode, jnp, verify_bf16=verify_bf16).for_config(cfg)
+        if self.nm.mode == "official" and not self.nm.rounds_bf16:
+            # the jitted step carries the ABI's BF16 pools as 16-bit patterns
+            raise AbiError("dtype", cfg.dtype, "an fp8 or bf16 checkpoint for official mode on the JAX path "
+                           "(an fp32 checkpoint's FP32 activations run on NumPy: golden.compose)", where="JaxGolden")
         self.bf16_operands_ok = None
-        self.host_nm = Numerics(mode)
+        self.host_nm = Numerics(mode).for_config(cfg)
         L = cfg.num_hidden_layers
         # weights widened once to the compute dtype (exact: int8, bf16 and f32 values are f32 values);
         # XLA would otherwise convert every weight on every step.  Index tables stay integers.  In

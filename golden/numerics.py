@@ -4,9 +4,13 @@
            rounding points of kernel-math.md (the PyPTO-Lib kernels' contract).
 `exact`    float64 everywhere, no rounding and no quantization: measures what quantization costs
            and is the mode in which independent formulations must agree to ~1e-12.
-`official` the official DeepSeek-V4 reference's own round trips: block-scaled FP8 e4m3
-           activations and KV, FP4 e2m1 indexer path, power-of-two (ue8m0) scales; FP32 compute
-           otherwise (kernel-math.md §7 #7).
+`official` the official DeepSeek-V4 reference's own round trips: FP8 e4m3 KV (non-RoPE dims,
+           compressed rows) and the FP4 e2m1 indexer path always (its quantization-aware-training
+           steps), power-of-two (ue8m0) scales; the rest follows the checkpoint's weight dtype
+           (`weights`, the config's `dtype`), as the official reference does: block-128 FP8
+           linear inputs only for FP8 weights (an FP8 release; a BF16 or FP32 checkpoint's
+           `linear` passes its input through), activations and storage in BF16 except for an
+           FP32 checkpoint, whose activations stay FP32 (kernel-math.md §7 #7).
 
 Accumulation: the device accumulates in FP32 in its own tile order.  The golden carries every
 in-kernel sum in float64 and rounds to FP32 at each kernel's FP32 outputs and storage (a correctly
@@ -29,7 +33,7 @@ few operations that differ (scatter, integer GEMM) live here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
@@ -94,10 +98,27 @@ def fit_block(x, block: int) -> int:
 class Numerics:
     mode: str = "device"
     xp: Any = np
+    weights: str = "fp8"           # the checkpoint's linear weight dtype (official mode's rules)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise AbiError("mode", self.mode, f"one of {MODES}", where="golden numerics")
+
+    def for_config(self, cfg) -> "Numerics":
+        """These numerics for a checkpoint of `cfg`: official mode follows its weight dtype
+        (`ModelConfig.dtype`, one of presets.WEIGHT_DTYPES)."""
+        return self if cfg.dtype == self.weights else replace(self, weights=cfg.dtype)
+
+    @property
+    def fp8_linears(self) -> bool:
+        """Official mode rounds linear inputs to FP8 (the weights are FP8)."""
+        return self.mode == "official" and self.weights == "fp8"
+
+    @property
+    def rounds_bf16(self) -> bool:
+        """BF16 rounding points and storage: device mode, and official mode unless the checkpoint is
+        FP32 (the official reference then computes in FP32 throughout)."""
+        return self.mode == "device" or (self.mode == "official" and self.weights != "fp32")
 
     # ---- basics --------------------------------------------------------------------------
     @property
@@ -129,19 +150,24 @@ class Numerics:
 
     def bf16(self, x):
         """A BF16 rounding point of the device contract (identity in exact mode): the device
-        produces the FP32 value first, then rounds it to BF16."""
+        produces the FP32 value first, then rounds it to BF16.  An FP32 point where the mode
+        keeps no BF16 (`rounds_bf16`: official mode on an FP32 checkpoint)."""
         x = self.asf(x)
         if self.exact:
             return x
+        if not self.rounds_bf16:
+            return x.astype(self.xp.float32).astype(self.f)
         return x.astype(self.xp.float32).astype(BF16).astype(self.f)
 
     def store_bf16(self, x):
         """A value written to a BF16 tensor (pool or output): its storage dtype."""
-        return self.asf(x) if self.exact else self.asf(x).astype(BF16)
+        return self.asf(x).astype(self.store_dtype)
 
     @property
     def store_dtype(self):
-        return self.xp.float64 if self.exact else BF16
+        """The dtype of the ABI's BF16 tensors: float64 in exact mode, FP32 where the mode keeps no
+        BF16 (`rounds_bf16`)."""
+        return self.xp.float64 if self.exact else BF16 if self.rounds_bf16 else self.xp.float32
 
     @property
     def state_dtype(self):
@@ -199,11 +225,26 @@ class Numerics:
         xi, dq = self.q8(x)
         return self.int_mm(xi, w_i8) * dq * self.asf(w_scale)
 
+    # ---- the indexer's Hadamard rotation ------------------------------------------------------
+    def rotation(self, hadamard):
+        """The indexer's Hadamard matrix [n, n] as a GEMM operand.  Device: the ABI's BF16 tensor as
+        given (bf16(1/sqrt(n)) is 0.3 % off, a uniform factor the INT8 scales absorb).  Exact and
+        official: the exact orthonormal +-1/sqrt(n) with the given sign pattern, as the official
+        `rotate_activation` (a fast Walsh-Hadamard transform scaled by n^-0.5) computes it; ahead
+        of the FP4 round trip the BF16 factor would move values across FP4 steps."""
+        h = self.asf(hadamard)
+        if self.mode == "device":
+            return h
+        return self.xp.sign(h) * (h.shape[-1] ** -0.5)
+
     # ---- official-mode round trips -----------------------------------------------------------
     def act(self, x, block: int = 128):
-        """Input of an official FP8 linear: block-128 e4m3 round trip in official mode."""
+        """Input of a linear that is FP8 in the official release: block-128 e4m3 round trip in
+        official mode when the checkpoint's weights are FP8 (`fp8_linears`), else x as it is."""
         x = self.asf(x)
-        return block_round_trip(x, fit_block(x, block), FP8, FP8_MAX, self.xp) if self.mode == "official" else x
+        if self.fp8_linears:
+            return block_round_trip(x, fit_block(x, block), FP8, FP8_MAX, self.xp)
+        return x
 
     def kv_fp8(self, x, block: int = 64):
         """Official FP8 simulation of the non-RoPE KV dims (blocks of 64)."""
@@ -281,5 +322,7 @@ EXACT = Numerics("exact")
 OFFICIAL = Numerics("official")
 
 
-def numerics(mode: str | Numerics, xp=np) -> Numerics:
-    return mode if isinstance(mode, Numerics) else Numerics(mode, xp)
+def numerics(mode: str | Numerics, xp=np, cfg=None) -> Numerics:
+    """A mode name or Numerics -> Numerics; with `cfg`, for that config's checkpoint (for_config)."""
+    nm = mode if isinstance(mode, Numerics) else Numerics(mode, xp)
+    return nm if cfg is None else nm.for_config(cfg)

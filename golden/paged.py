@@ -215,7 +215,8 @@ def alloc_caches(cfg, pages: dict, nm, layers=None) -> list[dict]:
         d = {}
         for name in layer_pools(cfg, layer):
             fam, shape, dtype = POOLS[name]
-            dtype = np.float64 if nm.exact else (np.float32 if nm.mode == "official" and dtype == "i8" else dt[dtype])
+            dtype = (np.float64 if nm.exact else np.float32 if nm.mode == "official" and dtype == "i8" else
+                     nm.store_dtype if dtype == "bf16" else dt[dtype])
             d[name] = nm.xp.asarray(np.zeros((pages[fam], fams[fam].rows_per_page) + shape(cfg), dtype))
         out.append(d)
     return out

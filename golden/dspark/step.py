@@ -58,7 +58,7 @@ class Golden:
     pad_drafter_batch: bool = False    # pad every rank of a drafter call to B in {4, 8, 12, 16} rows
 
     def __post_init__(self):
-        self.nm = numerics(self.nm)
+        self.nm = numerics(self.nm, cfg=self.cfg)
         if not 1 <= self.max_model_len <= self.cfg.max_position_embeddings:
             raise AbiError("max_model_len", self.max_model_len, f"1..{self.cfg.max_position_embeddings}",
                            where="golden run")

@@ -9,8 +9,17 @@ softmax over the scores:
 A row comes from this call's fresh projections when its position is at or after the request's
 first position in the call, otherwise from the old state through the request's state table
 (ring slot: table[(pos // page) mod width] * page + pos mod page).  Negative positions and
-unmapped pages are excluded (score -inf, kv 0).  State is committed after pooling (newer order),
-so pooling never reads a row this call writes.
+unmapped pages are excluded (score -inf, kv 0).
+
+Two named contracts say which boundaries a call pools and in which order state and pooling go:
+  EAGER_PUBLISH  serving's contract (the default): every boundary of the call is pooled and
+                 published, from the call's own projections; state is committed after pooling,
+                 so pooling never reads a row this call writes.
+  DEVICE_KERNEL  pypto-lib's decode kernels (decode_compressor_ratio4 / _ratio128 /
+                 decode_indexer_compressor): state rows are written first, then each request pools
+                 only the first boundary of its call, every window row read back from the state
+                 (a row this call wrote is read as written, also where a short ring aliases it).
+They agree on a call with at most one boundary per request whose window rows do not alias.
 """
 from __future__ import annotations
 
@@ -18,6 +27,23 @@ from .rmsnorm import rmsnorm_f
 from .rope import compressed_rows, rope_tail_bf16
 
 EXCLUDE, ZERO = "exclude", "zero"     # how a missing (unmapped) state row enters the softmax
+EAGER_PUBLISH, DEVICE_KERNEL = "eager-publish", "device-kernel"
+CONTRACTS = (EAGER_PUBLISH, DEVICE_KERNEL)
+
+
+def _contract_plan(contract, positions, req, first_pos, sel, is_b, state, state_slot_mapping, kvp, scp, ratio, nm):
+    """-> (state to pool from, first positions that count as fresh, is_b, committed state or None):
+    the order and the boundaries the contract prescribes (module docstring)."""
+    xp = nm.xp
+    if contract == EAGER_PUBLISH:
+        return state, first_pos, is_b, None
+    if contract != DEVICE_KERNEL:
+        from twin.abi.errors import AbiError
+        raise AbiError("contract", contract, f"one of {CONTRACTS}", where="compressor")
+    written = nm.set_rows(state, state_slot_mapping, xp.concatenate([kvp, scp], -1))
+    first_b = (positions[sel] - first_pos[req[sel]]) < ratio          # the request's first boundary
+    never_fresh = xp.full(first_pos.shape, xp.iinfo(xp.int64).max)     # every row from the state
+    return written, never_fresh, is_b & first_b, written
 
 
 def compress_project(x, wkv, wgate, ape, positions, *, ratio, nm, proj=None):
@@ -83,7 +109,7 @@ def boundary_selection(positions, ratio, nm):
 
 def compressor(x, positions, req, first_pos, compress_state, state_block_table, state_slot_mapping,
                cmp_kv, cmp_slot_mapping, wkv, wgate, ape, norm_w, cmp_cos, cmp_sin, *, ratio, cfg, nm,
-               missing=EXCLUDE, selection=None, proj=None, pool_branch=None):
+               missing=EXCLUDE, selection=None, proj=None, pool_branch=None, contract=EAGER_PUBLISH):
     """Main KV compressor (ratio 4 = CSA, ratio 128 = HCA).
 
     x [T, D] attn-normed; positions/req [T]; first_pos [B]; cmp_cos/sin [T, R] rows of the compress
@@ -91,35 +117,45 @@ def compressor(x, positions, req, first_pos, compress_state, state_block_table, 
     rows [len(sel), HD] are the compressed rows (bf16 values) of the selected tokens.  selection and
     proj as in `indexer_compressor`; pool_branch(rows, compress_state, shape) runs
     rows(compress_state), the pooling, whose result has `shape` (the JAX path skips it at run time in
-    a call without a real boundary)."""
+    a call without a real boundary).  contract: EAGER_PUBLISH or DEVICE_KERNEL (module docstring);
+    under DEVICE_KERNEL the rows of boundaries it does not pool are still returned, not written."""
     kvp, scp = compress_project(x, wkv, wgate, ape, positions, ratio=ratio, nm=nm, proj=proj)
     sel, is_b = selection if selection is not None else boundary_selection(positions, ratio, nm)
+    read, fresh_from, is_b, committed = _contract_plan(contract, positions, req, first_pos, sel, is_b, compress_state,
+                                                       state_slot_mapping, kvp, scp, ratio, nm)
 
     def rows(state):
-        pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, state, state_block_table, ratio=ratio, nm=nm,
+        pooled = pool_rows(kvp, scp, sel, positions, req, fresh_from, state, state_block_table, ratio=ratio, nm=nm,
                            missing=missing)
         return compressed_rows(pooled, norm_w, cmp_cos[sel], cmp_sin[sel], cfg=cfg, nm=nm)
-    y = (rows(compress_state) if pool_branch is None else
-         pool_branch(rows, compress_state, (sel.shape[0], cmp_kv.shape[-1])))
+    y = (rows(read) if pool_branch is None else
+         pool_branch(rows, read, (sel.shape[0], cmp_kv.shape[-1])))
     slots = nm.xp.where(is_b, cmp_slot_mapping[sel], -1)
     cmp_kv = nm.set_rows(cmp_kv, slots, nm.store_bf16(y))
-    compress_state = nm.set_rows(compress_state, state_slot_mapping, nm.xp.concatenate([kvp, scp], -1))
-    return cmp_kv, compress_state, (sel, y)
+    if committed is None:
+        committed = nm.set_rows(compress_state, state_slot_mapping, nm.xp.concatenate([kvp, scp], -1))
+    return cmp_kv, committed, (sel, y)
 
 
 def indexer_compressor(x, positions, req, first_pos, inner_state, state_block_table, state_slot_mapping,
                        idx_kv_cache, idx_kv_scale, idx_slot_mapping, inner_wkv, inner_wgate, inner_ape,
-                       inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm, selection=None, proj=None):
+                       inner_norm_w, hadamard, cmp_cos, cmp_sin, *, cfg, nm, selection=None, proj=None,
+                       contract=EAGER_PUBLISH):
     """K9: ratio-4 overlapping pooling at IHD, rms + RoPE + Hadamard, then quant-on-write: int8
     rows + f32 scale (device), the FP4-rounded values (official), raw float64 (exact).  `selection`
     = (sel, is_boundary) chosen by the caller (the JAX path passes a static-length host list);
-    proj as in `compress_project`."""
+    proj as in `compress_project`; contract as in `compressor`.  Returns (idx_kv_cache,
+    idx_kv_scale, inner_state, (sel, rows as stored, dequantized; the rotated rows before
+    quantization, f32 values: the kernel's `kv` output))."""
     xp = nm.xp
     kvp, scp = compress_project(x, inner_wkv, inner_wgate, inner_ape, positions, ratio=4, nm=nm, proj=proj)
     sel, is_b = selection if selection is not None else boundary_selection(positions, 4, nm)
-    pooled = pool_rows(kvp, scp, sel, positions, req, first_pos, inner_state, state_block_table, ratio=4, nm=nm)
+    read, fresh_from, is_b, committed = _contract_plan(contract, positions, req, first_pos, sel, is_b, inner_state,
+                                                       state_slot_mapping, kvp, scp, 4, nm)
+    pooled = pool_rows(kvp, scp, sel, positions, req, fresh_from, read, state_block_table, ratio=4, nm=nm)
     y = rope_tail_bf16(rmsnorm_f(pooled, inner_norm_w, nm, cfg.rms_norm_eps), cmp_cos[sel], cmp_sin[sel], nm)
-    y = nm.bf16(nm.mm(y, nm.asf(hadamard)))
+    pre = nm.r32(nm.mm(y, nm.rotation(hadamard)))
+    y = nm.bf16(pre)
     if nm.mode == "device":
         y_q, dq = nm.q8(y)
     else:
@@ -127,5 +163,6 @@ def indexer_compressor(x, positions, req, first_pos, inner_state, state_block_ta
     slots = xp.where(is_b, idx_slot_mapping[sel], -1)
     idx_kv_cache = nm.set_rows(idx_kv_cache, slots, y_q)
     idx_kv_scale = nm.set_rows(idx_kv_scale, slots, dq)
-    inner_state = nm.set_rows(inner_state, state_slot_mapping, xp.concatenate([kvp, scp], -1))
-    return idx_kv_cache, idx_kv_scale, inner_state, (sel, y_q * dq)
+    if committed is None:
+        committed = nm.set_rows(inner_state, state_slot_mapping, xp.concatenate([kvp, scp], -1))
+    return idx_kv_cache, idx_kv_scale, committed, (sel, y_q * dq, pre)

@@ -19,7 +19,7 @@ def index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx
     q = nm.int_mm(qr, csa_idx_wq_b) * qr_scale * nm.asf(csa_idx_wq_b_scale)
     q = q.reshape(T, cfg.index_n_heads, cfg.index_head_dim)
     q = rope_tail_bf16(q, rope_cos[:, None, :], rope_sin[:, None, :], nm)
-    q = nm.mm(q, nm.asf(csa_hadamard_idx))
+    q = nm.mm(q, nm.rotation(csa_hadamard_idx))
     if nm.mode == "device":
         return nm.q8(q)
     return nm.fp4(q), nm.xp.ones(q.shape[:-1] + (1,), nm.f)

@@ -109,7 +109,7 @@ def _rope_tail_bf16_np(x, cos, sin, nm, inverse):
     y = np.empty(x.shape, np.float32)
     y[..., :-R] = x[..., :-R]
     rope_rotate(x[..., -R:], cos, sin, nm, inverse, out=y[..., -R:])
-    return y.astype(BF16).astype(nm.f)
+    return (y.astype(BF16) if nm.rounds_bf16 else y).astype(nm.f)
 
 
 def compressed_rows(pooled, norm_w, cos, sin, *, cfg, nm):

@@ -116,7 +116,7 @@ def moe_sublayer_ranks(x_hc, layer, w, expert, input_ids, owners, par, *, cfg, n
 def forward_ranks(ckpt, meta, caches, owners, par, *, cfg, nm="device", taps=None) -> ForwardOut:
     """golden.compose.forward, run as the ranks of `par` (a RankEmulation): owners [T] = the rank of
     every row.  Logit rows are computed by their row's TP group (vocab-sharded)."""
-    nm = numerics(nm)
+    nm = numerics(nm, cfg=cfg)
     if len(caches) != cfg.num_hidden_layers:
         raise AbiError("caches", len(caches), f"one pool dict per layer ({cfg.num_hidden_layers})",
                        where="forward_ranks")

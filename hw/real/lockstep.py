@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from golden.kernels.compressor import EAGER_PUBLISH
 from twin.abi.errors import AbiError
 
 from ..compare import Finding, compare_pool, compare_tensor
@@ -85,8 +86,9 @@ class RealLockstep:
         self.stream, self.dev, self.gold = stream, device, golden
         self.policy, self.mode, self.fault = policy or Policy(), mode, fault
         self.dir = None if run_dir is None else Path(run_dir)
+        # both sides compose golden's kernels, whose compressors run serving's eager-publish contract
         self.config = {**(config or {}), "golden": "real", "mode": mode, "carry": carry, "device": device.name,
-                       "golden_side": golden.name}
+                       "golden_side": golden.name, "compressor_contract": EAGER_PUBLISH}
         self.entries: list[dict] = []
         # records need a run directory and the build_real arguments that rebuild this run offline
         self.build = build

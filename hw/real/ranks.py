@@ -67,7 +67,7 @@ def first_prefill(preset: str, world: int, seed: int, mode: str):
     prompts = [rng.integers(2, cfg.vocab_size - 1, lens[i % len(lens)]) for i in range(2 * dep.partitions)]
     stream = Stream(dep, 2, prompts, chunk=64)
     ckpt = SyntheticCheckpoint(cfg, seed)
-    nm = numerics(mode)
+    nm = numerics(mode, cfg=cfg)
     run = S.Run(alloc_caches(cfg, stream.pool_pages, nm), [], [])
     side = _Bookkeeping(run)
     stream.setup(side)

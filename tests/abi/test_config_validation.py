@@ -34,13 +34,15 @@ def test_small_presets_keep_the_structure(p):
     ("hidden_size", 2048, "hidden_size=2048.*Flash shape"),
     ("num_attention_heads", 32, "num_attention_heads"),
     ("hc_mult", 2, "hc_mult"),
-    ("sliding_window", 64, "sliding_window"),
+    ("sliding_window", 0, "sliding_window"),
     ("dspark_num_drafts", 5, "dspark_num_drafts"),
     ("dspark_target_layer_ids", (39, 40, 41), "dspark_target_layer_ids"),
     ("dspark_noise_token_id", 200000, "dspark_noise_token_id"),
     ("dspark_markov_rank", 0, "dspark_markov_rank"),
     ("o_groups", 6, "o_groups"),
-    ("compress_ratios", (0,) * 44, "compress_ratios"),
+    ("compress_ratios", (0,) * 43, "compress_ratios"),
+    ("compress_ratios", (0, 0, 8) + (4,) * 41, "compress_ratios"),
+    ("dtype", "fp16", "dtype"),
     ("scoring_func", "softmax", "scoring_func"),
     ("num_experts_per_tok", 300, "num_experts_per_tok"),
     ("qk_rope_head_dim", 600, "head_dim"),
@@ -49,6 +51,36 @@ def test_small_presets_keep_the_structure(p):
 def test_invalid_preset_fields(field, value, match):
     with pytest.raises(ConfigError, match=match):
         FLASH.replace(**{field: value})
+
+
+def _six_layers(order, **kw):
+    return TINY.replace(name="six", num_hidden_layers=6, compress_ratios=tuple(order) + (0,),
+                        dspark_target_layer_ids=(3, 4, 5), **kw)
+
+
+@pytest.mark.parametrize("cfg", [
+    lambda: TINY.replace(o_groups=2),
+    lambda: TINY.replace(o_groups=8, sliding_window=16),
+    lambda: _six_layers((4, 128, 0, 4, 0, 128)),
+    lambda: _six_layers((128, 128, 128, 4, 4, 0), o_groups=2, sliding_window=16),
+    lambda: TINY.replace(compress_ratios=(0,) * 8),
+    lambda: TINY.replace(dtype="fp32"),
+])
+def test_model_configs_accept_any_shape_the_math_supports(cfg):
+    """Any divisor of the heads as o_groups, any SWA / CSA / HCA order, any window: the kernels
+    compute them (tests/golden/test_hf_reference.py runs such a config against transformers)."""
+    c = cfg()
+    assert len(c.target_ratios) == c.num_hidden_layers
+
+
+def test_the_deployment_checks_what_it_freezes():
+    """o_groups divisible by TP and the 128-token window are deployment constraints, not model ones."""
+    with pytest.raises(ConfigError, match="o_groups=2.*multiple of tp=4"):
+        deployment(TINY.replace(o_groups=2), tp=4, ep=4)
+    with pytest.raises(ConfigError, match="sliding_window=16.*128"):
+        deployment(TINY.replace(sliding_window=16), tp=4, ep=4)
+    assert deployment(TINY.replace(o_groups=2), tp=1, ep=1).ranks == 1
+    assert deployment(_six_layers((4, 128, 0, 4, 0, 128)), tp=4, ep=4).partitions == 1
 
 
 def test_unknown_preset():

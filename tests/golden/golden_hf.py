@@ -105,3 +105,137 @@ def hf_model(ckpt, cfg):
         t = torch.from_numpy(np.ascontiguousarray(v))
         own[k].copy_(t.to(own[k].dtype).reshape(own[k].shape))
     return model
+
+
+# ---- tie-aware comparison over prefill + greedy decode ------------------------------------------
+def golden_greedy(ckpt, cfg, mode, prompt, steps):
+    """golden: prefill (every prompt row's logits), then `steps` greedy decode steps.  -> (tokens
+    fed after the prompt, logits [len(prompt) + steps, V], per call the indexer's (score, topk) of
+    every CSA layer in layer order)."""
+    from golden.compose import Session, forward
+    from golden.kernels.indexer import lightning_indexer
+    from golden.paged import DECODE, Span, lower
+    s = Session(ckpt, cfg, mode, 1, len(prompt) + steps + 1)
+    calls = []
+
+    def indexer(*a, **k):
+        score, topk = lightning_indexer(*a, **k)
+        calls[-1].append((np.asarray(score, np.float64), np.asarray(topk)))
+        return score, topk
+
+    def call(start, ids, form, logits=None):
+        calls.append([])
+        out = forward(ckpt, lower(cfg, [Span(0, start, tuple(ids), s.blocks[0])], form=form, logits=logits),
+                      s.caches, cfg=cfg, nm=s.nm, indexer=indexer)
+        s.caches = out.caches
+        return out
+
+    out = call(0, prompt, "prefill", logits="all")
+    logits, tokens = [np.asarray(out.logits)], [int(out.sampled[-1])]
+    for i in range(steps):
+        out = call(len(prompt) + i, [tokens[-1]], DECODE)
+        logits.append(np.asarray(out.logits))
+        tokens.append(int(out.sampled[0]))
+    return tokens, np.concatenate(logits), calls
+
+
+def hf_with_golden_ties(model, cfg, prompt, tokens, calls, *, qat=None):
+    """transformers fed the prompt and golden's tokens, with the one tie rule (golden.ties): where
+    its indexer selection differs from golden's only among exactly tied scores (golden's), golden's
+    selection is applied; any other difference is kept (it shows in the logits) and counted.
+    qat(model): installs extra hooks and returns their handles.  -> (logits, {"adopted": rows with
+    golden's tie order applied, "diverged": rows that differ in a score, "short": rows with fewer
+    positive scores than index_topk among the k it selects})."""
+    import torch
+    from golden.ties import adopt_equivalent
+    stats = {"adopted": 0, "diverged": 0, "short": 0}
+    state = {"call": 0}
+    handles = list(qat(model)) if qat else []
+    for n, layer in enumerate(cfg.csa_layers):
+        def hook(mod, args, out, n=n):
+            score, g = calls[state["call"]][n]
+            hf = out[0].numpy()                       # [S, k_hf], -1 = not visible
+            k = hf.shape[1]
+            if np.any(g[:, k:] >= 0):
+                raise AssertionError("golden selected more rows than transformers' top-k width")
+            mine = np.full(g.shape, -1, np.int64)
+            mine[:, :k] = hf
+            chosen, rows = adopt_equivalent(score, mine, g)
+            stats["adopted"] += len(rows)
+            stats["diverged"] += int((np.sort(chosen, -1) != np.sort(g, -1)).any(-1).sum())
+            vis = (g >= 0).sum(-1)
+            pos = (score > 0).sum(-1)
+            stats["short"] += int(((vis == cfg.index_topk) & (pos < cfg.index_topk)).sum())
+            return torch.from_numpy(chosen[:, :k]).to(out.dtype)[None]
+        handles.append(model.model.layers[layer].self_attn.compressor.indexer.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor(np.asarray(prompt)[None]), use_cache=True)
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            logits = [out.logits[0].numpy()]
+            for t in tokens[:-1]:
+                state["call"] += 1
+                out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+                cache = out.cache if hasattr(out, "cache") else out.past_key_values
+                logits.append(out.logits[0].numpy())
+    finally:
+        for h in handles:
+            h.remove()
+    return np.concatenate(logits), stats
+
+
+def cosine_rows(a, b):
+    return np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+# ---- the official reference's quantization-aware-training round trips, added to transformers -----
+def _round_trip(x, block, fmt, fmt_max):
+    """Blocks of the last axis: power-of-two (ue8m0) scale from the block's amax, cast to fmt and
+    back (the official act_quant / fp4_act_quant simulation), on a float64 torch tensor."""
+    import math
+
+    import torch
+    a = x.detach().numpy()
+    block = math.gcd(block, a.shape[-1])            # small presets: golden's fit_block convention
+    b = a.reshape(a.shape[:-1] + (a.shape[-1] // block, block))
+    s = np.exp2(np.ceil(np.log2(np.maximum(np.abs(b).max(-1, keepdims=True), 1e-4) / fmt_max)))
+    q = np.clip(b / s, -fmt_max, fmt_max).astype(fmt).astype(np.float64) * s
+    return torch.from_numpy(q.reshape(a.shape)).to(x.dtype)
+
+
+def _sylvester(n):
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def official_qat(cfg):
+    """-> qat(model) for hf_with_golden_ties: forward hooks that add the official reference's
+    always-on round trips: FP8 e4m3 in blocks of 64 on the non-RoPE dims of the window KV and of
+    the CSA / HCA compressors' rows, FP4 e2m1 in blocks of 32 on the Hadamard-rotated indexer
+    query and keys (the rotation itself cannot change a score: it is orthonormal)."""
+    import ml_dtypes
+    import torch
+    R = cfg.qk_rope_head_dim
+    fp8, fp4 = ml_dtypes.float8_e4m3fn, ml_dtypes.float4_e2m1fn
+    H = torch.from_numpy(_sylvester(cfg.index_head_dim))
+
+    def nope_fp8(mod, args, out):
+        return torch.cat([_round_trip(out[..., :-R], 64, fp8, 448.0), out[..., -R:]], -1)
+
+    def scorer_fp4(mod, args):
+        q, k, h = args
+        return _round_trip(q.double() @ H, 32, fp4, 6.0), _round_trip(k.double() @ H, 32, fp4, 6.0), h
+
+    def install(model):
+        handles = []
+        for layer in range(cfg.num_hidden_layers):
+            attn = model.model.layers[layer].self_attn
+            handles.append(attn.kv_norm.register_forward_hook(nope_fp8))
+            if attn.compressor is not None:
+                handles.append(attn.compressor.kv_norm.register_forward_hook(nope_fp8))
+            if cfg.target_ratios[layer] == 4:
+                handles.append(attn.compressor.indexer.scorer.register_forward_pre_hook(scorer_fp4))
+        return handles
+    return install

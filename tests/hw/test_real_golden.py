@@ -134,7 +134,8 @@ def test_cli_golden_real(tmp_path, capsys):
     out = capsys.readouterr().out.replace("\n", " ")
     assert "PASS: 6 dispatches" in out and "re-syncs:" in out and "records/" in out
     assert (tmp_path / "a" / "summary.md").exists() and (tmp_path / "a" / "report.jsonl").exists()
-    assert json.loads((tmp_path / "a" / "summary.json").read_text())["config"]["golden"] == "real"
+    config = json.loads((tmp_path / "a" / "summary.json").read_text())["config"]
+    assert config["golden"] == "real" and config["compressor_contract"] == "eager-publish"   # the one checked
     assert (tmp_path / "a" / "records" / "manifest.jsonl").read_text().count("\n") == 6
     rc = main(["lockstep", "--steps", "8", "--run-dir", str(tmp_path / "b"), "--inject", "kv_row@5:3"])
     out = capsys.readouterr().out.replace("\n", " ")

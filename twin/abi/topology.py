@@ -57,6 +57,9 @@ class Topology:
         if model.n_routed_experts % self.ep:
             raise ConfigError("ep", self.ep, f"a divisor of n_routed_experts={model.n_routed_experts}",
                               where=where)
+        if model.o_groups % self.tp:
+            raise ConfigError("o_groups", model.o_groups, f"a multiple of tp={self.tp} (each TP rank projects "
+                              "whole output groups)", where=f"preset {model.name} on this topology")
         return self
 
     def experts_per_rank(self, model: ModelConfig) -> int:
@@ -142,6 +145,10 @@ class Deployment:
     limits: ServingLimits = field(default_factory=ServingLimits)
 
     def __post_init__(self):
+        if self.model.sliding_window != C.SLIDING_WINDOW:
+            raise ConfigError("sliding_window", self.model.sliding_window,
+                              f"{C.SLIDING_WINDOW} (the window the serving cache families freeze)",
+                              where=f"preset {self.model.name} deployed")
         self.topology.validate(self.model)
         self.limits.validate(self.model, self.topology)
 

@@ -1,0 +1,328 @@
+"""Golden's device mode against pypto-lib's own golden functions, recorded as test data
+(tests/golden/kernel_data/record.py), with the comparators and tolerances of pypto-lib's tests."""
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from golden.kernels.compressor import DEVICE_KERNEL, EAGER_PUBLISH, EXCLUDE, ZERO, compressor, indexer_compressor
+from golden.numerics import DEVICE
+from twin.abi.presets import TINY
+
+DATA = os.path.join(os.path.dirname(__file__), "kernel_data")
+S = 8                                      # decode rows per request
+CFG = TINY                                 # D 64, head_dim 32, rope 16, index_head_dim 32: the fixture's shapes
+# pypto-lib's compare_fn of each kernel's test: output -> (atol, rtol, max_error_ratio)
+TOLERANCES = {
+    "decode_compressor_ratio4": {"kv": (1e-4, 1 / 128, 0.0), "compress_state": (1e-3, 1e-3, 0.0),
+                                 "cmp_kv_cache": (1e-4, 1 / 128, 0.0)},
+    "decode_compressor_ratio128": {"kv": (1e-4, 1 / 128, 0.0), "compress_state": (1e-3, 1e-3, 0.0),
+                                   "cmp_kv_cache": (1e-4, 1 / 128, 0.0)},
+    "decode_indexer_compressor": {"kv": (1e-3, 1 / 128, 0.0), "compress_state": (1e-3, 1e-3, 0.0),
+                                  "idx_kv_cache": (1, 0, 0.01), "idx_kv_scale": (1e-4, 1 / 128, 0.01)},
+}
+
+
+def ratio_allclose(actual, expected, atol, rtol, max_error_ratio):
+    """pypto-lib's comparator: a point fails where |actual - expected| > atol + rtol |expected|; the
+    output passes when the failing fraction is <= max_error_ratio (NaN / Inf always fail)."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if a.shape != e.shape or not (np.isfinite(a).all() and np.isfinite(e).all()):
+        return False
+    bad = np.abs(a - e) > atol + rtol * np.abs(e)
+    return bad.sum() <= max_error_ratio * bad.size
+
+
+def ratio_reldiff(actual, expected, diff_thd, pct_thd):
+    """pypto-lib's relative-difference comparator: a point's difference counts relative to
+    max(|actual|, |expected|, 2^-14 / diff_thd) once it reaches diff_thd; the output passes when at
+    most pct_thd of the points exceed diff_thd."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if a.shape != e.shape or not (np.isfinite(a).all() and np.isfinite(e).all()):
+        return False
+    d = np.abs(a - e)
+    r = np.where(d < diff_thd, d, d / (np.maximum(np.maximum(np.abs(a), np.abs(e)), 2.0 ** -14 / diff_thd) + 1e-9))
+    return (r > diff_thd).sum() <= pct_thd * r.size
+
+
+def load(kernel):
+    """-> (inputs, outputs); BF16 arrays (stored as 16-bit patterns, `<name>.bf16`) as float32."""
+    z = np.load(os.path.join(DATA, f"{kernel}.npz"))
+    out = ({}, {})
+    for k in z.files:
+        side, _, name = k.partition(".")
+        if side not in ("in", "out"):
+            continue
+        v = z[k]
+        if name.endswith(".bf16"):
+            name, v = name[:-5], v.view(ml_dtypes.bfloat16).astype(np.float32)
+        out[side == "out"][name] = v
+    return out
+
+
+def run_golden(kernel, t, contract):
+    """Golden's kernel on the recorded inputs -> outputs named as pypto-lib's."""
+    pos = t["position_ids"].astype(np.int64)
+    T = pos.size
+    req = np.arange(T) // S
+    first = pos[::S]
+    ratio = 128 if kernel.endswith("128") else 4
+    half = lambda v: np.repeat(np.concatenate([v, v], -1), S, axis=0)      # [B, R/2] -> per-token [T, R]
+    cos, sin = half(t["cos"]), half(t["sin"])
+    x = t["x"].astype(ml_dtypes.bfloat16)
+    bf = lambda k: t[k].astype(ml_dtypes.bfloat16)
+    out = {}
+    if kernel == "decode_indexer_compressor":
+        cache, scale, state, (sel, _, pre) = indexer_compressor(
+            x, pos, req, first, t["compress_state"], t["compress_state_block_table"], t["inner_state_slot_mapping"],
+            t["idx_kv_cache"], t["idx_kv_scale"], t["idx_slot_mapping"], bf("wkv"), bf("wgate"), t["ape"],
+            bf("norm_w"), bf("hadamard"), cos, sin, cfg=CFG, nm=DEVICE, contract=contract)
+        out.update(idx_kv_cache=cache, idx_kv_scale=scale, compress_state=state)
+        rows, slots = pre, t["idx_slot_mapping"]
+    else:
+        cmp, state, (sel, rows) = compressor(
+            x, pos, req, first, t["compress_state"], t["compress_state_block_table"], t["state_slot_mapping"],
+            t["cmp_kv_cache"].astype(ml_dtypes.bfloat16), t["cmp_slot_mapping"], bf("wkv"), bf("wgate"), t["ape"],
+            bf("norm_w"), cos, sin, ratio=ratio, cfg=CFG, nm=DEVICE, contract=contract)
+        out.update(cmp_kv_cache=cmp, compress_state=state)
+        slots = t["cmp_slot_mapping"]
+    # the kernel's f32 `kv` output: row b*S holds request b's first pooled boundary, if written
+    kv = np.zeros_like(t["kv"])
+    for j, tok in enumerate(np.asarray(sel)):
+        b = req[tok]
+        if pos[tok] - first[b] < ratio and slots[tok] >= 0:
+            kv[b * S] = rows[j]
+    out["kv"] = kv
+    return out
+
+
+@pytest.mark.parametrize("kernel", sorted(TOLERANCES))
+def test_device_mode_matches_the_recorded_kernel_goldens(kernel):
+    inputs, want = load(kernel)
+    got = run_golden(kernel, inputs, DEVICE_KERNEL)
+    assert set(want) == set(TOLERANCES[kernel])
+    for name, tol in TOLERANCES[kernel].items():
+        assert ratio_allclose(got[name], want[name], *tol), name
+    # the data exercise what they are for: pooled rows were written, and state was committed
+    assert np.abs(want["kv"]).sum(-1).astype(bool).sum() >= 3
+    assert not np.array_equal(want["compress_state"], inputs["compress_state"])
+
+
+@pytest.mark.parametrize("kernel,request_,why", [
+    ("decode_compressor_ratio4", 3, "its call's state writes alias rows of its window (a 4-page ring)"),
+    ("decode_indexer_compressor", 3, "its call's state writes alias rows of its window (a 4-page ring)"),
+    ("decode_compressor_ratio128", 0, "its call's own state page is unmapped"),
+])
+def test_eager_publish_is_another_contract_where_it_matters(kernel, request_, why):
+    """Serving's eager-publish contract pools from the call's own rows before committing state and
+    publishes every boundary; on the kernels' data it differs exactly where the contracts say."""
+    inputs, want = load(kernel)
+    eager = run_golden(kernel, inputs, EAGER_PUBLISH)
+    kernel_side = run_golden(kernel, inputs, DEVICE_KERNEL)
+    row = request_ * S
+    atol, rtol, _ = TOLERANCES[kernel]["kv"]
+    assert ratio_allclose(kernel_side["kv"][row], want["kv"][row], atol, rtol, 0.0)
+    assert not ratio_allclose(eager["kv"][row], want["kv"][row], atol, rtol, 0.0), why
+    # state commits are the same; other requests' first boundaries agree under both contracts
+    np.testing.assert_array_equal(eager["compress_state"], kernel_side["compress_state"])
+    others = [b * S for b in range(4) if b != request_ and b * S != row and kernel_side["kv"][b * S].any()]
+    assert others and all(ratio_allclose(eager["kv"][r], want["kv"][r], atol, rtol, 0.0) for r in others)
+    if kernel == "decode_compressor_ratio4":
+        # every request's call crosses a second boundary: eager publishes its row, the kernel leaves
+        # it unwritten (zero)
+        cache = np.asarray(eager["cmp_kv_cache"], np.float64).reshape(-1, want["cmp_kv_cache"].shape[-1])
+        ref = want["cmp_kv_cache"].reshape(cache.shape)
+        published = np.flatnonzero(cache.any(-1) & ~ref.any(-1))
+        assert published.size == 4
+
+
+# ---- kernels recorded on pypto-lib's own fixtures (build_tensor_specs at TINY's shapes) ----------
+BF = ml_dtypes.bfloat16
+# kernel -> output -> comparator: (atol, rtol, max_error_ratio) for ratio_allclose (pypto-lib's
+# default max_error_ratio is 0.005; a kernel without compare_fn uses run_jit's allclose at 1e-3),
+# ("reldiff", diff_thd, pct_thd) for ratio_reldiff
+FIXTURE_TOLERANCES = {
+    "rmsnorm": {"x_normed": (1e-4, 1 / 128, 0.005)},
+    "hc_pre": {"x_mixed": (1e-4, 1 / 128, 0.005), "post": (2.5e-5, 5e-3, 0.005), "comb": (2.5e-5, 5e-3, 0.005)},
+    "hc_post": {"y": (1e-3, 1e-3, 0.0)},
+    "hc_head": {"y": (1e-4, 1 / 128, 0.005)},
+    "qkv_proj_rope": {"q": (1e-4, 1 / 128, 0.005), "kv": (1e-4, 1 / 128, 0.005), "qr": (1, 0, 0.0),
+                      "qr_scale": (2.5e-5, 5e-3, 0.005)},
+    "expert_routed": {"recv_y": ("reldiff", 2e-3, 0.01)},
+    # indices: pypto-lib's topk_pair_compare admits tie swaps; golden sorts as the kernel does
+    # (stable, lower id first), so the ids must be equal
+    "gate": {"x_norm_i8": (1, 0, 0.001), "x_norm_scale": (1e-3, 1e-3, 0.0), "indices": (0, 0, 0.0),
+             "weights": (1e-3, 1e-3, 0.0)},
+    "gate_hash": {"x_norm_i8": (1, 0, 0.001), "x_norm_scale": (1e-3, 1e-3, 0.0), "indices": (0, 0, 0.0),
+                  "weights": (1e-3, 1e-3, 0.0)},
+    "lookup_embedding": {"hidden_states": (0, 0, 0.0), "x_hc": (0, 0, 0.0)},
+    "decode_sparse_attn_swa": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
+    "decode_sparse_attn_csa": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
+    "decode_sparse_attn_hca": {"o_packed_heads": (1e-4, 1 / 128, 0.005)},
+    "lm_head": {"logits": (1e-3, 1e-3, 0.0)},
+    "expert_shared": {"sh": ("reldiff", 2e-3, 0.01)},
+    # score over its valid region; topk_idxs: pypto-lib's topk_pair_compare admits tie swaps, here
+    # the project's tie rule (golden.ties) on golden's scores
+    "decode_o_proj": {"o_partial": (1e-4, 1 / 128, 0.0)},
+    "prefill_compressor_ratio4": {"compress_state": (1e-3, 1e-3, 0.0), "cmp_kv": (1e-4, 1 / 128, 0.0)},
+    "prefill_compressor_ratio128": {"compress_state": (1e-3, 1e-3, 0.0), "cmp_kv": (1e-4, 1 / 128, 0.0)},
+    "decode_indexer": {"score": (1e-4, 1 / 128, 0.005), "topk_idxs": "ties", "idx_kv_cache": (1, 0, 0.01),
+                       "idx_kv_scale": (1e-4, 1 / 128, 0.01)},
+}
+
+
+def run_fixture_golden(kernel, t):
+    from golden.kernels.hyper_connections import hc_head, hc_post, hc_pre
+    from golden.kernels.embedding import lookup_embedding
+    from golden.kernels.lm_head import lm_head
+    from golden.kernels.moe import gate, shared_expert, swiglu_expert
+    from golden.kernels.o_proj import o_proj_partial
+    from golden.kernels.qkv_proj_rope import qkv_proj_rope
+    from golden.kernels.rmsnorm import rms_norm
+    from golden.kernels.sparse_attention import csa_rows, hca_rows, sparse_attention
+    kw = dict(cfg=CFG, nm=DEVICE)
+    bf = lambda k: t[k].astype(BF)
+    if kernel == "rmsnorm":
+        return {"x_normed": rms_norm(bf("x"), bf("norm_w"), **kw)}
+    if kernel == "hc_pre":
+        x_mixed, post, comb = hc_pre(t["x"], t["hc_fn"], t["hc_scale"], t["hc_base"], **kw)
+        return {"x_mixed": x_mixed, "post": post, "comb": comb}
+    if kernel == "hc_post":
+        return {"y": hc_post(bf("x"), t["residual"], t["post"], t["comb"], **kw)}
+    if kernel == "hc_head":
+        return {"y": hc_head(t["x_hc"], t["hc_head_fn"], t["hc_head_scale"], t["hc_head_base"], **kw)}
+    if kernel == "qkv_proj_rope":
+        q, kv, qr, qr_scale = qkv_proj_rope(bf("x"), bf("wq_a"), t["wq_b"], t["wq_b_scale"], bf("wkv"), bf("gamma_cq"),
+                                            bf("gamma_ckv"), bf("rope_cos"), bf("rope_sin"), **kw)
+        return {"q": q, "kv": kv, "qr": qr, "qr_scale": qr_scale}
+    if kernel == "expert_routed":
+        y = np.zeros(t["recv_x"].shape, np.float64)
+        for e, (n,) in enumerate(t["recv_expert_count"]):
+            y[e, :n] = swiglu_expert(t["recv_x"][e, :n], t["recv_scale_dq"][e, :n, None], t["routed_w1"][e],
+                                     t["routed_w1_scale"][e], t["routed_w3"][e], t["routed_w3_scale"][e],
+                                     t["routed_w2"][e], t["routed_w2_scale"][e], route_weight=t["recv_weights"][e, :n],
+                                     **kw)
+        return {"recv_y": y}
+    if kernel in ("gate", "gate_hash"):
+        x_i8, x_scale, idx, wts = gate(bf("x_mixed"), bf("norm_w"), t["gate_w"], t["gate_bias"], t["tid2eid"],
+                                       t["input_ids"], layer=int(t["layer_id"]), num_tokens=int(t["num_tokens"]),
+                                       cfg=CFG.replace(num_hash_layers=3), nm=DEVICE)
+        return {"x_norm_i8": x_i8, "x_norm_scale": x_scale, "indices": idx, "weights": wts}
+    if kernel == "lookup_embedding":
+        hidden, x_hc = lookup_embedding(t["input_ids"], bf("embed_weight"), **kw)
+        return {"hidden_states": hidden, "x_hc": x_hc}
+    if kernel.startswith("decode_sparse_attn_"):
+        T, G = t["q"].shape[0], CFG.o_groups
+        req = np.arange(T) // S
+        if kernel.endswith("swa"):
+            window, lens, cmp = t["swa_indices"], t["swa_lens"], {}
+        else:
+            window = t["window_swa_indices"]
+            lens = np.full(T, window.shape[1])          # every window column is read (-1: none)
+            pos = t["position_ids"].reshape(T).astype(np.int64)
+            rows = (csa_rows(t["idx_topk"][:, :CFG.index_topk], pos, nm=DEVICE) if kernel.endswith("csa") else
+                    hca_rows(pos, req, t["kv_seq_lens"], cap=CFG.max_position_embeddings // 128, nm=DEVICE))
+            cmp = dict(cmp_kv=bf("cmp_kv"), cmp_rows=rows, cmp_block_table=t["cmp_block_table"], req=req)
+        o = np.asarray(sparse_attention(bf("q"), bf("ori_kv"), window, lens, t["attn_sink"], bf("freqs_cos"),
+                                        bf("freqs_sin"), **cmp, **kw), np.float64)
+        packed = np.zeros(t["o_packed_heads"].shape, np.float64)
+        view = packed.reshape(G, -1, CFG.o_group_in)                     # [group, T_PAD, heads x dim]
+        view[:, :T] = o.reshape(T, G, CFG.o_group_in).transpose(1, 0, 2)
+        return {"o_packed_heads": packed}
+    if kernel == "decode_indexer":
+        return _decode_indexer(t)
+    if kernel == "decode_o_proj":
+        # the receive prefix: rows past it hold NaN (the fixture's poison, never read)
+        a = t["attention_local_groups"]
+        rows = int(np.isfinite(a[0, :, 0]).sum())
+        G, OL = t["wo_a"].shape[:2]
+        wo_b = t["wo_b"].reshape(-1, G, OL).transpose(1, 0, 2)             # [D, G*OL] -> [G, D, OL]
+        out = np.zeros(t["o_partial"].shape, np.float64)
+        out[:rows] = o_proj_partial(a[:, :rows].astype(BF), bf("wo_a"), wo_b, t["wo_b_scale"], **kw)
+        return {"o_partial": out}
+    if kernel.startswith("prefill_compressor_ratio"):
+        # one request's prefill chunk: every boundary pooled (serving's eager-publish contract,
+        # which the prefill kernel computes: its state scatter precedes pooling, per 512-row tile)
+        ratio = int(kernel.rsplit("ratio", 1)[1])
+        pos = t["position_ids"].astype(np.int64)
+        start = np.maximum(pos - ratio + 1, 0)
+        cmp, state, _ = compressor(
+            bf("x"), pos, np.zeros(pos.size, np.int64), pos[:1], t["compress_state"],
+            t["compress_state_block_table"][None], t["state_slot_mapping"], bf("cmp_kv"), t["cmp_slot_mapping"],
+            bf("wkv"), bf("wgate"), t["ape"], bf("norm_w"), bf("freqs_cos")[start], bf("freqs_sin")[start],
+            ratio=ratio, cfg=CFG, nm=DEVICE, missing=ZERO if ratio == 128 else EXCLUDE)
+        return {"compress_state": state, "cmp_kv": cmp}
+    if kernel == "expert_shared":
+        shared = {k: t[k] for k in ("shared_w1", "shared_w1_scale", "shared_w3", "shared_w3_scale", "shared_w2",
+                                    "shared_w2_scale")}
+        return {"sh": shared_expert(t["x_local_i8"], t["x_local_scale_dq"], shared, **kw)}
+    if kernel == "lm_head":
+        W = t["lm_head_weight"]                  # [owner ranks, V / TP, D]: rank r holds shard r % TP
+        tp = t["logits"].shape[-1] // W.shape[1]
+        full = np.concatenate([W[r] for r in range(tp)]).astype(BF)     # the vocabulary in shard order
+        return {"logits": np.stack([lm_head(t["hidden_states"][r].astype(BF), full, t["logit_row_indices"][r], nm=DEVICE)
+                                    for r in range(W.shape[0])])}
+    raise KeyError(kernel)
+
+
+def _decode_indexer(t):
+    """The decode indexer kernel = the indexer compressor (device-kernel contract) writing the
+    INT8 cache, then the lightning indexer reading it.  The kernel rotates q with one RoPE row per
+    request (the fixture's cos / sin [B, R/2]); golden takes per-token rows, so each token gets
+    its request's row."""
+    from golden.kernels.indexer import lightning_indexer
+    cfg = CFG.replace(q_lora_rank=t["qr"].shape[1])
+    pos = t["position_ids"].astype(np.int64)
+    T = pos.size
+    req = np.arange(T) // S
+    cos = np.repeat(np.concatenate([t["cos"], t["cos"]], -1), S, axis=0)
+    sin = np.repeat(np.concatenate([t["sin"], t["sin"]], -1), S, axis=0)
+    bf = lambda k: t[k].astype(BF)
+    cache, scale, _, _ = indexer_compressor(
+        bf("x"), pos, req, pos[::S], t["inner_compress_state"], t["inner_compress_state_block_table"],
+        t["inner_state_slot_mapping"], t["idx_kv_cache"], t["idx_kv_scale"], t["idx_slot_mapping"], bf("inner_wkv"),
+        bf("inner_wgate"), t["inner_ape"], bf("inner_norm_w"), bf("hadamard"), cos, sin, cfg=cfg, nm=DEVICE,
+        contract=DEVICE_KERNEL)
+    C = t["score"].shape[1]
+    score, topk = lightning_indexer(bf("x"), t["qr"], t["qr_scale"], t["wq_b"], t["wq_b_scale"], bf("weights_proj"),
+                                    bf("hadamard"), cos, sin, cache, scale, t["idx_block_table"], req, pos,
+                                    t["kv_seq_lens"] // 4, cfg=cfg, nm=DEVICE, cap=C, n_candidates=C)
+    full = np.full(t["topk_idxs"].shape, -1, np.int64)
+    full[:, :topk.shape[1]] = np.where(topk >= 0, topk + int(t["offset"]), -1)
+    return {"score": score, "topk_idxs": full, "idx_kv_cache": cache, "idx_kv_scale": scale,
+            "_golden_score": score, "_offset": int(t["offset"])}
+
+
+def _compare(kernel, name, tol, got, want):
+    if tol == "ties":       # same count, same sorted golden scores per row (golden.ties)
+        from golden.ties import equivalent_rows
+        off, k = got["_offset"], CFG.index_topk
+        g, w = got[name][:, :k], want[name][:, :k].astype(np.int64)
+        return bool(equivalent_rows(got["_golden_score"], np.where(g >= 0, g - off, -1),
+                                    np.where(w >= 0, w - off, -1)).all()) and not (want[name][:, k:] >= 0).any()
+    if kernel == "decode_indexer" and name == "score":          # the valid region only
+        valid = want[name] != np.float32(-3.4028234663852886e38)
+        return ratio_allclose(np.asarray(got[name])[valid], want[name][valid], *tol)
+    if tol[0] == "reldiff":
+        return ratio_reldiff(got[name], want[name], *tol[1:])
+    return ratio_allclose(got[name], want[name], *tol)
+
+
+@pytest.mark.parametrize("kernel", sorted(FIXTURE_TOLERANCES))
+def test_device_mode_matches_pypto_goldens_on_their_own_fixtures(kernel):
+    inputs, want = load(kernel)
+    got = run_fixture_golden(kernel, inputs)
+    assert set(want) == set(FIXTURE_TOLERANCES[kernel])
+    for name, tol in FIXTURE_TOLERANCES[kernel].items():
+        assert _compare(kernel, name, tol, got, want), name
+        assert np.abs(want[name]).max() > 0           # the recorded output holds values, not zeros
+
+
+def test_kernel_data_stays_small_and_names_its_source():
+    files = sorted(f for f in os.listdir(DATA) if f.endswith(".npz"))
+    assert {f[:-4] for f in files} == set(TOLERANCES) | set(FIXTURE_TOLERANCES)
+    assert sum(os.path.getsize(os.path.join(DATA, f)) for f in files) < 5 * 2 ** 20          # "a few MB"
+    for f in files:
+        meta = str(np.load(os.path.join(DATA, f))["meta"][0])
+        assert meta.startswith("pypto-lib ") and "sha256 " in meta and "models/deepseek_v4_flash_dspark/" in meta
