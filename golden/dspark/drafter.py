@@ -86,6 +86,18 @@ def dspark_attend(q, K, valid, attn_sink, *, cfg, nm):
     return xp.einsum("bqhn,bnd->bqhd", e, nm.asf(K)) / den
 
 
+def block_heads(q, K, valid, attn_sink, cos, sin, *, cfg, nm):
+    """The attention heads of query blocks: q [B, 7, H, HD], K [B, N, HD], valid [B, N], cos/sin
+    [B, 7, R] at the block positions -> [B, 7, H, HD] (bf16 values), the grouped o_proj's input.
+
+    The attention output in f32, the inverse RoPE of its tail in f32, one bf16 rounding of the
+    whole head (pypto-lib's golden; the kernel's per-half rounding is the same values)."""
+    o = dspark_attend(q, K, valid, attn_sink, cfg=cfg, nm=nm)
+    R = cfg.qk_rope_head_dim
+    rot = rope_rotate(o[..., -R:], cos[:, :, None, :], sin[:, :, None, :], nm, inverse=True)
+    return nm.bf16(nm.xp.concatenate([o[..., :-R], rot], axis=-1))
+
+
 def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SINGLE):
     """x_n [B*7, D] (attn-normed block rows) -> (attn_out [B*7, D] bf16 values, new pool).
 
@@ -116,11 +128,8 @@ def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SIN
     req_owner = np.array([r.owner_rank for r in rows])
 
     def attend_rows(bidx):
-        o = dspark_attend(q[bidx], K[bidx], valid[bidx], lw["attn_sink"], cfg=cfg, nm=nm)
         c, s_ = cos.reshape(B, QW, -1)[bidx], sin.reshape(B, QW, -1)[bidx]
-        R = cfg.qk_rope_head_dim
-        rot = rope_rotate(o[..., -R:], c[:, :, None, :], s_[:, :, None, :], nm, inverse=True)
-        return nm.bf16(xp.concatenate([o[..., :-R], rot], axis=-1))
+        return block_heads(q[bidx], K[bidx], valid[bidx], lw["attn_sink"], c, s_, cfg=cfg, nm=nm)
 
     (o,) = par.map_rows(lambda b: (attend_rows(b),), req_owner, nm=nm)
     o = o.reshape(B * QW, H, HD)
