@@ -46,7 +46,8 @@ Weights (`golden.checkpoint`)
 Real checkpoints (`golden.release`)
     RealCheckpoint(dir, cfg)        the official release (FP8 e4m3 + ue8m0 `.scale` blocks, FP4 e2m1
         experts) or the W8A8 serving layout, tensor by tensor; .drafter(): the `mtp.*` drafter
-        (DSpark serving names; the V4.1 Markov-head names too); release_names(cfg); ue8m0,
+        (DSpark serving names; the V4.1 Markov-head names too); save_drafter(dckpt, dir) (W8A8,
+        beside save_checkpoint's target); release_names(cfg); ue8m0,
         dequant_fp8, dequant_fp4, fp4_e2m1
 
 JAX (`golden.jax_path`, `golden.jax_numerics`)

@@ -24,7 +24,8 @@ import numpy as np
 
 from twin.abi.errors import AbiError
 
-from .checkpoint import BF16, SafetensorsCheckpoint, _expert_specs, _layer_specs, _model_specs, from_real
+from .checkpoint import (BF16, SafetensorsCheckpoint, _expert_specs, _layer_specs, _model_specs, from_real,
+                         w8a8_tensors, write_safetensors)
 from .numerics import numerics
 
 FP4_BLOCK = 32
@@ -220,3 +221,19 @@ def release_names(cfg, *, drafter: bool = True) -> dict:
     return {real: (abi, dtype, shape) for s in specs for abi, (real, shape, dtype) in s.items()}
 
 
+
+
+def save_drafter(dckpt, path: str) -> str:
+    """Write a drafter checkpoint's `mtp.*` tensors into `path` in the W8A8 serving layout, beside a
+    target written by golden.checkpoint.save_checkpoint (one directory loads as both)."""
+    import os
+    from .dspark.weights import draft_expert_specs, draft_layer_specs, draft_model_specs
+    cfg = dckpt.cfg
+    sets = [(dckpt.model(), draft_model_specs(cfg))]
+    for l in range(cfg.dspark_num_layers):
+        sets.append((dckpt.layer(l), draft_layer_specs(cfg, l)))
+        sets += [(dckpt.expert(l, e), draft_expert_specs(cfg, l, e)) for e in range(cfg.n_routed_experts)]
+    os.makedirs(path, exist_ok=True)
+    name = os.path.join(path, "mtp.safetensors")
+    write_safetensors(name, w8a8_tensors(sets))
+    return name

@@ -10,10 +10,13 @@ import ml_dtypes  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from golden.checkpoint import SyntheticCheckpoint, _expert_specs, _layer_specs, _model_specs, save_checkpoint, to_real  # noqa: E402,E501
+from golden.checkpoint import (SyntheticCheckpoint, _expert_specs, _layer_specs, _model_specs,  # noqa: E402
+                               save_checkpoint, to_real)
 from golden.dspark import step as S  # noqa: E402
-from golden.dspark.weights import DrafterCheckpoint, draft_expert_specs, draft_layer_specs, draft_model_specs  # noqa: E402,E501
-from golden.release import RealCheckpoint, dequant_fp4, dequant_fp8, fp4_e2m1, release_names, ue8m0  # noqa: E402
+from golden.dspark.weights import (DrafterCheckpoint, draft_expert_specs, draft_layer_specs,  # noqa: E402
+                                  draft_model_specs)
+from golden.release import (RealCheckpoint, dequant_fp4, dequant_fp8, fp4_e2m1, release_names,  # noqa: E402
+                            save_drafter, ue8m0)
 from twin.abi.errors import AbiError  # noqa: E402
 from twin.abi.presets import TINY  # noqa: E402
 
@@ -144,23 +147,6 @@ def write_release(path, ck, dk, *, block=32, fp4="F4"):
     return t
 
 
-def write_w8a8_drafter(path, dk):
-    """The drafter's tensors in the W8A8 serving layout (INT8 + `.weight_scale`)."""
-    from golden.checkpoint import write_safetensors
-    cfg = dk.cfg
-    out = {}
-    sets = [(dk.model(), draft_model_specs(cfg))]
-    for l in range(cfg.dspark_num_layers):
-        sets.append((dk.layer(l), draft_layer_specs(cfg, l)))
-        sets += [(dk.expert(l, e), draft_expert_specs(cfg, l, e)) for e in range(cfg.n_routed_experts)]
-    for src, specs in sets:
-        for abi, (real, _, dtype) in specs.items():
-            out[real] = to_real(abi, np.asarray(src[abi]))
-            if dtype == "i8":
-                out[real + "_scale"] = np.asarray(src[abi + "_scale"], np.float32).reshape(-1, 1)
-    write_safetensors(str(path / "mtp.safetensors"), out)
-
-
 CK, DK = SyntheticCheckpoint(TINY, 11), DrafterCheckpoint(TINY, 11)
 
 
@@ -221,7 +207,7 @@ def test_w8a8_serving_checkpoint_loads_bit_for_bit(tmp_path):
     """Target (save_checkpoint) and drafter (mtp.* names, own experts) in the W8A8 layout: every tensor
     comes back as written, and the run equals the synthetic weights' run token for token."""
     save_checkpoint(CK, str(tmp_path))
-    write_w8a8_drafter(tmp_path, DK)
+    save_drafter(DK, str(tmp_path))
     ck = RealCheckpoint(str(tmp_path), TINY)
     dk = ck.drafter()
     for got, want in ((dk.layer(2), DK.layer(2)), (dk.expert(0, 5), DK.expert(0, 5)), (dk.model(), DK.model()),

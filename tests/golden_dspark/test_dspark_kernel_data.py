@@ -86,54 +86,51 @@ def test_dspark_context_kv_writes_pypto_libs_rows():
                           k["kv_cache"].astype(np.float32).reshape(-1, want.shape[-1])[untouched])
 
 
+def _attention_case():
+    """The recorded attention inputs through golden's projections and block-KV commit: (data, pool,
+    q [B, 7, H, HD], K [B, W, HD] gathered by swa_indices, cos / sin [B, 7, R])."""
+    k = kernel("dspark_attention")
+    H, HD = TINY.num_attention_heads, TINY.head_dim
+    cos, sin = recorded_rope(k["position_ids"].astype(np.int64))
+    q, kv, _, _ = qkv_proj_rope(k["x"], k["wq_a"], k["wq_b"], k["wq_b_scale"], k["wkv"], k["gamma_cq"],
+                                k["gamma_ckv"], cos, sin, cfg=TINY, nm=NM)
+    pool = D.write_rows(k["kv_cache"].astype(np.float32)[None], 0, k["slot_mapping"], kv, nm=NM)
+    ind = k["swa_indices"].astype(np.int64)
+    B, W = ind.shape
+    K = NM.get_rows(pool[0], ind.reshape(-1)).reshape(B, W, HD)
+    return k, pool, np.asarray(q).reshape(B, 7, H, HD), K, cos.reshape(B, 7, -1), sin.reshape(B, 7, -1)
+
+
 def test_dspark_attention_heads_and_block_kv_are_pypto_libs():
     """Block KV committed before attention, the window + whole block visible (no causal mask), the sink
     in the denominator, inverse RoPE: the heads pypto-lib's golden hands to the o_proj."""
-    k = kernel("dspark_attention")
-    cfg = TINY
-    H, HD = cfg.num_attention_heads, cfg.head_dim
-    cos, sin = recorded_rope(k["position_ids"].astype(np.int64))
-    q, kv, _, _ = qkv_proj_rope(k["x"], k["wq_a"], k["wq_b"], k["wq_b_scale"], k["wkv"], k["gamma_cq"],
-                                k["gamma_ckv"], cos, sin, cfg=cfg, nm=NM)
-    pool = D.write_rows(k["kv_cache"].astype(np.float32)[None], 0, k["slot_mapping"], kv, nm=NM)
+    k, pool, q, K, c, s = _attention_case()
     assert_bf16_close(pool[0], k["kv_cache_out"].astype(np.float32), max_share=0.01)
-    ind = k["swa_indices"].astype(np.int64)
-    B, W = ind.shape
-    valid = (np.arange(W)[None, :] < k["swa_lens"][:, None]) & (ind >= 0)
-    K = NM.get_rows(pool[0], ind.reshape(-1)).reshape(B, W, HD)
-    heads = D.block_heads(np.asarray(q).reshape(B, 7, H, HD), K, valid, k["attn_sink"], cos.reshape(B, 7, -1),
-                          sin.reshape(B, 7, -1), cfg=cfg, nm=NM)
+    ind = k["swa_indices"]
+    valid = (np.arange(ind.shape[1])[None, :] < k["swa_lens"][:, None]) & (ind >= 0)
+    heads = np.asarray(D.block_heads(q, K, valid, k["attn_sink"], c, s, cfg=TINY, nm=NM))
     want = k["heads"].astype(np.float32)
     # q is rounded to bf16 on both sides before the scores: one step of a head's magnitude
     head_scale = np.max(np.abs(want), axis=-1, keepdims=True)
-    assert_bf16_close(np.asarray(heads).reshape(B * 7, H, HD), want, max_share=0.001, scale=head_scale)
+    assert_bf16_close(heads.reshape(want.shape), want, max_share=0.001, scale=head_scale)
 
 
 def test_dspark_attention_data_distinguishes_the_block_rules():
     """The recorded heads are not met by a causal block or by attention without the sink."""
-    k = kernel("dspark_attention")
-    cfg = TINY
-    H, HD = cfg.num_attention_heads, cfg.head_dim
-    cos, sin = recorded_rope(k["position_ids"].astype(np.int64))
-    q, kv, _, _ = qkv_proj_rope(k["x"], k["wq_a"], k["wq_b"], k["wq_b_scale"], k["wkv"], k["gamma_cq"],
-                                k["gamma_ckv"], cos, sin, cfg=cfg, nm=NM)
-    pool = D.write_rows(k["kv_cache"].astype(np.float32)[None], 0, k["slot_mapping"], kv, nm=NM)
-    ind = k["swa_indices"].astype(np.int64)
-    B, W = ind.shape
+    k, _, q, K, c, s = _attention_case()
+    B, W = k["swa_indices"].shape
     lens = k["swa_lens"]
-    K = NM.get_rows(pool[0], ind.reshape(-1)).reshape(B, W, HD)
-    want = k["heads"].astype(np.float32).reshape(B, 7, H, HD)
-    qb = np.asarray(q).reshape(B, 7, H, HD)
-    c, s = cos.reshape(B, 7, -1), sin.reshape(B, 7, -1)
+    want = k["heads"].astype(np.float32).reshape(q.shape)
+    step = 10 * bf16_ulp(np.max(np.abs(want)))
     base = np.arange(W)[None, :] < lens[:, None]
     # causal: block row i sees the block rows up to itself only (the last 7 visible columns are the block)
     for i in (0, 3):
         causal = base & (np.arange(W)[None, :] < (lens - 6 + i)[:, None])
-        h = np.asarray(D.block_heads(qb[:, i:i + 1], K, causal, k["attn_sink"], c[:, i:i + 1], s[:, i:i + 1],
-                                     cfg=cfg, nm=NM))
-        assert np.max(np.abs(h - want[:, i:i + 1])) > 10 * bf16_ulp(np.max(np.abs(want)))
-    nosink = np.asarray(D.block_heads(qb, K, base, np.full(H, -1e30, np.float32), c, s, cfg=cfg, nm=NM))
-    assert np.max(np.abs(nosink - want)) > 10 * bf16_ulp(np.max(np.abs(want)))
+        h = np.asarray(D.block_heads(q[:, i:i + 1], K, causal, k["attn_sink"], c[:, i:i + 1], s[:, i:i + 1],
+                                     cfg=TINY, nm=NM))
+        assert np.max(np.abs(h - want[:, i:i + 1])) > step
+    nosink = np.asarray(D.block_heads(q, K, base, np.full(q.shape[2], -1e30, np.float32), c, s, cfg=TINY, nm=NM))
+    assert np.max(np.abs(nosink - want)) > step
 
 
 def test_markov_head_is_pypto_libs():
