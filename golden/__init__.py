@@ -49,6 +49,12 @@ Weights (`golden.checkpoint`)
     SyntheticCheckpoint(cfg, seed)  .model() .layer(l) .expert(l, e)  (lazy, seeded per tensor)
     SafetensorsCheckpoint(dir, cfg) same protocol over a real checkpoint directory (official names,
         W8A8: int8 `.weight` + f32 `.weight_scale`); save_checkpoint(ckpt, dir); real_names(cfg)
+Real checkpoints (`golden.release`)
+    RealCheckpoint(dir, cfg)        the official release (FP8 e4m3 + ue8m0 `.scale` blocks, FP4 e2m1
+        experts) or the W8A8 serving layout, tensor by tensor; .drafter(): the `mtp.*` drafter
+        (DSpark serving names; the V4.1 Markov-head names too); save_drafter(dckpt, dir) (W8A8,
+        beside save_checkpoint's target); release_names(cfg); ue8m0,
+        dequant_fp8, dequant_fp4, fp4_e2m1
 
 JAX (`golden.jax_path`, `golden.jax_numerics`)
     JaxGolden(ckpt, cfg, mode, compiler_options=None, verify_bf16=False).forward(meta, caches,

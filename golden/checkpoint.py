@@ -340,6 +340,18 @@ class SafetensorsCheckpoint:
         return self._load(_expert_specs(self.cfg, layer, e))
 
 
+def w8a8_tensors(spec_sets) -> dict:
+    """[(ABI tensors, specs)] -> {real name: array} in the W8A8 serving layout (INT8 `.weight` with an
+    f32 `.weight_scale` [out, 1], the official orientation)."""
+    tensors = {}
+    for src, specs in spec_sets:
+        for abi, (real, _, dtype) in specs.items():
+            tensors[real] = to_real(abi, np.asarray(src[abi]))
+            if dtype == "i8":
+                tensors[real + "_scale"] = np.asarray(src[abi + "_scale"], np.float32).reshape(-1, 1)
+    return tensors
+
+
 def save_checkpoint(ckpt, path: str, *, shard_layers: int = 4) -> list[str]:
     """Write any checkpoint (synthetic or loaded) to `path` as safetensors with the real names."""
     os.makedirs(path, exist_ok=True)
@@ -357,11 +369,7 @@ def save_checkpoint(ckpt, path: str, *, shard_layers: int = 4) -> list[str]:
                 layer = scope[1]
                 spec_sets = [(ckpt.layer(layer), _layer_specs(cfg, layer))]
                 spec_sets += [(ckpt.expert(layer, e), _expert_specs(cfg, layer, e)) for e in range(cfg.n_routed_experts)]
-            for src, specs in spec_sets:
-                for abi, (real, _, dtype) in specs.items():
-                    tensors[real] = to_real(abi, np.asarray(src[abi]))
-                    if dtype == "i8":
-                        tensors[real + "_scale"] = np.asarray(src[abi + "_scale"], np.float32).reshape(-1, 1)
+            tensors.update(w8a8_tensors(spec_sets))
         name = os.path.join(path, f"model-{gi:05d}-of-{len(groups):05d}.safetensors")
         write_safetensors(name, tensors)
         files.append(name)

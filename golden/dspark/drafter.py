@@ -19,7 +19,7 @@ from twin.abi import constants as C
 from twin.abi.errors import AbiError
 
 from ..kernels.embedding import lookup_embedding
-from ..kernels.hyper_connections import hc_head, hc_post, hc_pre
+from ..kernels.hyper_connections import collapse, hc_head, hc_post, hc_pre, hc_weights
 from ..kernels.o_proj import pack_groups
 from ..kernels.qkv_proj_rope import qkv_proj_rope
 from ..kernels.rmsnorm import rms_norm
@@ -27,6 +27,7 @@ from ..kernels.rope import SWA_PROFILE, compressed_rows, rope_rotate, rope_rows
 from ..numerics import NEG_INF_ATTN
 from .parallel import SINGLE
 from .ring import ring_slots, window_positions
+from .variants import DEVICE, DrafterVariant
 
 QW = C.DSPARK_QUERY_WIDTH
 
@@ -86,11 +87,24 @@ def dspark_attend(q, K, valid, attn_sink, *, cfg, nm):
     return xp.einsum("bqhn,bnd->bqhd", e, nm.asf(K)) / den
 
 
-def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SINGLE):
+def block_heads(q, K, valid, attn_sink, cos, sin, *, cfg, nm):
+    """The attention heads of query blocks: q [B, 7, H, HD], K [B, N, HD], valid [B, N], cos/sin
+    [B, 7, R] at the block positions -> [B, 7, H, HD] (bf16 values), the grouped o_proj's input.
+
+    The attention output in f32, the inverse RoPE of its tail in f32, one bf16 rounding of the
+    whole head (pypto-lib's golden; the kernel's per-half rounding is the same values)."""
+    o = dspark_attend(q, K, valid, attn_sink, cfg=cfg, nm=nm)
+    R = cfg.qk_rope_head_dim
+    rot = rope_rotate(o[..., -R:], cos[:, :, None, :], sin[:, :, None, :], nm, inverse=True)
+    return nm.bf16(nm.xp.concatenate([o[..., :-R], rot], axis=-1))
+
+
+def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SINGLE, q_head_norm=True):
     """x_n [B*7, D] (attn-normed block rows) -> (attn_out [B*7, D] bf16 values, new pool).
 
     q/kv by the K6 math at the block positions (theta 1e4), block KV written into the ring first,
-    attention over the 192-wide window, inverse RoPE in f32, the grouped o_proj (K12)."""
+    attention over the 192-wide window, inverse RoPE in f32, the grouped o_proj (K12).
+    q_head_norm False: q without the per-head renormalization (official V4.1)."""
     xp = nm.xp
     B = len(rows)
     pos = np.concatenate([block_positions(r.anchor) for r in rows])
@@ -99,7 +113,7 @@ def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SIN
 
     def project(idx):
         q, kv, _, _ = qkv_proj_rope(x_n[idx], lw["wq_a"], lw["wq_b"], lw["wq_b_scale"], lw["wkv"], lw["gamma_cq"],
-                                    lw["gamma_ckv"], cos[idx], sin[idx], cfg=cfg, nm=nm)
+                                    lw["gamma_ckv"], cos[idx], sin[idx], cfg=cfg, nm=nm, q_head_norm=q_head_norm)
         return q, kv
 
     q, kv = par.map_rows(project, owners, nm=nm)
@@ -116,11 +130,8 @@ def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SIN
     req_owner = np.array([r.owner_rank for r in rows])
 
     def attend_rows(bidx):
-        o = dspark_attend(q[bidx], K[bidx], valid[bidx], lw["attn_sink"], cfg=cfg, nm=nm)
         c, s_ = cos.reshape(B, QW, -1)[bidx], sin.reshape(B, QW, -1)[bidx]
-        R = cfg.qk_rope_head_dim
-        rot = rope_rotate(o[..., -R:], c[:, :, None, :], s_[:, :, None, :], nm, inverse=True)
-        return nm.bf16(xp.concatenate([o[..., :-R], rot], axis=-1))
+        return block_heads(q[bidx], K[bidx], valid[bidx], lw["attn_sink"], c, s_, cfg=cfg, nm=nm)
 
     (o,) = par.map_rows(lambda b: (attend_rows(b),), req_owner, nm=nm)
     o = o.reshape(B * QW, H, HD)
@@ -140,17 +151,43 @@ def write_context(pool, main_x, dw_layers, rows: list[DraftRow], *, cfg, nm):
     return pool
 
 
-def drafter_forward(pool, main_hidden, rows: list[DraftRow], dckpt, target_model, *, cfg, nm, par=SINGLE):
+def _sublayer_input(h, fn, scale, base, carried, *, cfg, nm):
+    """-> (x_mixed, post, comb, pre-weights handed to the next sub-layer).  carried None: collapse
+    with this sub-layer's own pre-weights (device); else with the carried ones (V4.1)."""
+    if carried is None:
+        x_mixed, post, comb = hc_pre(h, fn, scale, base, cfg=cfg, nm=nm)
+        return x_mixed, post, comb, None
+    pre, post, comb = hc_weights(h, fn, scale, base, cfg=cfg, nm=nm)
+    return nm.bf16(collapse(h, carried, nm)), post, comb, pre
+
+
+def stream0_pre(T: int, *, cfg, nm):
+    """The V4.1 drafter's first pre-weights: a one-hot on stream 0 for every row."""
+    pre = np.zeros((T, cfg.hc_mult), np.float64 if nm.exact else np.float32)
+    pre[:, 0] = 1.0
+    return nm.xp.asarray(pre)
+
+
+def drafter_forward(pool, main_hidden, rows: list[DraftRow], dckpt, target_model, *, cfg, nm, par=SINGLE,
+                    variant: DrafterVariant = DEVICE):
     """One drafter call for one TP group -> (head_hidden [B, 7, D] bf16 values, new pool).
 
     main_hidden [sum(len(context)), 3D]: the captured target hidden of the context rows, in row
-    order.  Padding rows (lease None) use the filler ring and publish nothing."""
+    order.  Padding rows (lease None) use the filler ring and publish nothing.  variant: the device's
+    wiring (default) or the official V4.1 one (golden.dspark.variants); dckpt's config carries the
+    variant's expert counts (DrafterCheckpoint(variant.moe_cfg(cfg)))."""
     for r in rows:
         if r.lease is not None and r.anchor + QW >= cfg.max_position_embeddings:
             raise AbiError("anchor", r.anchor, f"anchor + 7 < {cfg.max_position_embeddings}", where="drafter row")
         if len(r.context_positions) and (max(r.context_positions) > r.anchor or min(r.context_positions) < 0):
             raise AbiError("context_positions", r.context_positions, f"positions in [0, anchor={r.anchor}]",
                            where="drafter row")
+    moe_cfg = variant.moe_cfg(cfg)
+    have = (dckpt.cfg.n_routed_experts, dckpt.cfg.num_experts_per_tok)
+    if have != (moe_cfg.n_routed_experts, moe_cfg.num_experts_per_tok):
+        raise AbiError("drafter checkpoint experts", have,
+                       f"the {variant.name} drafter's (routed, activated) = "
+                       f"({moe_cfg.n_routed_experts}, {moe_cfg.num_experts_per_tok})", where="drafter_forward")
     dm = dckpt.model()
     layers = [dckpt.layer(l) for l in range(cfg.dspark_num_layers)]
     n_ctx = sum(len(r.context_positions) for r in rows)
@@ -162,15 +199,22 @@ def drafter_forward(pool, main_hidden, rows: list[DraftRow], dckpt, target_model
         pool = write_context(pool, main_x, layers, rows, cfg=cfg, nm=nm)
     ids = np.array([[r.anchor_token] + [cfg.dspark_noise_token_id] * (QW - 1) for r in rows], np.int64).reshape(-1)
     _, h = lookup_embedding(nm.xp.asarray(ids), target_model["embed_weight"], cfg=cfg, nm=nm)
+    carried = None if variant.hc_order == "own" else stream0_pre(len(ids), cfg=cfg, nm=nm)
+    owners = np.repeat([r.owner_rank for r in rows], QW)
     for l, lw in enumerate(layers):
-        x_mixed, post, comb = hc_pre(h, lw["hc_attn_fn"], lw["hc_attn_scale"], lw["hc_attn_base"], cfg=cfg, nm=nm)
+        x_mixed, post, comb, carried = _sublayer_input(h, lw["hc_attn_fn"], lw["hc_attn_scale"], lw["hc_attn_base"],
+                                                       carried, cfg=cfg, nm=nm)
         x_n = rms_norm(x_mixed, lw["attn_norm_w"], cfg=cfg, nm=nm)
-        attn_out, pool = dspark_attention(x_n, lw, pool, l, rows, cfg=cfg, nm=nm, par=par)
+        attn_out, pool = dspark_attention(x_n, lw, pool, l, rows, cfg=cfg, nm=nm, par=par,
+                                          q_head_norm=variant.q_head_norm)
         h = hc_post(attn_out, h, post, comb, cfg=cfg, nm=nm)
-        x_mixed, post, comb = hc_pre(h, lw["hc_ffn_fn"], lw["hc_ffn_scale"], lw["hc_ffn_base"], cfg=cfg, nm=nm)
+        x_mixed, post, comb, carried = _sublayer_input(h, lw["hc_ffn_fn"], lw["hc_ffn_scale"], lw["hc_ffn_base"],
+                                                       carried, cfg=cfg, nm=nm)
         ffn = par.moe(x_mixed, lw, lambda e, _l=l: dckpt.expert(_l, e), nm.xp.asarray(ids),
-                      layer=cfg.dspark_target_layer_ids[l], cfg=cfg, nm=nm,
-                      owners=np.repeat([r.owner_rank for r in rows], QW))
+                      layer=cfg.dspark_target_layer_ids[l], cfg=moe_cfg, nm=nm, owners=owners)
         h = hc_post(ffn, h, post, comb, cfg=cfg, nm=nm)
-    head = hc_head(h, dm["hc_head_fn"], dm["hc_head_scale"], dm["hc_head_base"], cfg=cfg, nm=nm)
+    if carried is None:
+        head = hc_head(h, dm["hc_head_fn"], dm["hc_head_scale"], dm["hc_head_base"], cfg=cfg, nm=nm)
+    else:
+        head = nm.bf16(collapse(h, carried, nm))
     return head.reshape(len(rows), QW, -1), pool

@@ -2,8 +2,9 @@
 
 Draft i = first argmax of base[i] + w1[prev] . w2^T, where base[i] is the drafter head hidden
 through its own final norm and the target's LM head, and prev is the previous draft (the anchor
-token for i = 0).  The chain is sequential: draft i+1 needs draft i.  Confidence is sigmoid of a
-linear head over [head_hidden ; w1[prev]]; acceptance never reads it (fixed 7-token chain).
+token for i = 0).  The chain is sequential: draft i+1 needs draft i.  The confidence logit is a
+linear head over [head_hidden ; w1[prev]] (what the official V4.1 model returns); the device
+program outputs its sigmoid, `confidence_probs`.  Acceptance never reads either (fixed 7-token chain).
 """
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ def first_argmax(scores, nm):
     return nm.xp.argmax(scores, axis=-1).astype(nm.xp.int64)
 
 
-def dspark_markov(head_hidden, final_norm_weight, lm_head_weight, num_sampled, last_sampled, next_prefill_tokens,
-                  markov_w1, markov_w2, confidence_head_weight, *, cfg, nm, par=SINGLE, raw_confidence=False,
-                  owners=None):
-    """head_hidden [B, 7, D] -> (draft_token_ids [B, 7] int64, confidence [B, 7] f32).
+def confidence_probs(confidence_logit, nm):
+    """The device program's confidence output: the sigmoid of the confidence logit."""
+    return 1.0 / (1.0 + nm.xp.exp(-confidence_logit))
 
-    raw_confidence: return the logit (official V4.1) instead of the sigmoid probability (pypto).
+
+def dspark_markov(head_hidden, final_norm_weight, lm_head_weight, num_sampled, last_sampled, next_prefill_tokens,
+                  markov_w1, markov_w2, confidence_head_weight, *, cfg, nm, par=SINGLE, owners=None):
+    """head_hidden [B, 7, D] -> (draft_token_ids [B, 7] int64, confidence_logit [B, 7] f32).
+
     owners [B]: the rank holding each request's rows (rank emulation only)."""
     xp = nm.xp
     B, QW, D = head_hidden.shape
@@ -48,7 +52,7 @@ def dspark_markov(head_hidden, final_norm_weight, lm_head_weight, num_sampled, l
     for i in range(QW):
         e, bias = markov_head(prev, markov_w1, markov_w2, nm=nm)
         logit = hh[:, i] @ w[:D] + e @ w[D:]
-        conf.append(logit if raw_confidence else 1.0 / (1.0 + xp.exp(-logit)))
+        conf.append(logit)
         prev = first_argmax(base[:, i] + bias, nm)
         drafts.append(prev)
     return xp.stack(drafts, axis=1), xp.stack(conf, axis=1)

@@ -31,6 +31,7 @@ from .parallel import SINGLE
 from .ring import new_pools
 from .state import SlotRef, accept, commit_drafts, new_state, prepare, release, seed
 from .summary import SpeculationCounters
+from .variants import DrafterVariant, drafter_variant
 
 QW = C.DSPARK_QUERY_WIDTH
 TAIL = C.SLIDING_WINDOW
@@ -53,12 +54,13 @@ class Golden:
     nm: Numerics | str = "device"
     max_model_len: int = 1024          # the position limit of every request
     groups: int = 1                    # TP groups (cache partitions)
-    tap: str = "hc_head_of_outputs"    # target_hidden_tap
+    drafter: DrafterVariant | str = "device"   # golden.dspark.variants: "device" (pypto-lib) | "v4.1"
     par: object = SINGLE
     pad_drafter_batch: bool = False    # pad every rank of a drafter call to B in {4, 8, 12, 16} rows
 
     def __post_init__(self):
         self.nm = numerics(self.nm, cfg=self.cfg)
+        self.drafter = drafter_variant(self.drafter)
         if not 1 <= self.max_model_len <= self.cfg.max_position_embeddings:
             raise AbiError("max_model_len", self.max_model_len, f"1..{self.cfg.max_position_embeddings}",
                            where="golden run")
@@ -86,7 +88,7 @@ class Seq:
     current: int = -1
     generated: list = field(default_factory=list)
     draft_anchor: int | None = None    # anchor of the last drafter call that wrote context
-    confidence: np.ndarray | None = None   # confidence_probs of the pending drafts (never read by acceptance)
+    confidence_logit: np.ndarray | None = None   # of the pending drafts (never read by acceptance)
     released: bool = False
     tail: dict = field(default_factory=dict)       # position -> captured target hidden row
 
@@ -173,7 +175,7 @@ def _forward(g: Golden, run: Run, spans, form):
         owners = np.array([by_index[int(r)] for r in meta.req], np.int64)
     out = g.par.target_forward(g.ckpt, meta, run.caches, owners, cfg=g.cfg, nm=g.nm, taps=taps)
     run.caches = out.caches
-    mh = target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.tap)
+    mh = target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.drafter.target_hidden_tap)
     return np.asarray(out.sampled), np.asarray(mh)
 
 
@@ -254,7 +256,7 @@ def seed_wave(g: Golden, run: Run, wave) -> None:
         row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=owner_rank(s, g.tp))
         mh = np.stack([s.tail[p] for p in want])
         drafts, conf = _draft(g, run, s.group, [row], mh, num_sampled=0)
-        s.draft_anchor, s.confidence = a, conf[0]
+        s.draft_anchor, s.confidence_logit = a, conf[0]
         run.state = seed(run.state, s.ref, s.current, drafts[0], prompt_len=L, position_limit=g.max_model_len)
 
 
@@ -274,7 +276,7 @@ def _draft(g: Golden, run: Run, group: int, rows, main_hidden, *, num_sampled: i
     if g.pad_drafter_batch:
         rows = pad_rows(rows, group, g.tp)
     head, run.pools[group] = drafter_forward(run.pools[group], main_hidden, rows, g.dckpt, g.ckpt.model(),
-                                             cfg=g.cfg, nm=g.nm, par=g.par)
+                                             cfg=g.cfg, nm=g.nm, par=g.par, variant=g.drafter)
     dm = g.dckpt.model()
     tau = np.array([r.anchor_token for r in rows], np.int64)
     ns = np.where(np.arange(len(rows)) < real, num_sampled, 0)
@@ -320,7 +322,7 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
                          owner_rank=owner_rank(s, g.tp)) for i, s, _, pos in items]
         drafts, conf = _draft(g, run, group, rows, np.concatenate([h for _, _, h, _ in items]), num_sampled=1)
         for j, (_, s, _, _) in enumerate(items):
-            s.confidence = conf[j]
+            s.confidence_logit = conf[j]
         if draft_policy is not None:
             drafts = np.stack([np.asarray(draft_policy(s, drafts[j]), np.int64)
                                for j, (_, s, _, _) in enumerate(items)])

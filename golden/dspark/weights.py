@@ -6,7 +6,8 @@
   expert(l, e)   -> routed expert e of draft layer l
 
 The embedding and the LM head are the target's (serving binds the drafter LM head to the target's
-TP shard, kernel-math.md §7 #18).  Real names use the official V4.1 `mtp.<l>.` prefix.
+TP shard, kernel-math.md §7 #18).  Real names (draft_model_specs, draft_layer_specs,
+draft_expert_specs) are the DSpark serving checkpoint's `mtp.<l>.` ones; golden.release loads them.
 """
 from __future__ import annotations
 
@@ -16,6 +17,31 @@ import numpy as np
 
 from ..checkpoint import BF16, SyntheticCheckpoint, _expert_specs, _layer_specs
 from twin.abi.errors import AbiError
+
+
+def draft_model_specs(cfg) -> dict:
+    """The drafter's own non-layer tensors: ABI name -> (real name, shape, dtype).  main_proj /
+    main_norm sit on draft stage 0, the final norm, the Markov and confidence heads and the
+    drafter's hc_head on stage 2 (the DSpark serving checkpoint's `mtp.*` names)."""
+    D, V, r, HC = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank, cfg.hc_mult
+    last = f"mtp.{cfg.dspark_num_layers - 1}."
+    return {
+        "main_proj_weight": ("mtp.0.main_proj.weight", (D, 3 * D), "bf16"),
+        "main_norm_weight": ("mtp.0.main_norm.weight", (D,), "bf16"),
+        "final_norm_weight": (last + "norm.weight", (D,), "bf16"),
+        "markov_w1": (last + "markov_head.markov_w1.weight", (V, r), "bf16"),
+        "markov_w2": (last + "markov_head.markov_w2.weight", (V, r), "bf16"),
+        "confidence_head_weight": (last + "confidence_head.proj.weight", (1, D + r), "f32"),
+        "hc_head_fn": (last + "hc_head_fn", (HC, HC * D), "f32"),
+        "hc_head_scale": (last + "hc_head_scale", (1,), "f32"),
+        "hc_head_base": (last + "hc_head_base", (HC,), "f32"),
+    }
+
+
+def draft_expert_specs(cfg, l: int, e: int) -> dict:
+    """Routed expert e of draft layer l: the drafter's own experts, under its `mtp.<l>.` prefix."""
+    return {k: (real.replace(f"layers.{l}.", f"mtp.{l}.", 1), shape, dtype)
+            for k, (real, shape, dtype) in _expert_specs(cfg, l, e).items()}
 
 
 def draft_layer_specs(cfg, l: int) -> dict:
@@ -50,11 +76,11 @@ class DrafterCheckpoint(SyntheticCheckpoint):
         self._check(l)
         if not 0 <= e < self.cfg.n_routed_experts:
             raise AbiError("expert", e, f"0..{self.cfg.n_routed_experts - 1}", where="drafter checkpoint")
-        return self._fill(("dspark", "expert", l, e), _expert_specs(self.cfg, l, e))
+        return self._fill(("dspark", "expert", l, e), draft_expert_specs(self.cfg, l, e))
 
     def _draft_model(self):
         c = self.cfg
-        D, V, r, HC = c.hidden_size, c.vocab_size, c.dspark_markov_rank, c.hc_mult
+        D, V, r = c.hidden_size, c.vocab_size, c.dspark_markov_rank
         rng = self._rng("dspark", "model")
         bf = lambda a: a.astype(np.float32).astype(BF16)      # noqa: E731
         out = {
@@ -65,8 +91,7 @@ class DrafterCheckpoint(SyntheticCheckpoint):
             "markov_w2": bf(rng.standard_normal((V, r)) / np.sqrt(r)),
             "confidence_head_weight": (rng.standard_normal((1, D + r)) / np.sqrt(D + r)).astype(np.float32),
         }
-        out.update(self._fill(("dspark", "head"), {
-            "hc_head_fn": ("mtp.hc_head_fn", (HC, HC * D), "f32"),
-            "hc_head_scale": ("mtp.hc_head_scale", (1,), "f32"),
-            "hc_head_base": ("mtp.hc_head_base", (HC,), "f32")}))
+        specs = draft_model_specs(c)
+        head = ("hc_head_fn", "hc_head_scale", "hc_head_base")
+        out.update(self._fill(("dspark", "head"), {k: specs[k] for k in head}))
         return out

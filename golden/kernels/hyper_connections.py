@@ -1,4 +1,5 @@
-"""K3 hc_pre (with Sinkhorn), K4 hc_post, K5 hc_head: the hyper-connection residual streams."""
+"""K3 hc_pre (hc_weights with Sinkhorn, then collapse), K4 hc_post, K5 hc_head: the hyper-connection
+residual streams."""
 from __future__ import annotations
 
 from .rmsnorm import rms_scale
@@ -56,8 +57,9 @@ def collapse(x_hc, pre, nm):
     return (p[:, 0] * x[:, 0] + p[:, 1] * x[:, 1]) + (p[:, 2] * x[:, 2] + p[:, 3] * x[:, 3])
 
 
-def hc_pre(x_hc, hc_fn, hc_scale, hc_base, *, cfg, nm):
-    """x_hc [T, HC, D] -> (x_mixed [T, D] bf16 values, post [T, HC], comb [T, HC*HC] [in, out]).
+def hc_weights(x_hc, hc_fn, hc_scale, hc_base, *, cfg, nm):
+    """x_hc [T, HC, D] -> (pre [T, HC], post [T, HC], comb [T, HC*HC] [in, out]): a sub-layer's
+    mixing weights from its input streams.
 
     hc_fn may carry padding rows beyond MIX (the decode ABI pads to 32); they are ignored."""
     xp = nm.xp
@@ -68,7 +70,14 @@ def hc_pre(x_hc, hc_fn, hc_scale, hc_base, *, cfg, nm):
     post = 2.0 * _sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc], xp)
     comb = (m[:, 2 * hc:] * s[2] + b[2 * hc:]).reshape(-1, hc, hc)
     comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps, nm)
-    return nm.bf16(collapse(x_hc, pre, nm)), nm.r32(post), nm.r32(comb.reshape(-1, hc * hc))
+    return pre, nm.r32(post), nm.r32(comb.reshape(-1, hc * hc))
+
+
+def hc_pre(x_hc, hc_fn, hc_scale, hc_base, *, cfg, nm):
+    """x_hc [T, HC, D] -> (x_mixed [T, D] bf16 values, post [T, HC], comb [T, HC*HC] [in, out]):
+    the streams collapsed with the sub-layer's own pre-weights (pypto-lib, V4)."""
+    pre, post, comb = hc_weights(x_hc, hc_fn, hc_scale, hc_base, cfg=cfg, nm=nm)
+    return nm.bf16(collapse(x_hc, pre, nm)), post, comb
 
 
 def hc_post(x, residual, post, comb, *, cfg, nm, stream_mix=None):

@@ -10,11 +10,12 @@ from .rope import compressed_rows, rope_tail_bf16
 
 
 def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos, rope_sin, *, cfg, nm,
-                  proj=None):
+                  proj=None, q_head_norm=True):
     """x [T, D] (attn-normed, bf16 values) -> q [T, H, HD], kv [T, HD] (bf16 values),
     qr [T, QL] (int8 values), qr_scale [T, 1] (the shared low-rank query, reused by the indexer).
     proj: the (act(x) @ wq_a, act(x) @ wkv) products when the caller already has them (the JAX
-    path's one fused projection GEMM)."""
+    path's one fused projection GEMM).  q_head_norm False: no per-head RMS renormalization of q
+    (the official V4.1 drafter attention has none; every target layer and the device drafter do)."""
     eps = cfg.rms_norm_eps
     T = x.shape[0]
     H, HD = cfg.num_attention_heads, cfg.head_dim
@@ -24,7 +25,9 @@ def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, gamma_cq, gamma_ckv, rope_cos,
     qr_f = rmsnorm_f(proj[0], gamma_cq, nm, eps)                                # f32, not rounded
     qr, qr_scale = nm.q8(qr_f)
     q = nm.int_mm(qr, wq_b) * qr_scale * nm.asf(wq_b_scale)
-    q = rmsnorm_f(q.reshape(T, H, HD), None, nm, eps)                        # per-head, unweighted
+    q = q.reshape(T, H, HD)
+    if q_head_norm:
+        q = rmsnorm_f(q, None, nm, eps)                                        # per-head, unweighted
     q = rope_tail_bf16(q, rope_cos[:, None, :], rope_sin[:, None, :], nm)
     kv = compressed_rows(proj[1], gamma_ckv, rope_cos, rope_sin, cfg=cfg, nm=nm)   # official: FP8 nope part (§7 #7)
     return q, kv, qr, qr_scale

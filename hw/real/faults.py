@@ -345,7 +345,7 @@ class RealFault:
         if not cands:
             return out
         grp, pick = cands[int(self.rng.integers(len(cands)))]
-        mh = np.asarray(target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.tap))
+        mh = np.asarray(target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.drafter.target_hidden_tap))
         rows_, hidden = [], []
         for k, (s, c, old, rows) in enumerate(groups[grp]):
             keep, anchor, tau = list(range(c)), old + c - 1, s.current
@@ -372,7 +372,7 @@ class RealFault:
         if live:
             run.state = commit_drafts(run.state, [groups[grp][j][0].ref for j in live], drafts[live])
         for (s, *_), cf in zip(groups[grp], conf):
-            s.confidence = cf
+            s.confidence_logit = cf
         out = dict(out)
         out["drafts"] = np.stack([run.state.tokens[s.group, s.lease] for s in seqs])
         out["state_meta"] = np.stack([run.state.meta[s.group, s.lease] for s in seqs])

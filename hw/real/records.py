@@ -67,7 +67,7 @@ def seqs_state(store: RecordStore, seqs) -> list[dict]:
         pos = sorted(s.tail)
         d["tail"] = [store.put(np.asarray(pos, np.int64)),
                      store.put(np.stack([np.asarray(s.tail[p]) for p in pos]) if pos else np.zeros((0, 0)))]
-        d["confidence"] = None if s.confidence is None else store.put(np.asarray(s.confidence))
+        d["confidence_logit"] = None if s.confidence_logit is None else store.put(np.asarray(s.confidence_logit))
         out.append(d)
     return out
 
@@ -83,7 +83,7 @@ def install_seqs(store: RecordStore, seqs, states: list[dict]) -> None:
             del s._seeded
         pos, rows = store.get(d["tail"][0]), store.get(d["tail"][1])
         s.tail = {int(p): rows[i] for i, p in enumerate(pos)}
-        s.confidence = None if d["confidence"] is None else store.get(d["confidence"])
+        s.confidence_logit = None if d["confidence_logit"] is None else store.get(d["confidence_logit"])
 
 
 def stream_state(stream) -> dict:

@@ -165,3 +165,21 @@ def test_an_executor_error_inside_the_simulation_keeps_its_message(golden):
     bad = Request("r0", np.full(20, dep.model.vocab_size + 5), Sampling(2))      # token ids past the vocabulary
     with pytest.raises(AbiError, match="input_ids|token"):
         functional_simulate(dep, [bad], golden, slots=2)
+
+
+def test_cli_golden_run_with_the_v41_drafter(tmp_path, capsys):
+    """--drafter v4.1: the golden executor drafts with the V4.1 wiring; the tokens stay the device
+    drafter's (speculation never changes a token) and the summary names the drafter."""
+    from twin.cli import main
+    from twin.functional import golden_model
+    from golden.dspark.variants import DEVICE, V41
+    assert golden_model("tiny", drafter="v4.1").drafter is V41 and golden_model("tiny").drafter is DEVICE
+    common = ["simulate", "--preset", "tiny", "--ep", "8", "--max-model-len", "512", "--chunk", "64",
+              "--max-num-seqs", "4", "--requests", "2", "--no-plots", "--json", "--executor", "golden"]
+    for d in ("device", "v4.1"):
+        assert main(common + ["--drafter", d, "--out", str(tmp_path / d)]) == 0
+    capsys.readouterr()
+    s = {d: json.loads((tmp_path / d / "summary.json").read_text()) for d in ("device", "v4.1")}
+    assert s["v4.1"]["deployment"]["drafter"] == "v4.1" and s["device"]["deployment"]["drafter"] == "device"
+    tokens = {d: (tmp_path / d / "tokens.jsonl").read_text() for d in ("device", "v4.1")}
+    assert tokens["device"] == tokens["v4.1"]

@@ -144,7 +144,7 @@ def recompute_drafts(g, seq, hidden_log):
     pos = tuple(range(max(0, a - 127), a + 1))
     mh = np.stack([hidden_log[p] for p in pos])
     head, _ = drafter_forward(new_pools(g.cfg, 1, g.nm)[0], mh, [DraftRow(seq.lease, a, seq.current, pos)],
-                              g.dckpt, g.ckpt.model(), cfg=g.cfg, nm=g.nm)
+                              g.dckpt, g.ckpt.model(), cfg=g.cfg, nm=g.nm, variant=g.drafter)
     dm = g.dckpt.model()
     d, _ = dspark_markov(head, dm["final_norm_weight"], g.ckpt.model()["lm_head_weight"], [1], [seq.current],
                          [seq.current], dm["markov_w1"], dm["markov_w2"], dm["confidence_head_weight"], cfg=g.cfg,

@@ -66,12 +66,12 @@ def test_k7_is_token_identical_to_k0_on_a_mixed_workload(mode):
 @settings(max_examples=4, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40)), min_size=1, max_size=3),
        st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=6), min_size=3, max_size=3),
-       st.sampled_from([None, 13]), st.sampled_from(["hc_head_of_outputs", "mean_of_inputs"]))
-def test_no_read_sees_a_stale_row(mode, spec, patterns, chunk, tap):
+       st.sampled_from([None, 13]), st.sampled_from(["device", "v4.1"]))
+def test_no_read_sees_a_stale_row(mode, spec, patterns, chunk, drafter):
     limit = 80
     spec = [(L, min(n, limit - L)) for L, n in spec]
     reqs = requests(spec, seed=len(spec) + spec[0][0])
-    g = S.Golden(CFG, CK, DK, nm=mode, max_model_len=limit, groups=2, tap=tap)
+    g = S.Golden(CFG, CK, DK, nm=mode, max_model_len=limit, groups=2, drafter=drafter)
     far = {r.request_id: min(len(r.prompt) + r.max_new_tokens + 7, limit) for r in reqs}
     ref = S.generate(g, reqs, k=0, chunk=chunk, until_anchor=far, log_hidden=True)
     seqs = {q.req.request_id: list(q.req.prompt) + q.generated for q in ref.seqs}

@@ -36,6 +36,9 @@ def add_arguments(p) -> None:
     m.add_argument("--executor", default="cost", choices=("cost", "golden"),
                    help="cost: the cost model's synthetic tokens; golden: real tokens from golden on a small "
                         "preset, plus tokens.jsonl and acceptance.json (docs/functional.md)")
+    m.add_argument("--drafter", default="device", choices=("device", "v4.1"),
+                   help="golden executor's drafter: the device kernels' (default) or the V4.1 release's "
+                        "(docs/drafter.md)")
     m.add_argument("--recompute", default="prompt", choices=("prompt", "replay"),
                    help="preemption re-prefill: 'prompt' as upstream (generated tokens leave the context, "
                         "serving-contract §10.2) or 'replay' (prompt + generated tokens)")
@@ -122,7 +125,7 @@ def run(args) -> int:
     golden = None
     if args.executor == "golden":
         from twin.functional import cli as functional
-        golden = functional.attach(cfg)
+        golden = functional.attach(cfg, drafter=args.drafter)
     if args.profile:
         cfg.calibration = Calibration.from_profile(args.profile, CostModel(dep, startup_slots(cfg, device), device, routing))
     with flag_names():
@@ -145,7 +148,8 @@ def run(args) -> int:
                        "max_model_len": dep.limits.max_model_len, "chunk": dep.limits.max_prefill_tokens_per_request,
                        "max_num_seqs": dep.limits.max_num_seqs,
                        "max_num_batched_tokens": dep.limits.max_num_batched_tokens, "device": device.name,
-                       "executor": args.executor, "recompute": args.recompute}
+                       "executor": args.executor, "recompute": args.recompute,
+                       "drafter": args.drafter if args.executor == "golden" else None}
     (out / "summary.json").write_text(json.dumps(s, indent=2, default=str))
     if args.json:
         print_json(s)

@@ -6,7 +6,7 @@ each other (DESIGN.md).
 
     GoldenExecutor(dep, slots, golden, cost=None, draft_policy=None)   .execute(plan) -> StepResult
     functional_simulate(dep, requests, golden, recompute="prompt"|"replay") -> FunctionalResult
-    golden_model(preset, seed=0, nm="device")                             synthetic target + drafter
+    golden_model(preset, seed=0, nm="device", drafter="device")           synthetic target + drafter
     sequential_greedy(golden, prompt, n) / reference_outputs(...)          the independent oracle
     first_difference(outputs, reference) -> (request, position, got, want) | None
     acceptance_vector(summary), load_acceptance(path)                     export for the cost model

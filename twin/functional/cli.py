@@ -20,15 +20,16 @@ def default_workload() -> str:
     return str(resources.files("twin.functional") / "data" / WORKLOAD)
 
 
-def attach(cfg, *, weights_seed: int = 0) -> dict:
-    """Point `cfg` (a SimConfig) at a golden executor of its preset's synthetic weights."""
+def attach(cfg, *, weights_seed: int = 0, drafter: str = "device") -> dict:
+    """Point `cfg` (a SimConfig) at a golden executor of its preset's synthetic weights; drafter:
+    golden.dspark.variants ("device" or "v4.1")."""
     from .run import golden_factory, golden_model
 
     dep = cfg.dep
     if dep.model.name == "flash":
         raise ConfigError("preset", "flash", "a small preset (tiny, small) for --executor golden: golden runs "
                           "whole models on the CPU; FLASH-shaped layers are golden's per-layer tests")
-    golden = golden_model(dep.model.name, seed=weights_seed)
+    golden = golden_model(dep.model.name, seed=weights_seed, drafter=drafter)
     holder: dict = {}
     cfg.executor = golden_factory(dep, golden, holder)
     return holder

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from golden.checkpoint import SyntheticCheckpoint
 from golden.dspark import step as S
+from golden.dspark.variants import drafter_variant
 from golden.dspark.weights import DrafterCheckpoint
 from twin.abi.presets import get_preset
 from twin.sim.run import SimConfig, SimResult, simulate
@@ -27,10 +28,13 @@ from .executor import GoldenExecutor
 from .replay import scheduler_for
 
 
-def golden_model(preset: str = "tiny", *, seed: int = 0, nm: str = "device") -> S.Golden:
-    """Seeded synthetic target and drafter weights of a small preset (golden.checkpoint)."""
+def golden_model(preset: str = "tiny", *, seed: int = 0, nm: str = "device", drafter: str = "device") -> S.Golden:
+    """Seeded synthetic target and drafter weights of a small preset (golden.checkpoint); drafter:
+    "device" (pypto-lib's kernels) or "v4.1" (the released model's, golden.dspark.variants)."""
     cfg = get_preset(preset)
-    return S.Golden(cfg, SyntheticCheckpoint(cfg, seed), DrafterCheckpoint(cfg, seed), nm=nm)
+    variant = drafter_variant(drafter)
+    return S.Golden(cfg, SyntheticCheckpoint(cfg, seed), DrafterCheckpoint(variant.moe_cfg(cfg), seed), nm=nm,
+                    drafter=variant)
 
 
 def decisions(plan) -> tuple:
