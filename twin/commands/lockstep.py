@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from twin.abi.errors import AbiError
 
+from ._common import integer, out_dir, seed
+
 
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="tiny", help="a small preset (tiny or small); FLASH does not run whole on a CPU")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda[:n] or npu[:n] (default cpu)")
-    p.add_argument("--steps", type=int, default=100, help="dispatches to run (default 100)")
+    p.add_argument("--steps", type=integer, default=100, help="dispatches to run (default 100)")
     p.add_argument("--mode", default="strict", choices=("strict", "continuous"),
                    help="strict stops at the first failing dispatch (default); continuous re-syncs and goes on")
     p.add_argument("--run-dir", default="lockstep-run", help="records and reports (default ./lockstep-run)")
@@ -24,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--inject", default=None, metavar="KIND[@AT[:LAYER]]",
                    help="inject one fault (see docs/lockstep.md for the kinds)")
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
-    p.add_argument("--seed", type=int, default=0, help="weights and workload seed (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
     p.add_argument("--replay", action="store_true",
                    help="no device: re-judge the records in --run-dir against the golden offline (real golden) and "
@@ -56,6 +58,7 @@ def run(args) -> int:
     policy = Policy.from_json(args.policy) if args.policy else None
     if args.replay:
         return _replay(args, run_dir, con, policy)
+    out_dir(run_dir, "--run-dir")
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     resumed = (run_dir / "report.jsonl").exists()
@@ -105,6 +108,15 @@ def run(args) -> int:
     extra = ")" if args.no_records else ", records/)"
     con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}")
     return 0 if s["verdict"] == "PASS" else 1
+
+
+def interrupted(args) -> str:
+    if args.replay:
+        return "the replay wrote nothing; rerun it to replay again"
+    if args.no_records:
+        return (f"{args.run_dir}/report.jsonl keeps the dispatches checked so far, but a run without records "
+                "cannot resume: rerun with --fresh")
+    return f"{args.run_dir} keeps every dispatch checked so far: rerun the same command to resume"
 
 
 def _replay(args, run_dir, con, policy) -> int:
