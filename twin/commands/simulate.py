@@ -166,7 +166,7 @@ def run(args) -> int:
         cfg.calibration = Calibration.from_profile(args.profile, CostModel(dep, startup_slots(cfg, device), device, routing))
     out = out_dir(args.out, "--out")
     con = Console(stderr=True)
-    if args.json:
+    if args.json or not con.is_terminal:      # a progress bar is for a person watching a terminal
         res = simulate(cfg)
     else:
         with Progress(TextColumn("[bold]simulating[/bold]"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
