@@ -131,3 +131,18 @@ def test_a_bug_is_an_internal_error_not_bad_input(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "in broken" in err
     assert err.splitlines()[-1].startswith("dspark-twin capacity: internal error: KeyError")
+
+
+def test_an_invalid_dispatch_of_the_twins_own_making_is_internal(monkeypatch, capsys):
+    """No command takes a dispatch as input: one that breaks the ABI is the twin's bug (70), not yours (2)."""
+    from twin.abi.lowering import DispatchError
+    from twin.commands import capacity
+
+    def lowers_badly(dep, **kw):
+        raise DispatchError("l3_prefill_fwd", "x_hc", "shape", (3, 4), "(16, 8192, 4, 4096)")
+    monkeypatch.setattr(capacity, "hbm_account", lowers_badly)
+    assert main(["capacity"]) == EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("dspark-twin capacity: internal error: DispatchError: l3_prefill_fwd [shape]: "
+                          "x_hc=(3, 4) is invalid")

@@ -12,12 +12,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Python leaves SIGINT ignored when it starts with it ignored (a shell's background job does):
+# the child restores Ctrl-C's KeyboardInterrupt itself, after exec (no preexec_fn: forking a
+# process that runs threads, JAX's here, and running Python before exec can deadlock)
+CLI = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+       "sys.argv[0] = 'dspark-twin'; runpy.run_module('twin.cli', run_name='__main__')")
+
+
 def interrupt_when(argv: list, ready, cwd: Path, *, wait_s: float = 120.0):
     """Run the CLI, send SIGINT (what Ctrl-C sends) once `ready()` holds; (status, stdout, stderr)."""
-    # SIGINT at its default, whatever this process inherited (a shell's background job ignores it)
-    p = subprocess.Popen([sys.executable, "-m", "twin.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen([sys.executable, "-c", CLI, *argv], cwd=cwd, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + wait_s
     while not ready() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)

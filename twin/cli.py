@@ -59,21 +59,20 @@ def main(argv: list[str] | None = None) -> int:
         print("dspark-twin: interrupted (Ctrl-C) before the command started", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:          # building the parser failed: a bug
-        if "--debug" in (sys.argv[1:] if argv is None else argv):
-            traceback.print_exc()
-        print(f"dspark-twin: internal error: {internal_error(e)}; rerun with --debug for the traceback",
-              file=sys.stderr)
-        return EXIT_INTERNAL
+        return internal("dspark-twin", e, "--debug" in (sys.argv[1:] if argv is None else argv))
     return run(args)
 
 
 def run(args) -> int:
     from twin.abi.errors import AbiError
+    from twin.abi.lowering import DispatchError
 
     prog = f"dspark-twin {args.command}"
     try:
         return int(args._run(args) or 0)
     except AbiError as e:
+        if isinstance(e, DispatchError):    # no command takes a dispatch as input: the twin lowered a bad one
+            return internal(prog, e, args.debug)
         if args.debug:
             traceback.print_exc()
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -87,24 +86,28 @@ def run(args) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as e:          # a bug, never dressed as bad input: its own status and where to look
-        if args.debug:
-            traceback.print_exc()
-        print(f"{prog}: internal error: {internal_error(e)}; "
-              + ("the traceback is above" if args.debug else "rerun with --debug for the traceback"),
-              file=sys.stderr)
-        return EXIT_INTERNAL
+        return internal(prog, e, args.debug)
+
+
+def internal(prog: str, e: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    print(f"{prog}: internal error: {internal_error(e)}; "
+          + ("the traceback is above" if debug else "rerun with --debug for the traceback"), file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 def internal_error(e: BaseException) -> str:
     """'Type: message at file:line': the innermost frame in this project's code (else the innermost)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    text = f"{type(e).__name__}: {' '.join(str(e).split()) or '(no message)'}"
     frames = traceback.extract_tb(e.__traceback__)
     ours = [f for f in frames if os.path.abspath(f.filename).startswith(root)] or frames
     where = ""
     if ours:
         path = os.path.abspath(ours[-1].filename)
         where = f" at {path[len(root):] if path.startswith(root) else path}:{ours[-1].lineno}"
-    return f"{type(e).__name__}: {' '.join(str(e).split()) or '(no message)'}{where}"
+    return f"{text}{where}"
 
 
 if __name__ == "__main__":

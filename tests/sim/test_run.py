@@ -211,6 +211,15 @@ def test_cli_says_when_it_capped_requests(tmp_path):
     assert r.returncode == 0 and r.stdout.count("capped: 1 request") == 1
 
 
+def test_cli_keeps_the_workload_files_seed_unless_told(tmp_path):
+    spec = tmp_path / "w.json"
+    spec.write_text('{"seed": 5, "num_requests": 4, "rate": 1000}')
+    for extra, want in (((), 5), (("--seed", "7"), 7)):
+        r = cli("--workload", str(spec), *extra, "--out", str(tmp_path / "o"), "--json", "--no-plots")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["workload"]["seed"] == want
+
+
 def test_cli_default_run_with_no_arguments(tmp_path):
     r = cli(cwd=tmp_path)
     assert r.returncode == 0, r.stderr

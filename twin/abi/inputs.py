@@ -54,8 +54,9 @@ def read_json(path, flag: str, what: str, kind: type | tuple = dict):
     return value
 
 
-def read_jsonl(path, flag: str, what: str) -> Iterator[tuple[str, dict]]:
-    """(where, object) per non-blank line; `where` is 'FLAG PATH:LINE' for the refusals of that line."""
+def read_jsonl(path, flag: str, what: str) -> Iterator[tuple[int, str, dict]]:
+    """(line number, where, object) per non-blank line; `where` is 'FLAG PATH:LINE', for the refusals
+    of that line."""
     text = read_text(path, flag, what)
     n = 0
     for ln, line in enumerate(text.splitlines(), 1):
@@ -71,7 +72,7 @@ def read_jsonl(path, flag: str, what: str) -> Iterator[tuple[str, dict]]:
             raise ConfigError("line", value, f"a JSON object holding {what}, not a JSON {json_type(value)}",
                               where=where)
         n += 1
-        yield where, value
+        yield ln, where, value
     if not n:
         raise ConfigError(flag, str(path), f"at least one line of {what} (the file has none)")
 

@@ -119,8 +119,12 @@ def _requests(args, dep):
 
 
 def interrupted(args) -> str:
-    return (f"no report was written to {args.out}/; a simulation does not resume: rerunning the command starts it "
-            f"from the beginning")
+    from pathlib import Path
+
+    out = Path(args.out)
+    kept = f"no report was written to {out}/" if not (out.is_dir() and any(out.iterdir())) else \
+        f"{out}/ holds whole files only, but not a complete report of this run"
+    return f"{kept}; a simulation does not resume: rerunning the command starts it from the beginning"
 
 
 def run(args) -> int:

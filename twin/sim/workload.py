@@ -120,7 +120,6 @@ class WorkloadSpec:
             d["stop_sequence"] = tuple(d["stop_sequence"])
         return cls(**d)
 
-
     def replace(self, **kw) -> "WorkloadSpec":
         return WorkloadSpec.from_dict({**asdict(self), **kw})
 
@@ -187,9 +186,8 @@ def load_jsonl(path: str | Path, *, vocab: int = 129280, seed: int = 0, eos_toke
     rng = np.random.default_rng(seed)
     prefixes: dict[str, np.ndarray] = {}
     reqs, seen = [], {}
-    for where, d in read_jsonl(path, flag, "one request (docs/simulation.md#workloads)"):
+    for ln, where, d in read_jsonl(path, flag, "one request (docs/simulation.md#workloads)"):
         known_keys(d, TRACE_KEYS, "key", where)
-        ln = where.rsplit(":", 1)[1]
         rid = d.get("id", f"t{ln}")
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             raise ConfigError("id", rid, "a string or an integer", where=where)
