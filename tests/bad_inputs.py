@@ -9,6 +9,8 @@ A row is (id, argv, flag, named, allowed):
 Ids are "COMMAND FLAG what"; an input file's cases use the `FILE_KINDS` words for `what`.
 
 A flag or an input file added later gets its rows here; `test_bad_inputs` fails until it has them.
+One level down, `tests/abi/malformed_corpus.py` holds the malformed dispatches `validate` refuses
+(no command takes a dispatch as input: one of the twin's making that breaks the ABI is a bug).
 """
 from __future__ import annotations
 
@@ -97,6 +99,14 @@ def _rows():
 
     def add(id_, argv, flag, named, allowed):
         R.append((id_, argv, flag, tuple([named] if isinstance(named, str) else named), allowed))
+
+    def json_file(cmd, flag, base, wrong, named, allowed):
+        """The four kinds of bad JSON file for `flag` (base ends with the flag); `wrong` is of the wrong shape."""
+        add(f"{cmd} {flag} missing", base + ["{d}/nope.json"], flag, f"{flag}='{{d}}/nope.json'", "an existing file")
+        add(f"{cmd} {flag} empty", base + ["{d}/empty.json"], flag, f"{flag}='{{d}}/empty.json'",
+            "(the file is empty)")
+        add(f"{cmd} {flag} not JSON", base + ["{d}/not.json"], flag, f"{flag}='{{d}}/not.json:2'", "not JSON")
+        add(f"{cmd} {flag} wrong shape", base + [wrong], flag, named, allowed)
 
     # ---- the command itself -----------------------------------------------------------------------
     add("cli command unknown", ["frobnicate"], "command", ["command", "'frobnicate'"], "choose from 'abi'")
@@ -190,14 +200,7 @@ def _rows():
 
     # ---- simulate: --workload ---------------------------------------------------------------------------
     W = SIM + ["--workload"]
-    add("simulate --workload missing", W + ["{d}/nope.json"], "--workload", "--workload='{d}/nope.json'",
-        "an existing file")
-    add("simulate --workload empty", W + ["{d}/empty.json"], "--workload", "--workload='{d}/empty.json'",
-        "(the file is empty)")
-    add("simulate --workload not JSON", W + ["{d}/not.json"], "--workload", "--workload='{d}/not.json:2'",
-        "not JSON")
-    add("simulate --workload wrong shape", W + ["{d}/list.json"], "--workload", "--workload='{d}/list.json'",
-        "not a JSON object")
+    json_file("simulate", "--workload", W, "{d}/list.json", "--workload='{d}/list.json'", "not a JSON object")
     add("simulate --workload unknown key", W + ["{d}/wl-unknown.json"], "--workload",
         ["{d}/wl-unknown.json", "workload key='requests'"], "one of ['arrival'")
     add("simulate --workload wrong type", W + ["{d}/wl-type.json"], "--workload",
@@ -262,13 +265,7 @@ def _rows():
 
     # ---- simulate: --profile ----------------------------------------------------------------------------
     P = SIMQ + ["--profile"]
-    add("simulate --profile missing", P + ["{d}/nope.json"], "--profile", "--profile='{d}/nope.json'",
-        "an existing file")
-    add("simulate --profile empty", P + ["{d}/empty.json"], "--profile", "--profile='{d}/empty.json'",
-        "(the file is empty)")
-    add("simulate --profile not JSON", P + ["{d}/not.json"], "--profile", "--profile='{d}/not.json:2'", "not JSON")
-    add("simulate --profile wrong shape", P + ["{d}/list.json"], "--profile", "--profile='{d}/list.json'",
-        "not a JSON object")
+    json_file("simulate", "--profile", P, "{d}/list.json", "--profile='{d}/list.json'", "not a JSON object")
     add("simulate --profile points", P + ["{d}/prof-points.json"], "--profile", ["{d}/prof-points.json",
                                                                                 "points=5"], "a non-empty list")
     add("simulate --profile kind", P + ["{d}/prof-kind.json"], "--profile",
@@ -284,14 +281,8 @@ def _rows():
 
     # ---- simulate: --routing-trace ------------------------------------------------------------------------
     T = SIMQ + ["--routing", "trace", "--routing-trace"]
-    add("simulate --routing-trace missing", T + ["{d}/nope.json"], "--routing-trace",
-        "--routing-trace='{d}/nope.json'", "an existing file")
-    add("simulate --routing-trace empty", T + ["{d}/empty.json"], "--routing-trace",
-        "--routing-trace='{d}/empty.json'", "(the file is empty)")
-    add("simulate --routing-trace not JSON", T + ["{d}/not.json"], "--routing-trace",
-        "--routing-trace='{d}/not.json:2'", "not JSON")
-    add("simulate --routing-trace wrong shape", T + ["{d}/rt-layers.json"], "--routing-trace",
-        ["{d}/rt-layers.json", "layers='x'"], "per-layer expert histograms")
+    json_file("simulate", "--routing-trace", T, "{d}/rt-layers.json", ["{d}/rt-layers.json", "layers='x'"],
+              "per-layer expert histograms")
     add("simulate --routing-trace negative count", T + ["{d}/rt-neg.json"], "--routing-trace",
         ["{d}/rt-neg.json", "layers[0][1]=-2"], ">= 0")
     add("simulate --routing-trace layer count", T + ["{d}/rt-count.json"], "--routing-trace",
@@ -303,14 +294,8 @@ def _rows():
 
     # ---- simulate: --acceptance-from -------------------------------------------------------------------
     A = SIMQ + ["--acceptance-from"]
-    add("simulate --acceptance-from missing", A + ["{d}/nope.json"], "--acceptance-from",
-        "--acceptance-from='{d}/nope.json'", "an existing file")
-    add("simulate --acceptance-from empty", A + ["{d}/empty.json"], "--acceptance-from",
-        "--acceptance-from='{d}/empty.json'", "(the file is empty)")
-    add("simulate --acceptance-from not JSON", A + ["{d}/not.json"], "--acceptance-from",
-        "--acceptance-from='{d}/not.json:2'", "not JSON")
-    add("simulate --acceptance-from wrong shape", A + ["{d}/acc-short.json"], "--acceptance-from",
-        ["{d}/acc-short.json", "rates=[0.5]"], "a list of 7 probabilities")
+    json_file("simulate", "--acceptance-from", A, "{d}/acc-short.json", ["{d}/acc-short.json", "rates=[0.5]"],
+              "a list of 7 probabilities")
     add("simulate --acceptance-from rate > 1", A + ["{d}/acc-rate.json"], "--acceptance-from",
         ["{d}/acc-rate.json", "rates[3]=1.5"], "<= 1")
     add("simulate --acceptance-from with --acceptance", A + ["{d}/acc-rate.json", "--acceptance", "forced:3"],
@@ -359,13 +344,7 @@ def _rows():
     add("lockstep --replay with --golden reference", ["lockstep", "--replay", "--golden", "reference", "--run-dir",
                                                      "{d}/run-keys"], "--golden", "golden='reference'", "real")
     L = REF + ["--run-dir", "{d}/ls-pol", "--policy"]
-    add("lockstep --policy missing", L + ["{d}/nope.json"], "--policy", "--policy='{d}/nope.json'",
-        "an existing file")
-    add("lockstep --policy empty", L + ["{d}/empty.json"], "--policy", "--policy='{d}/empty.json'",
-        "(the file is empty)")
-    add("lockstep --policy not JSON", L + ["{d}/not.json"], "--policy", "--policy='{d}/not.json:2'", "not JSON")
-    add("lockstep --policy wrong shape", L + ["{d}/list.json"], "--policy", "--policy='{d}/list.json'",
-        "not a JSON object")
+    json_file("lockstep", "--policy", L, "{d}/list.json", "--policy='{d}/list.json'", "not a JSON object")
     add("lockstep --policy key", L + ["{d}/pol-key.json"], "--policy", ["{d}/pol-key.json", "key='matmul'"],
         "'op/dtype/quant'")
     add("lockstep --policy field", L + ["{d}/pol-field.json"], "--policy", ["{d}/pol-field.json", "field='atoll'"],
