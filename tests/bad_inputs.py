@@ -166,6 +166,8 @@ def _rows():
     add("simulate --prefill-hang-prob nan", SIMQ + ["--prefill-hang-prob", "nan"], "--prefill-hang-prob",
         ["--prefill-hang-prob", "'nan'"], "not NaN")
     add("simulate --step-timeout 0", SIMQ + ["--step-timeout", "0"], "--step-timeout", "step_timeout=0.0", "> 0")
+    add("simulate --step-timeout inf", SIMQ + ["--step-timeout", "inf"], "--step-timeout", "step_timeout=inf",
+        "a finite number > 0")
     add("simulate --slo-ttft -5", SIMQ + ["--slo-ttft", "-5"], "--slo-ttft", "slo_ttft=-5.0", "> 0")
     add("simulate --slo-tpot 0", SIMQ + ["--slo-tpot", "0"], "--slo-tpot", "slo_tpot=0.0", "> 0")
     add("simulate --slo-e2el nan", SIMQ + ["--slo-e2el", "nan"], "--slo-e2el", ["--slo-e2el", "'nan'"], "not NaN")
