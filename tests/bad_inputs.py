@@ -181,6 +181,9 @@ def _rows():
         "choose from 'cost'")
     add("simulate --executor golden on flash", SIMQ + ["--executor", "golden"], "--executor", "preset='flash'",
         "a small preset")
+    add("simulate --acceptance with --executor golden", SIMQ + ["--preset", "tiny", "--ep", "8", "--executor",
+                                                                "golden", "--acceptance", "forced:4"],
+        "--acceptance", "--acceptance='forced:4'", "no acceptance model with --executor golden")
     add("simulate --recompute word", SIM + ["--recompute", "all"], "--recompute", ["--recompute", "'all'"],
         "choose from 'prompt'")
     add("simulate --routing word", SIM + ["--routing", "zipf"], "--routing", ["--routing", "'zipf'"],

@@ -86,6 +86,11 @@ def _check_flags(args) -> None:
                           f"{args.routing!r})")
     if args.routing == "trace" and not args.routing_trace:
         raise ConfigError("--routing-trace", None, "a JSON file of per-layer expert histograms with --routing trace")
+    if args.executor == "golden" and (args.acceptance != "default" or args.acceptance_from):
+        flag, value = ("--acceptance-from", args.acceptance_from) if args.acceptance_from else \
+            ("--acceptance", args.acceptance)
+        raise ConfigError(flag, value, "no acceptance model with --executor golden (golden's real tokens decide "
+                          "what is accepted)")
     if args.acceptance_from and args.acceptance != "default":
         raise ConfigError("--acceptance", args.acceptance, "'default' with --acceptance-from (the file sets the "
                           "acceptance rates)")
