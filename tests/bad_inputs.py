@@ -346,6 +346,10 @@ def _rows():
         ["{d}/run-keys/records/config.json", "keys=['preset']"], "exactly ['carry'")
     add("lockstep --run-dir corrupt report", REF + ["--run-dir", "{d}/run-report"], "--run-dir",
         ["{d}/run-report/report.jsonl:2", "line='garbage'"], "a report entry written by lockstep")
+    add("lockstep --replay with --inject", ["lockstep", "--replay", "--inject", "kv_row@2", "--run-dir", "{d}/run-keys"],
+        "--inject", "--inject='kv_row@2'", "no value with --replay")
+    add("lockstep --replay with --steps", ["lockstep", "--replay", "--steps", "5", "--run-dir", "{d}/run-keys"],
+        "--steps", "--steps=5", "no value with --replay")
     add("lockstep --replay with --golden reference", ["lockstep", "--replay", "--golden", "reference", "--run-dir",
                                                      "{d}/run-keys"], "--golden", "golden='reference'", "real")
     L = REF + ["--run-dir", "{d}/ls-pol", "--policy"]
