@@ -163,6 +163,8 @@ def _rows():
         "--routing-skew=2.0", "only with --routing skewed")
     add("simulate --prefill-hang-prob 2", SIMQ + ["--prefill-hang-prob", "2"], "--prefill-hang-prob",
         "prefill_hang_probability=2.0", "in [0, 1]")
+    add("simulate --prefill-hang-prob at EP8", SIMQ + ["--ep", "8", "-k", "0", "--prefill-hang-prob", "0.1"],
+        "--prefill-hang-prob", "prefill_hang_probability=0.1", "0 at ep=8")
     add("simulate --prefill-hang-prob nan", SIMQ + ["--prefill-hang-prob", "nan"], "--prefill-hang-prob",
         ["--prefill-hang-prob", "'nan'"], "not NaN")
     add("simulate --step-timeout 0", SIMQ + ["--step-timeout", "0"], "--step-timeout", "step_timeout=0.0", "> 0")
