@@ -51,9 +51,27 @@ def touched_pools(program: str) -> tuple[str, ...]:
     return TARGET_POOLS + (("draft_kv",) if program == PROGRAM_FUSED else ())
 
 
-def check_device(device: str) -> str:
+def check_device(device: str, *, available: bool = True) -> str:
+    """A torch device name; with `available`, also one whose runtime is installed and visible here
+    (torch, torch_npu for npu, a CUDA device for cuda), so a missing backend is a clear refusal."""
     if not isinstance(device, str) or not DEVICE_RE.match(device):
         raise AbiError("device", device, "'cpu', 'cuda[:n]' or 'npu[:n]'", where="TorchBackend")
+    if not available:
+        return device
+    try:
+        import torch
+    except ModuleNotFoundError:
+        raise AbiError("device", device, "a backend whose runtime is installed: torch is missing "
+                       "(pip install -e \".[torch]\")", where="TorchBackend") from None
+    if device.startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+        except ModuleNotFoundError:
+            raise AbiError("device", device, "'cpu' or 'cuda' here: torch_npu is not installed "
+                           "(pip install -e \".[npu]\" on an Ascend host)", where="TorchBackend") from None
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise AbiError("device", device, "a device torch can see (torch.cuda.is_available() is False)",
+                       where="TorchBackend")
     return device
 
 
@@ -62,24 +80,11 @@ class TorchBackend:
 
     def __init__(self, geo: Geometry, weights: Weights, device: str = "cpu", *, cpu_threads: int | None = 1):
         check_device(device)
-        try:
-            import torch
-        except ModuleNotFoundError:
-            raise AbiError("device", device, "a backend whose runtime is installed: torch is missing "
-                           "(pip install -e \".[torch]\")", where="TorchBackend") from None
+        import torch
 
         if device == "cpu" and cpu_threads:
             # small per-op work: intra-op threads only contend (and stall badly on a shared 2-core runner)
             torch.set_num_threads(cpu_threads)
-        if device.startswith("npu"):
-            try:
-                import torch_npu  # noqa: F401  (registers the "npu" device with torch)
-            except ModuleNotFoundError:
-                raise AbiError("device", device, "'cpu' or 'cuda' here: torch_npu is not installed "
-                               "(pip install -e \".[npu]\" on an Ascend host)", where="TorchBackend") from None
-        elif device.startswith("cuda") and not torch.cuda.is_available():
-            raise AbiError("device", device, "a device torch can see (torch.cuda.is_available() is False)",
-                           where="TorchBackend")
         from .model.torch_step import TorchStep
 
         self.device = device

@@ -35,6 +35,20 @@ KINDS = ("bitflip", "stale_draft_kv", "wrong_slot", "dropped_boundary", "off_by_
          "uncommitted_publish", "ring_alias", "nan_output")
 
 
+def split_fault(spec: str) -> tuple[str, int, int]:
+    """'KIND', 'KIND@AT' or 'KIND@AT:LAYER' -> (kind, at, layer): AT a dispatch index, LAYER a layer
+    index (both integers >= 0, 0 when left out); the fault kinds of each golden check KIND."""
+    kind, _, rest = spec.partition("@")
+    at, _, layer = rest.partition(":")
+    try:
+        at, layer = int(at or 0), int(layer or 0)
+    except ValueError:
+        at = layer = -1
+    if at < 0 or layer < 0:
+        raise AbiError("--inject", spec, "KIND[@AT[:LAYER]] with integers AT >= 0 and LAYER >= 0", where="lockstep")
+    return kind, at, layer
+
+
 @dataclass
 class Fault:
     kind: str

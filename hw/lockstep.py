@@ -26,6 +26,7 @@ import numpy as np
 
 from twin.abi.batches import Dispatch
 from twin.abi.errors import AbiError
+from twin.abi.outputs import write_text
 
 from .compare import Finding, compare_pool, compare_tensor
 from .model.spec import POOL_WRITER, Geometry, output_site, tensor_kind
@@ -228,8 +229,8 @@ class LockstepRun:
             if not chk.passed and self.mode == "strict":
                 stopped = True
         summary = write_summary(self.dir, entries, self.config)
-        (self.dir / "run.json").write_text(json.dumps({"wall_s_this_session": time.perf_counter() - t0,
-                                                       "config": self.config}, indent=2) + "\n")
+        write_text(self.dir / "run.json", json.dumps({"wall_s_this_session": time.perf_counter() - t0,
+                                                      "config": self.config}, indent=2) + "\n")
         return summary
 
 

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from twin.abi.errors import AbiError
+from twin.abi.inputs import read_json
 
 
 def content_hash(a: np.ndarray) -> str:
@@ -144,8 +145,13 @@ class RecordStore:
             self.flush_pack("initial")
             path.write_text(json.dumps(hashes, sort_keys=True) + "\n")
 
+    def initial_hashes(self) -> dict:
+        """The content hash of each pool before dispatch 0."""
+        return read_json(self.root / "initial.json", "--run-dir", "the hash of each pool before dispatch 0, as "
+                                                                   "lockstep wrote it (start afresh with --fresh)")
+
     def initial(self) -> dict:
-        return {k: np.array(v) for k, v in self.get_all(json.loads((self.root / "initial.json").read_text())).items()}
+        return {k: np.array(v) for k, v in self.get_all(self.initial_hashes()).items()}
 
     def states(self, records=None, *, with_before: bool = True):
         """Yield (record, device state before, device state after, golden state after), rebuilding

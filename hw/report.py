@@ -11,6 +11,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from twin.abi.errors import AbiError
+from twin.abi.outputs import write_text
+
 
 class ReportWriter:
     def __init__(self, run_dir):
@@ -22,22 +25,27 @@ class ReportWriter:
             fh.flush()      # a killed process loses nothing flushed (fsync would only guard a machine crash)
 
     def entries(self) -> list[dict]:
-        """Complete lines in order; a torn last line (killed writer) is dropped from the file."""
+        """The complete lines (those whose newline was written) in order; a torn tail (a killed
+        writer) is cut from the file.  A bad complete line is corruption, refused naming the line:
+        dropping it would silently drop every later dispatch too."""
         if not self.path.exists():
             return []
-        out, good = [], 0
         raw = self.path.read_bytes()
-        for line in raw.split(b"\n"):
-            if not line:
-                break
+        *lines, tail = raw.split(b"\n")
+        out = []
+        for ln, line in enumerate(lines, 1):
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-            good += len(line) + 1
-        if good != len(raw):
+                entry = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                entry = None
+            if not isinstance(entry, dict) or not {"index", "program", "verdict"} <= set(entry):
+                raise AbiError("line", line[:60].decode(errors="replace"), "a report entry written by lockstep, "
+                               "one JSON object per line (start afresh with --fresh)",
+                               where=f"--run-dir {self.path}:{ln}")
+            out.append(entry)
+        if tail:
             with open(self.path, "r+b") as fh:
-                fh.truncate(good)
+                fh.truncate(len(raw) - len(tail))
         return out
 
 
@@ -82,7 +90,7 @@ def _fd_lines(s: dict) -> list[str]:
 def write_summary(run_dir, entries: list[dict], config: dict) -> dict:
     s = summarize(entries, config)
     run_dir = Path(run_dir)
-    (run_dir / "summary.json").write_text(json.dumps(s, indent=2, sort_keys=True) + "\n")
+    write_text(run_dir / "summary.json", json.dumps(s, indent=2, sort_keys=True) + "\n")
     md = [f"# Lockstep: {s['verdict']}", "", "## First divergence", "", *_fd_lines(s), ""]
     if s["first_divergence"]:
         md += ["| metric | value |", "|---|---|"]
@@ -99,8 +107,8 @@ def write_summary(run_dir, entries: list[dict], config: dict) -> dict:
            f"| {w['max_kl']:.3g} |"
            for k, w in s["worst_metrics"].items()]
     md += ["", "## Run", "", "```json", json.dumps(s["config"], indent=2, sort_keys=True), "```", ""]
-    (run_dir / "summary.md").write_text("\n".join(md))
-    (run_dir / "summary.html").write_text(_html(s))
+    write_text(run_dir / "summary.md", "\n".join(md))
+    write_text(run_dir / "summary.html", _html(s))
     return s
 
 

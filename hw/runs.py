@@ -6,7 +6,7 @@ from pathlib import Path
 
 from twin.abi.presets import get_preset
 
-from .faults import Fault, FaultBackend
+from .faults import Fault, FaultBackend, split_fault
 from .golden_adapter import GoldenExecutor
 from .lockstep import LockstepRun
 from .model.spec import Geometry
@@ -17,9 +17,8 @@ from .tolerance import Policy
 
 def parse_fault(spec: str) -> Fault:
     """'KIND', 'KIND@AT' or 'KIND@AT:LAYER' (AT a dispatch index, LAYER an index within the family)."""
-    kind, _, rest = spec.partition("@")
-    at, _, layer = rest.partition(":")
-    return Fault(kind, at=int(at or 0), layer=int(layer or 0), seed=int(at or 0))
+    kind, at, layer = split_fault(spec)
+    return Fault(kind, at=at, layer=layer, seed=at)
 
 
 def build_run(run_dir, *, preset: str = "tiny", device: str = "cpu", mode: str = "strict", seed: int = 0,

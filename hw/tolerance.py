@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from twin.abi.errors import AbiError
+from twin.abi.inputs import integer, located, number, read_json
 
 
 @dataclass(frozen=True)
@@ -147,16 +148,32 @@ class Policy:
     def from_dict(cls, d: dict, *, base: "Policy | None" = None) -> "Policy":
         table = dict((base or cls()).table)
         known = {f.name for f in fields(Tolerance)}
+        plain = Tolerance()
         for key, entry in d.items():
             parts = tuple(key.split("/"))
             if len(parts) != 3:
                 raise AbiError("tolerance key", key, "'op/dtype/quant', e.g. 'matmul/bf16/none'", where="policy")
+            if not isinstance(entry, dict):
+                raise AbiError("tolerance entry", entry, "an object of tolerance fields", where=f"policy[{key}]")
             bad = set(entry) - known
             if bad:
                 raise AbiError("tolerance field", sorted(bad)[0], f"one of {sorted(known)}", where=f"policy[{key}]")
+            for f, v in entry.items():       # each value of its field's kind, before any comparison
+                default = getattr(plain, f)
+                if isinstance(default, bool):
+                    if not isinstance(v, bool):
+                        raise AbiError(f, v, "true or false", where=f"policy[{key}]")
+                elif v is None and default is None:
+                    continue
+                elif f in ("max_ulp", "depth_ref"):
+                    integer(v, f, f"policy[{key}]", lo=0)
+                else:
+                    number(v, f, f"policy[{key}]", finite=False)
             table[parts] = Tolerance(**entry)
         return cls(table)
 
     @classmethod
-    def from_json(cls, path, *, base: "Policy | None" = None) -> "Policy":
-        return cls.from_dict(json.loads(Path(path).read_text()), base=base)
+    def from_json(cls, path, *, base: "Policy | None" = None, flag: str = "--policy") -> "Policy":
+        d = read_json(path, flag, "tolerance entries: {\"op/dtype/quant\": {field: value}} (docs/lockstep.md)")
+        with located(f"{flag} {path}"):
+            return cls.from_dict(d, base=base)

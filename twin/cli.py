@@ -1,5 +1,10 @@
 """`dspark-twin`: the command line.  Each subcommand lives in `twin.commands.<name>` with
-`add_arguments(parser)` and `run(args) -> int`; this file only wires them together.
+`add_arguments(parser)` and `run(args) -> int` (and optionally `interrupted(args) -> str`, what a
+Ctrl-C leaves behind); this file only wires them together.
+
+Exit statuses: 0 success (lockstep: PASS), 1 lockstep FAIL, 2 bad input (one line naming the
+argument or file, the value and what is allowed), 3 capacity does not fit, 70 an internal error (a
+bug: one line saying where, `--debug` for the traceback), 130 interrupted (Ctrl-C).
 
 The commands package is the composition root: it is the one place allowed to bring golden, the
 simulator and hw together, and it imports them lazily inside `run`.
@@ -8,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
-from twin.abi.errors import AbiError
+EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 2, 70, 130
 
 COMMANDS = {
     "abi": "print the programs and their positional arguments",
@@ -20,8 +27,15 @@ COMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage text is what --help is for)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dspark-twin", description="Digital twin of DeepSeek-V4-Flash DSpark serving")
+    p = Parser(prog="dspark-twin", description="Digital twin of DeepSeek-V4-Flash DSpark serving")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in COMMANDS.items():
         try:
@@ -32,17 +46,68 @@ def build_parser() -> argparse.ArgumentParser:
             continue     # a subcommand whose module does not exist yet is simply not offered
         sp = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().splitlines()[0])
         mod.add_arguments(sp)
-        sp.set_defaults(_run=mod.run)
+        sp.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (for reporting an internal error)")
+        sp.set_defaults(_run=mod.run, _interrupted=getattr(mod, "interrupted", None))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("dspark-twin: interrupted (Ctrl-C) before the command started", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:          # building the parser failed: a bug
+        return internal("dspark-twin", e, "--debug" in (sys.argv[1:] if argv is None else argv))
+    return run(args)
+
+
+def run(args) -> int:
+    from twin.abi.errors import AbiError
+    from twin.abi.lowering import DispatchError
+
+    prog = f"dspark-twin {args.command}"
     try:
         return int(args._run(args) or 0)
     except AbiError as e:
-        print(f"dspark-twin {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        if isinstance(e, DispatchError):    # no command takes a dispatch as input: the twin lowered a bad one
+            return internal(prog, e, args.debug)
+        if args.debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        left = args._interrupted(args) if args._interrupted else "nothing was written"
+        print(f"{prog}: interrupted (Ctrl-C): {left}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader of stdout went away (`| head`): nothing more to say, and nowhere to say it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as e:          # a bug, never dressed as bad input: its own status and where to look
+        return internal(prog, e, args.debug)
+
+
+def internal(prog: str, e: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    print(f"{prog}: internal error: {internal_error(e)}; "
+          + ("the traceback is above" if debug else "rerun with --debug for the traceback"), file=sys.stderr)
+    return EXIT_INTERNAL
+
+
+def internal_error(e: BaseException) -> str:
+    """'Type: message at file:line': the innermost frame in this project's code (else the innermost)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    text = f"{type(e).__name__}: {' '.join(str(e).split()) or '(no message)'}"
+    frames = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in frames if os.path.abspath(f.filename).startswith(root)] or frames
+    where = ""
+    if ours:
+        path = os.path.abspath(ours[-1].filename)
+        where = f" at {path[len(root):] if path.startswith(root) else path}:{ours[-1].lineno}"
+    return f"{text}{where}"
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import numpy as np
 
 from golden.kernels.compressor import EAGER_PUBLISH
 from twin.abi.errors import AbiError
+from twin.abi.outputs import write_text
 
 from ..compare import Finding, compare_pool, compare_tensor
 from ..golden_adapter import compose_kind
@@ -305,8 +306,8 @@ class RealLockstep:
         wall = round(time.perf_counter() - t0, 3)
         if self.dir:
             # timings stay out of the report and summary, so a resumed run writes the same bytes
-            (self.dir / "run.json").write_text(json.dumps({"wall_s_this_session": wall, "config": self.config},
-                                                          indent=2, sort_keys=True) + "\n")
+            write_text(self.dir / "run.json", json.dumps({"wall_s_this_session": wall, "config": self.config},
+                                                         indent=2, sort_keys=True) + "\n")
             return write_summary(self.dir, self.entries, self.config)
         from ..report import summarize
         return summarize(self.entries, {**self.config, "wall_s": wall})
@@ -318,14 +319,10 @@ def _rows_ne(a, b):
 
 def parse_real_fault(spec: str):
     """'KIND', 'KIND@AT' or 'KIND@AT:LAYER' (AT a dispatch index, LAYER a layer index)."""
+    from ..faults import split_fault
     from .faults import RealFault
 
-    kind, _, rest = spec.partition("@")
-    at, _, layer = rest.partition(":")
-    try:
-        at, layer = int(at or 0), int(layer or 0)
-    except ValueError:
-        raise AbiError("inject", spec, "KIND[@AT[:LAYER]] with integer AT and LAYER", where="hw.real") from None
+    kind, at, layer = split_fault(spec)
     return RealFault(kind, at=at, layer=layer, seed=at)
 
 

@@ -20,6 +20,7 @@ its identity from one record to the next (copy-on-write), as in a live run.
 """
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -29,9 +30,11 @@ import numpy as np
 from golden.dspark.state import DeviceState
 from twin.abi.batches import DecodeItem, Dispatch, DrafterItem, PrefillItem
 from twin.abi.errors import AbiError
+from twin.abi.inputs import read_json
+from twin.abi.outputs import write_text
 
 from ..records import Record, RecordStore, changed_rows, content_hash
-from .lockstep import DECISION_STAGES, DeviceStep
+from .lockstep import DECISION_STAGES, DeviceStep, build_real
 
 ITEM = {"prefill": PrefillItem, "decode": DecodeItem, "seed": DrafterItem}
 TUPLES = ("chunk_tokens", "pending_drafts", "context_positions")
@@ -166,7 +169,7 @@ class RealRecorder:
         self.store.truncate(0)
         (self.store.root / "initial.json").unlink(missing_ok=True)
         self.store.put_initial(dev)
-        (self.store.root / "config.json").write_text(json.dumps(self.build, sort_keys=True) + "\n")
+        write_text(self.store.root / "config.json", json.dumps(self.build, sort_keys=True) + "\n")
         self.last = {"dev": dict(dev), "gold": dict(gold)}
 
     def _delta(self, side: str, now: dict) -> dict:
@@ -207,12 +210,20 @@ class RealRecorder:
 
 
 # ---- reading ----------------------------------------------------------------------------------------
+# records/config.json holds build_real's arguments but these (they are not the run's: the tolerance
+# policy, the run directory, whether to record)
+BUILD_KEYS = tuple(k for k in inspect.signature(build_real).parameters if k not in ("policy", "run_dir", "record"))
+
 def read_config(run_dir) -> dict:
     path = Path(run_dir) / "records" / "config.json"
     if not path.exists():
         raise AbiError("run_dir", str(run_dir), "a real-golden run directory with records/config.json",
                        where="hw.real records")
-    return json.loads(path.read_text())
+    what = "the arguments that rebuild the run, as lockstep wrote them (start afresh with --fresh)"
+    d = read_json(path, "--run-dir", what)
+    if set(d) != set(BUILD_KEYS):
+        raise AbiError("keys", sorted(d), f"exactly {sorted(BUILD_KEYS)}: {what}", where=f"--run-dir {path}")
+    return d
 
 
 def checked_get(store: RecordStore, h: str, where: str) -> np.ndarray:

@@ -13,7 +13,6 @@ replay   no device: a fresh golden (rebuilt from `records/config.json`) runs eve
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from twin.abi.errors import AbiError
@@ -25,7 +24,7 @@ from .records import (apply_deltas, checked_get, dispatch_of, install_seqs, inst
 
 
 def _check_initial(store: RecordStore, side, where: str) -> None:
-    want = json.loads((store.root / "initial.json").read_text())
+    want = store.initial_hashes()
     now = side_state(side)
     bad = sorted(k for k in set(want) | set(now) if k not in now or k not in want or content_hash(now[k]) != want[k])
     if bad:

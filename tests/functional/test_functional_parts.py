@@ -49,9 +49,12 @@ def test_conditional_rates_of_unreached_positions_are_zero():
 def test_load_acceptance_names_a_bad_file(tmp_path):
     bad = tmp_path / "a.json"
     bad.write_text(json.dumps({"rates": [0.5, 0.5]}))
-    with pytest.raises(ConfigError, match="acceptance rates"):
+    with pytest.raises(ConfigError, match=r"a\.json: rates=\[0\.5, 0\.5\].*7 probabilities"):
         load_acceptance(bad)
-    with pytest.raises(ConfigError, match="acceptance_from"):
+    bad.write_text(json.dumps({"rates": [0.5] * 6 + [1.5]}))
+    with pytest.raises(ConfigError, match=r"rates\[6\]=1\.5.*<= 1"):
+        load_acceptance(bad)
+    with pytest.raises(ConfigError, match="--acceptance-from='.*missing.json'.*no such file"):
         load_acceptance(tmp_path / "missing.json")
 
 

@@ -1,4 +1,5 @@
 """Backends: PyptoBackend positional binding (fake runner), TorchBackend device handling."""
+import importlib.util
 import sys
 
 import ml_dtypes
@@ -105,10 +106,14 @@ def test_pypto_from_runtime_without_a_runtime_says_what_is_missing():
 
 def test_torch_backend_devices():
     for ok in ("cpu", "cuda:1", "npu:7"):
-        assert check_device(ok) == ok
+        assert check_device(ok, available=False) == ok
     for bad in ("tpu", "cpu:x", "", None):
         with pytest.raises(AbiError, match="device"):
             check_device(bad)
+    assert check_device("cpu") == "cpu"
+    if importlib.util.find_spec("torch_npu") is None:     # a named device whose runtime is missing
+        with pytest.raises(AbiError, match="npu:7.*torch_npu is not installed"):
+            check_device("npu:7")
     geo = Geometry(TINY)
     w = synthetic_weights(TINY)
     TorchBackend(geo, w, "cpu")

@@ -191,6 +191,42 @@ def test_cli_bad_input_names_the_argument(tmp_path):
     assert r.returncode == 2 and "forced acceptance length" in r.stderr
 
 
+@pytest.mark.parametrize("fidelity", ["exact", "fleet"])
+def test_a_capped_request_is_flagged_in_its_row_and_counted(fidelity):
+    """max_model_len 1024: 1000 + 100 asks for 76 more than the context holds, 1000 + 24 fits exactly."""
+    from simtest import req
+
+    reqs = [req("over", plen=1000, out=100), req("exact", plen=1000, out=24), req("short", plen=100, out=10)]
+    res = simulate(SimConfig(make_dep(), reqs, fidelity=fidelity, acceptance=ForcedAcceptance(8)))
+    rows = res.requests.set_index("request_id")
+    assert rows.loc["over", "capped"] and rows.loc["over", "max_new_tokens"] == 24
+    assert rows.loc["over", "requested_max_new_tokens"] == 100 and rows.loc["over", "output_len"] == 24
+    assert not rows.loc["exact", "capped"] and not rows.loc["short", "capped"]
+    assert res.summary["capped_requests"] == 1
+
+
+def test_cli_says_when_it_capped_requests(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "long", "prompt_len": 8000, "max_new_tokens": 500}\n'
+                     '{"id": "fits", "prompt_len": 100, "max_new_tokens": 50}\n')
+    r = cli("--trace", str(trace), "--out", str(tmp_path / "o"), "--json", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["capped_requests"] == 1
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("capped: 1 request asked for more new tokens")
+    assert "max_model_len=8192" in r.stderr
+    r = cli("--trace", str(trace), "--out", str(tmp_path / "o"), "--no-plots")
+    assert r.returncode == 0 and r.stdout.count("capped: 1 request") == 1
+
+
+def test_cli_keeps_the_workload_files_seed_unless_told(tmp_path):
+    spec = tmp_path / "w.json"
+    spec.write_text('{"seed": 5, "num_requests": 4, "rate": 1000}')
+    for extra, want in (((), 5), (("--seed", "7"), 7)):
+        r = cli("--workload", str(spec), *extra, "--out", str(tmp_path / "o"), "--json", "--no-plots")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["workload"]["seed"] == want
+
+
 def test_cli_default_run_with_no_arguments(tmp_path):
     r = cli(cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -228,6 +264,9 @@ def test_prefill_hang_fault_model_aborts_in_flight_work():
     assert res.sim_s >= 30.0
     with pytest.raises(ValueError, match="prefill_hang_probability"):
         SimConfig(cfg.dep, prefill_hang_probability=2.0)
+    ep8 = deployment("flash", ep=8, max_model_len=1024, num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prefill_hang_probability=0.5.*0 at ep=8"):     # not quietly 0
+        simulate(SimConfig(ep8, small_cfg(n=2).requests, prefill_hang_probability=0.5))
 
 
 def test_risk_scan_reads_steps_dispatches_and_events():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import math
+import numbers
 import operator
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -514,9 +515,18 @@ DYNAMIC_MAX = {"P": C.PREFILL_TOKENS_PER_GROUP, "Q": C.PREFILL_REQUESTS_PER_GROU
                "B": C.DRAFTER_MAX_BATCH, "T_MAIN": C.DRAFTER_CONTEXT_BUCKETS[-1]}
 
 
+def check_slots(slots, where: str) -> int:
+    """Capacity slots per partition, the unit every pool is sized in: an int in 1..64 (one slot per
+    request of a TP group's decode tile)."""
+    if isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or not 1 <= slots <= C.DECODE_BATCH:
+        raise AbiError("slots", slots, f"an int in 1..{C.DECODE_BATCH} (capacity slots per partition)", where=where)
+    return int(slots)
+
+
 def symbols(dep: Deployment, slots: int = 1, **extents: int) -> dict[str, int]:
     """The symbol table of a binding.  `slots` sizes the pools; `extents` sets P, Q, B, T_MAIN
     (default: their maxima; L follows P)."""
+    check_slots(slots, "bind")
     m, topo, lim = dep.model, dep.topology, dep.limits
     bad = set(extents) - set(DYNAMIC_MAX)
     if bad:

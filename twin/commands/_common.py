@@ -4,9 +4,43 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 
 from twin.abi import PRESETS
+
+
+# value types of the numeric flags: the syntax only (and never NaN, which no range check can
+# refuse); each flag's range is checked where its rule lives (the deployment, the workload, ...)
+def number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a number") from None
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: a number (not NaN)")
+    return value
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: an integer") from None
+
+
+def seed(text: str) -> int:
+    value = integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: an integer >= 0 (a random seed)")
+    return value
+
+
+def out_dir(path: str, flag: str):
+    """Create a report directory before any work starts (a bad --out costs nothing)."""
+    from twin.abi.outputs import output_dir
+
+    return output_dir(path, flag)
 
 
 def add_deployment_args(p: argparse.ArgumentParser, *,
@@ -21,18 +55,18 @@ def add_deployment_args(p: argparse.ArgumentParser, *,
         p.add_argument(*flags, dest=dest, default=default, help=help, **kw)
 
     arg("--preset", dest="preset", default="flash", choices=sorted(PRESETS), help="model preset (default flash)")
-    arg("--ep", dest="ep", type=int, default=16, help="expert-parallel world size = ranks (8 or 16; default 16)")
-    arg("--tp", dest="tp", type=int, default=4, help="ranks per TP group (4; 1 only for small presets)")
-    arg("--max-model-len", dest="max_model_len", type=int, default=1024, help="context ceiling (default 1024)")
-    arg("--chunk", "--long-prefill-token-threshold", dest="chunk", type=int, default=2048,
+    arg("--ep", dest="ep", type=integer, default=16, help="expert-parallel world size = ranks (8 or 16; default 16)")
+    arg("--tp", dest="tp", type=integer, default=4, help="ranks per TP group (4; 1 only for small presets)")
+    arg("--max-model-len", dest="max_model_len", type=integer, default=1024, help="context ceiling (default 1024)")
+    arg("--chunk", "--long-prefill-token-threshold", dest="chunk", type=integer, default=2048,
         help="per-request prefill chunk (--long-prefill-token-threshold; default 2048)")
-    arg("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=8192,
+    arg("--max-num-batched-tokens", dest="max_num_batched_tokens", type=integer, default=8192,
         help="global token budget per step (default 8192, the documented DSpark command)")
-    arg("--max-num-seqs", dest="max_num_seqs", type=int, default=16, help="max running requests (default 16)")
-    arg("-k", "--num-speculative-tokens", dest="k", type=int, default=7, help="0 or 7 (default 7)")
-    arg("--utilization", "--npu-memory-utilization", dest="utilization", type=float, default=0.90,
+    arg("--max-num-seqs", dest="max_num_seqs", type=integer, default=16, help="max running requests (default 16)")
+    arg("-k", "--num-speculative-tokens", dest="k", type=integer, default=7, help="0 or 7 (default 7)")
+    arg("--utilization", "--npu-memory-utilization", dest="utilization", type=number, default=0.90,
         help="NPU memory utilization for KV sizing (default 0.90)")
-    arg("--temperature", dest="temperature", type=float, default=0.0, help="must be 0: DSpark serving is greedy")
+    arg("--temperature", dest="temperature", type=number, default=0.0, help="must be 0: DSpark serving is greedy")
     if overrides:
         raise ValueError(f"overrides: {sorted(overrides)} are not deployment arguments (allowed: {dests})")
 

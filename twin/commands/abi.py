@@ -6,13 +6,13 @@ from rich.table import Table
 
 from twin.abi import PROGRAMS, bind, get_program
 
-from ._common import add_deployment_args, deployment_from_args, print_json
+from ._common import add_deployment_args, deployment_from_args, integer, print_json
 
 
 def add_arguments(p) -> None:
     p.add_argument("program", nargs="?", help=f"one of {', '.join(PROGRAMS)}")
     add_deployment_args(p)
-    p.add_argument("--slots", type=int, default=1, help="capacity slots per partition that size the pools (default 1)")
+    p.add_argument("--slots", type=integer, default=1, help="capacity slots per partition that size the pools (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON (keys documented in docs/cli.md)")
 
 

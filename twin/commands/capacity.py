@@ -7,12 +7,13 @@ from rich.table import Table
 from twin.abi import hbm_account
 from twin.abi.constants import GIB
 
-from ._common import add_budget_args, add_deployment_args, budget_from_args, deployment_from_args, flag_names, print_json
+from ._common import (add_budget_args, add_deployment_args, budget_from_args, deployment_from_args, flag_names,
+                      number, print_json)
 
 
 def add_arguments(p) -> None:
     add_deployment_args(p)
-    p.add_argument("--hbm-gib", type=float, default=64.0, help="HBM per rank in GiB (default 64: Ascend 910B / A3 die)")
+    p.add_argument("--hbm-gib", type=number, default=64.0, help="HBM per rank in GiB (default 64: Ascend 910B / A3 die)")
     p.add_argument("--ring-heap", default=None,
                    help="prefill ring heap: one byte count or four comma-separated (default 2,2,4,8 GiB)")
     add_budget_args(p)
@@ -26,11 +27,10 @@ def _gib(v: int | None) -> str:
 def run(args) -> int:
     import os
 
-    from twin.abi import ConfigError
+    from twin.abi.inputs import number
 
     dep = deployment_from_args(args)
-    if not args.hbm_gib > 0:
-        raise ConfigError("--hbm-gib", args.hbm_gib, "> 0")
+    number(args.hbm_gib, "--hbm-gib", lo=0.0, lo_open=True, unit="(GiB of HBM per rank)")
     measured, pages = budget_from_args(args)
     with flag_names():
         acct = hbm_account(dep, hbm_bytes=int(args.hbm_gib * GIB), env=os.environ, ring_heap=args.ring_heap,

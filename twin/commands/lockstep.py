@@ -12,19 +12,27 @@ from __future__ import annotations
 
 from twin.abi.errors import AbiError
 
+from ._common import integer, out_dir, seed
+
+
+# the defaults of the flags that set up the device side, which a replay has no use for
+DEVICE_SIDE = {"preset": "tiny", "device": "cpu", "steps": 100, "mode": "strict", "fresh": False, "inject": None,
+               "seed": 0, "no_records": False}
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--preset", default="tiny", help="a small preset (tiny or small); FLASH does not run whole on a CPU")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda[:n] or npu[:n] (default cpu)")
-    p.add_argument("--steps", type=int, default=100, help="dispatches to run (default 100)")
-    p.add_argument("--mode", default="strict", choices=("strict", "continuous"),
+    d = DEVICE_SIDE
+    p.add_argument("--preset", default=d["preset"], help="a small preset (tiny or small); FLASH does not run whole on a CPU")
+    p.add_argument("--device", default=d["device"], help="torch device: cpu, cuda[:n] or npu[:n] (default cpu)")
+    p.add_argument("--steps", type=integer, default=d["steps"], help="dispatches to run (default 100)")
+    p.add_argument("--mode", default=d["mode"], choices=("strict", "continuous"),
                    help="strict stops at the first failing dispatch (default); continuous re-syncs and goes on")
     p.add_argument("--run-dir", default="lockstep-run", help="records and reports (default ./lockstep-run)")
     p.add_argument("--fresh", action="store_true", help="discard an existing run in --run-dir instead of resuming")
-    p.add_argument("--inject", default=None, metavar="KIND[@AT[:LAYER]]",
+    p.add_argument("--inject", default=d["inject"], metavar="KIND[@AT[:LAYER]]",
                    help="inject one fault (see docs/lockstep.md for the kinds)")
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
-    p.add_argument("--seed", type=int, default=0, help="weights and workload seed (default 0)")
+    p.add_argument("--seed", type=seed, default=d["seed"], help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
     p.add_argument("--replay", action="store_true",
                    help="no device: re-judge the records in --run-dir against the golden offline (real golden) and "
@@ -55,7 +63,14 @@ def run(args) -> int:
     run_dir = Path(args.run_dir)
     policy = Policy.from_json(args.policy) if args.policy else None
     if args.replay:
+        # the run directory's records/config.json sets the run a replay rebuilds: a flag for the device
+        # side would be ignored
+        for dest, default in DEVICE_SIDE.items():
+            if getattr(args, dest) != default:
+                raise AbiError("--" + dest.replace("_", "-"), getattr(args, dest), "no value with --replay (the run directory's records set "
+                               "the run; --policy re-judges it)", where="lockstep")
         return _replay(args, run_dir, con, policy)
+    out_dir(run_dir, "--run-dir")
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     resumed = (run_dir / "report.jsonl").exists()
@@ -105,6 +120,15 @@ def run(args) -> int:
     extra = ")" if args.no_records else ", records/)"
     con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}")
     return 0 if s["verdict"] == "PASS" else 1
+
+
+def interrupted(args) -> str:
+    if args.replay:
+        return "the replay wrote nothing; rerun it to replay again"
+    if args.no_records:
+        return (f"{args.run_dir}/report.jsonl keeps the dispatches checked so far, but a run without records "
+                "cannot resume: rerun with --fresh")
+    return f"{args.run_dir} keeps every dispatch checked so far: rerun the same command to resume"
 
 
 def _replay(args, run_dir, con, policy) -> int:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-from ._common import add_budget_args, add_deployment_args, budget_from_args, deployment_from_args, flag_names, print_json
+from twin.abi.outputs import write_text
+
+from ._common import (add_budget_args, add_deployment_args, budget_from_args, deployment_from_args, flag_names, integer,
+                      number, out_dir, print_json, seed)
 
 # the simulator's defaults: a saturating FLASH serving setup (dest -> (default, help))
 _DEFAULTS = {
@@ -25,10 +27,11 @@ def add_arguments(p) -> None:
     w = p.add_argument_group("workload (default: the bundled twin/sim/data/default_workload.json)")
     w.add_argument("--workload", help="a workload spec JSON file (keys: docs/simulation.md)")
     w.add_argument("--trace", help="replay a JSONL request trace instead of a generated workload")
-    w.add_argument("--requests", type=int, help="number of requests (overrides the spec)")
-    w.add_argument("--rate", type=float, help="arrival rate, requests/s ('inf': all at t=0)")
+    w.add_argument("--requests", type=integer, help="number of requests (overrides the spec)")
+    w.add_argument("--rate", type=number, help="arrival rate, requests/s ('inf': all at t=0)")
     w.add_argument("--arrival", choices=("poisson", "gamma", "burst"), help="arrival process")
-    w.add_argument("--seed", type=int, default=0, help="workload, routing and acceptance seed (default 0)")
+    w.add_argument("--seed", type=seed, default=None,
+                   help="workload, routing and acceptance seed (default: the workload spec's seed, 0 with --trace)")
     m = p.add_argument_group("models")
     m.add_argument("--acceptance", default="default",
                    help="default | forced:<1..8> | rates:<a1,...,a7> (per-position conditional)")
@@ -44,46 +47,94 @@ def add_arguments(p) -> None:
                         "serving-contract §10.2) or 'replay' (prompt + generated tokens)")
     m.add_argument("--routing", default="random", choices=("balanced", "random", "skewed", "trace"),
                    help="MoE routing policy (default random)")
-    m.add_argument("--routing-skew", type=float, default=1.0, help="Zipf exponent for --routing skewed")
+    m.add_argument("--routing-skew", type=number, default=None,
+                   help="Zipf exponent >= 0 for --routing skewed (default 1)")
     m.add_argument("--routing-trace", help="JSON per-layer expert histograms for --routing trace")
     m.add_argument("--device", default="ascend-a3-die", help="device limits row (twin/sim/data/devices.json)")
     m.add_argument("--profile", help="measured profile JSON to calibrate the cost model")
     m.add_argument("--fidelity", default="exact", choices=("exact", "fleet"),
                    help="exact (page ids, the default) or fleet (page counts, ~10x+ faster, for sweeps; "
                         "docs/simulation.md#fidelity)")
-    m.add_argument("--slots", type=int, help="override slots per partition (default: startup admission)")
+    m.add_argument("--slots", type=integer, help="override slots per partition (default: startup admission)")
     add_budget_args(p)
     m.add_argument("--sync", action="store_true", help="synchronous scheduling (batch queue depth 1)")
     m.add_argument("--stop-check", default="end", choices=("end", "token"),
                    help="stop strings: 'end' as upstream (may miss one inside a multi-token step) or 'token'")
-    m.add_argument("--prefill-hang-prob", type=float, default=0.0,
+    m.add_argument("--prefill-hang-prob", type=number, default=0.0,
                    help="pypto-lib#1213 fault model: probability that an EP16 prefill dispatch hangs (default 0)")
-    m.add_argument("--step-timeout", type=float, default=1200.0,
+    m.add_argument("--step-timeout", type=number, default=1200.0,
                    help="worker step timeout in seconds, what a hang costs (default 1200)")
     o = p.add_argument_group("outputs")
-    o.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT (ms)")
-    o.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT (ms)")
-    o.add_argument("--slo-e2el", type=float, help="goodput SLO on E2EL (ms)")
+    o.add_argument("--slo-ttft", type=number, help="goodput SLO on TTFT (ms, > 0)")
+    o.add_argument("--slo-tpot", type=number, help="goodput SLO on TPOT (ms, > 0)")
+    o.add_argument("--slo-e2el", type=number, help="goodput SLO on E2EL (ms, > 0)")
     o.add_argument("--out", default="sim-out", help="report directory (default ./sim-out)")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--json", action="store_true", help="print the summary as JSON (no progress display)")
 
 
-def _requests(args, dep):
-    from twin.sim.workload import WorkloadSpec, default_spec, generate, load_jsonl
+def _check_flags(args) -> None:
+    """Flags that would otherwise be ignored without a word: each needs the mode that reads it."""
+    from twin.abi import ConfigError
 
     if args.trace:
-        return load_jsonl(args.trace, vocab=dep.model.vocab_size, seed=args.seed), {"trace": args.trace}
-    spec = WorkloadSpec.from_dict(json.loads(Path(args.workload).read_text())) if args.workload else default_spec()
-    kw = {"seed": args.seed, "vocab": dep.model.vocab_size}
-    if args.requests is not None:
-        kw["num_requests"] = args.requests
-    if args.rate is not None:
-        kw["rate"] = args.rate
-    if args.arrival is not None:
-        kw["arrival"] = args.arrival
+        given = [f for f, v in (("--workload", args.workload), ("--requests", args.requests), ("--rate", args.rate),
+                                ("--arrival", args.arrival)) if v is not None]
+        if given:
+            raise ConfigError(given[0], getattr(args, given[0][2:]), "no value with --trace (the trace sets the "
+                              "requests, their lengths and arrivals)")
+    if args.routing_skew is not None and args.routing != "skewed":
+        raise ConfigError("--routing-skew", args.routing_skew, f"only with --routing skewed (--routing is "
+                          f"{args.routing!r})")
+    if args.routing_trace and args.routing != "trace":
+        raise ConfigError("--routing-trace", args.routing_trace, f"only with --routing trace (--routing is "
+                          f"{args.routing!r})")
+    if args.routing == "trace" and not args.routing_trace:
+        raise ConfigError("--routing-trace", None, "a JSON file of per-layer expert histograms with --routing trace")
+    if args.executor == "golden" and (args.acceptance != "default" or args.acceptance_from):
+        flag, value = ("--acceptance-from", args.acceptance_from) if args.acceptance_from else \
+            ("--acceptance", args.acceptance)
+        raise ConfigError(flag, value, "no acceptance model with --executor golden (golden's real tokens decide "
+                          "what is accepted)")
+    if args.acceptance_from and args.acceptance != "default":
+        raise ConfigError("--acceptance", args.acceptance, "'default' with --acceptance-from (the file sets the "
+                          "acceptance rates)")
+
+
+def _requests(args, dep):
+    from twin.abi import ConfigError
+    from twin.abi.inputs import located, read_json
+    from twin.sim.workload import WorkloadSpec, default_spec, generate, load_jsonl
+
+    vocab = dep.model.vocab_size
+    if args.trace:
+        return load_jsonl(args.trace, vocab=vocab, seed=args.seed or 0), {"trace": args.trace}
+    if args.workload:
+        raw = read_json(args.workload, "--workload", "a workload spec: a JSON object of workload keys "
+                                                     "(docs/simulation.md#workloads)")
+        with located(f"--workload {args.workload}"):
+            if "vocab" in raw and raw["vocab"] != vocab:
+                raise ConfigError("vocab", raw["vocab"], f"{vocab}, the vocabulary of {dep.model.name} "
+                                  "(or leave the key out)")
+            spec = WorkloadSpec.from_dict(raw)
+    else:
+        spec = default_spec()
+    kw = {"vocab": vocab}               # prompts are drawn from the model's vocabulary
+    for key, value in (("seed", args.seed), ("num_requests", args.requests), ("rate", args.rate),
+                       ("arrival", args.arrival)):
+        if value is not None:
+            kw[key] = value
     spec = spec.replace(**kw)
     return generate(spec), spec.to_dict()
+
+
+def interrupted(args) -> str:
+    from pathlib import Path
+
+    out = Path(args.out)
+    kept = f"no report was written to {out}/" if not (out.is_dir() and any(out.iterdir())) else \
+        f"{out}/ holds whole files only, but not a complete report of this run"
+    return f"{kept}; a simulation does not resume: rerunning the command starts it from the beginning"
 
 
 def run(args) -> int:
@@ -96,6 +147,7 @@ def run(args) -> int:
     from twin.sim.costmodel import Calibration, CostModel, DeviceLimits, Routing
     from twin.sim.run import SimConfig, simulate, startup_slots
 
+    _check_flags(args)
     if args.max_num_seqs is None:             # saturate the topology: 64 requests per TP group
         args.max_num_seqs = 64 * max(1, args.ep // args.tp)
     dep = deployment_from_args(args)
@@ -103,10 +155,11 @@ def run(args) -> int:
         from twin.functional.cli import default_workload
         args.workload = default_workload()
     device = DeviceLimits.load(args.device)
-    routing = Routing.from_trace_file(args.routing_trace) if args.routing == "trace" and args.routing_trace \
-        else Routing(args.routing, skew=args.routing_skew)
+    routing = Routing.from_trace_file(args.routing_trace) if args.routing == "trace" \
+        else Routing(args.routing, skew=1.0 if args.routing_skew is None else args.routing_skew)
     reqs, workload = _requests(args, dep)
-    slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2el", args.slo_e2el)) if v}
+    slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2el", args.slo_e2el))
+           if v is not None}
     if args.acceptance_from:
         from twin.functional.acceptance import load_acceptance
         acceptance = load_acceptance(args.acceptance_from)
@@ -115,9 +168,11 @@ def run(args) -> int:
     measured, pages = budget_from_args(args)
     if args.slots is not None and (measured or pages):
         raise ConfigError("--slots", args.slots, "not together with a KV budget flag (--total-kv-pages, --measured-*)")
+    seed_ = args.seed if args.seed is not None else workload.get("seed", 0)
     cfg = SimConfig(dep, reqs, device=device, routing=routing, acceptance=acceptance,
-                    slots=args.slots, measured=measured, total_kv_pages=pages, async_depth=1 if args.sync else 2, stop_check=args.stop_check,
-                    slo_ms=slo or None, seed=args.seed, prefill_hang_probability=args.prefill_hang_prob,
+                    slots=args.slots, measured=measured, total_kv_pages=pages, async_depth=1 if args.sync else 2,
+                    stop_check=args.stop_check, slo_ms=slo or None, seed=seed_,
+                    prefill_hang_probability=args.prefill_hang_prob,
                     step_timeout=args.step_timeout, fidelity=args.fidelity)
     if args.recompute == "replay":
         from twin.functional.replay import ReplayScheduler
@@ -130,15 +185,15 @@ def run(args) -> int:
         cfg.calibration = Calibration.from_profile(args.profile, CostModel(dep, startup_slots(cfg, device), device, routing))
     with flag_names():
         startup_slots(cfg, device)             # bad budget values fail before the run, under their flags
+    out = out_dir(args.out, "--out")
     con = Console(stderr=True)
-    if args.json:
+    if args.json or not con.is_terminal:      # a progress bar is for a person watching a terminal
         res = simulate(cfg)
     else:
         with Progress(TextColumn("[bold]simulating[/bold]"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
                       TextColumn("t={task.fields[t]:.1f}s simulated"), console=con, transient=True) as prog:
             task = prog.add_task("sim", total=len(reqs), t=0.0)
             res = simulate(cfg, lambda t, done, total: prog.update(task, completed=done, t=t))
-    out = Path(args.out)
     files = res.write(out, plots=not args.no_plots)
     if golden is not None:
         files += functional.write(out, cfg, golden, res.scheduler)
@@ -150,15 +205,27 @@ def run(args) -> int:
                        "max_num_batched_tokens": dep.limits.max_num_batched_tokens, "device": device.name,
                        "executor": args.executor, "recompute": args.recompute,
                        "drafter": args.drafter if args.executor == "golden" else None}
-    (out / "summary.json").write_text(json.dumps(s, indent=2, default=str))
+    write_text(out / "summary.json", json.dumps(s, indent=2, default=str))
+    capped = capped_line(s, dep)
     if args.json:
         print_json(s)
+        if capped:
+            print(capped, file=sys.stderr)
         return 0
-    _print_summary(Console(), Table, res, out, files)
+    _print_summary(Console(), Table, res, out, files, capped)
     return 0
 
 
-def _print_summary(con, Table, res, out, files) -> None:
+def capped_line(s: dict, dep) -> str:
+    n = s["capped_requests"]
+    if not n:
+        return ""
+    return (f"capped: {n} request{'s' if n > 1 else ''} asked for more new tokens than the context leaves under "
+            f"max_model_len={dep.limits.max_model_len}; admission lowered max_new_tokens (requests.csv: capped, "
+            f"requested_max_new_tokens)")
+
+
+def _print_summary(con, Table, res, out, files, capped: str) -> None:
     s = res.summary
     t = Table(title=f"simulation: {s['completed']} completed, {s['failed']} failed, "
                     f"{s['duration_s']:.2f} s simulated in {s['wall_s']:.2f} s wall")
@@ -188,5 +255,7 @@ def _print_summary(con, Table, res, out, files) -> None:
         r.add_row(row.risk, str(row.count), "-" if row.first_t is None or row.first_t != row.first_t else f"{row.first_t:.3f}",
                   style="yellow" if row.count else None)
     con.print(r)
+    if capped:
+        con.print(capped, style="yellow")
     con.print(f"report: {out}/ ({', '.join(files)})")
     sys.stdout.flush()

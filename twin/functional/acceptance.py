@@ -8,11 +8,11 @@ a_j = u_j / u_{j-1} (u_0 = 1); a position never reached gets 0.  The JSON carrie
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from twin.abi import constants as C
 from twin.abi.errors import ConfigError
+from twin.abi.inputs import number, read_json
 from twin.sim.acceptance import ConditionalAcceptance
 
 
@@ -29,11 +29,12 @@ def acceptance_vector(summary: dict) -> dict:
             "mean_accepted_length": summary["mean_accepted_length"]}
 
 
-def load_acceptance(path: str | Path) -> ConditionalAcceptance:
-    try:
-        d = json.loads(Path(path).read_text())
-        rates = tuple(float(x) for x in d["rates"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError("acceptance_from", str(path),
-                          f"a JSON file with 'rates': {C.DSPARK_QUERY_WIDTH} conditional probabilities ({e})") from None
-    return ConditionalAcceptance(rates)
+def load_acceptance(path: str | Path, flag: str = "--acceptance-from") -> ConditionalAcceptance:
+    n = C.DSPARK_QUERY_WIDTH
+    what = f"an acceptance.json of a golden run: {{\"rates\": [{n} conditional probabilities], ...}}"
+    d = read_json(path, flag, what)
+    rates = d.get("rates")
+    if not isinstance(rates, list) or len(rates) != n:
+        raise ConfigError("rates", rates, f"a list of {n} probabilities in [0, 1]", where=f"{flag} {path}")
+    return ConditionalAcceptance(tuple(number(x, f"rates[{j}]", f"{flag} {path}", lo=0.0, hi=1.0)
+                                       for j, x in enumerate(rates)))

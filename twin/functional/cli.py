@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from twin.abi.errors import ConfigError
+from twin.abi.outputs import write_text
 
 WORKLOAD = "functional_workload.json"
 
@@ -39,12 +40,13 @@ def write(out, cfg, holder, sched) -> list[str]:
     from .acceptance import acceptance_vector
 
     out = Path(out)
-    with open(out / "tokens.jsonl", "w") as f:
-        for r in cfg.requests:
-            req = sched.requests.get(r.request_id, r)
-            f.write(json.dumps({"id": r.request_id, "prompt_len": req.prompt_len,
-                                "finish": req.finish.value if req.finish else None,
-                                "tokens": [int(t) for t in req.outputs]}) + "\n")
+    lines = []
+    for r in cfg.requests:
+        req = sched.requests.get(r.request_id, r)
+        lines.append(json.dumps({"id": r.request_id, "prompt_len": req.prompt_len,
+                                 "finish": req.finish.value if req.finish else None,
+                                 "tokens": [int(t) for t in req.outputs]}) + "\n")
+    write_text(out / "tokens.jsonl", "".join(lines))
     acc = acceptance_vector(holder["executor"].speculation())
-    (out / "acceptance.json").write_text(json.dumps(acc, indent=2))
+    write_text(out / "acceptance.json", json.dumps(acc, indent=2))
     return ["tokens.jsonl", "acceptance.json"]

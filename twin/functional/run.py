@@ -20,6 +20,7 @@ from golden.checkpoint import SyntheticCheckpoint
 from golden.dspark import step as S
 from golden.dspark.variants import drafter_variant
 from golden.dspark.weights import DrafterCheckpoint
+from twin.abi.outputs import write_text
 from twin.abi.presets import get_preset
 from twin.sim.run import SimConfig, SimResult, simulate
 
@@ -75,12 +76,13 @@ class FunctionalResult:
     def write(self, out, *, plots: bool = True) -> list[str]:
         out = Path(out)
         files = self.sim.write(out, plots=plots)
-        with open(out / "tokens.jsonl", "w") as f:
-            for rid, toks in self.tokens.items():
-                req = self.sim.scheduler.requests[rid]
-                f.write(json.dumps({"id": rid, "prompt_len": req.prompt_len, "finish": req.finish.value
-                                    if req.finish else None, "tokens": toks}) + "\n")
-        (out / "acceptance.json").write_text(json.dumps(self.acceptance, indent=2))
+        lines = []
+        for rid, toks in self.tokens.items():
+            req = self.sim.scheduler.requests[rid]
+            lines.append(json.dumps({"id": rid, "prompt_len": req.prompt_len, "finish": req.finish.value
+                                     if req.finish else None, "tokens": toks}) + "\n")
+        write_text(out / "tokens.jsonl", "".join(lines))
+        write_text(out / "acceptance.json", json.dumps(self.acceptance, indent=2))
         return files + ["tokens.jsonl", "acceptance.json"]
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from twin.abi import constants as C
 from twin.abi.caches import cache_families
 from twin.abi.errors import ConfigError
+from twin.abi.inputs import integer, known_keys, number, read_json
 from twin.abi.programs import WEIGHT, bind
 
 GATHERED = ("embed", "rope", "tid2eid")        # looked up by row, not streamed
@@ -53,9 +54,9 @@ class DeviceLimits:
 
     @classmethod
     def load(cls, name: str = "ascend-a3-die", path: str | Path | None = None, **overrides) -> "DeviceLimits":
-        text = Path(path).read_text() if path else \
-            resources.files("twin.sim").joinpath("data/devices.json").read_text()
-        table = {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+        table = read_json(path, "device table", "device limits: {name: {limit: value}}") if path else \
+            json.loads(resources.files("twin.sim").joinpath("data/devices.json").read_text())
+        table = {k: v for k, v in table.items() if not k.startswith("_")}
         if name not in table:
             raise ConfigError("device", name, f"one of {sorted(table)}")
         known = {f.name for f in fields(cls)} - {"name"}
@@ -83,27 +84,57 @@ class Calibration:
     seed: float = 1.0
 
     @classmethod
-    def from_profile(cls, path: str | Path, model: "CostModel") -> "Calibration":
-        """A profile file: {"device": {overrides}, "points": [{"kind": "decode", "seconds": s,
-        "requests_per_group": [..], "context": c} | {"kind": "prefill", "seconds": s,
-        "tokens_per_group": [[...], ...], "start": c} | {"kind": "seed", "seconds": s, "rows": n}]}.
-        Each kind's multiplier is the median of measured / predicted."""
-        data = json.loads(Path(path).read_text())
+    def from_profile(cls, path: str | Path, model: "CostModel", flag: str = "--profile") -> "Calibration":
+        """A profile file: {"points": [{"kind": "decode", "seconds": s, "requests_per_group": [..],
+        "context": c} | {"kind": "prefill", "seconds": s, "tokens_per_group": [[...], ...], "start": c}
+        | {"kind": "seed", "seconds": s, "rows": n}]}, one list entry per TP group.  Each kind's
+        multiplier is the median of measured / predicted."""
+        data = read_json(path, flag, PROFILE_FORMAT)
+        known_keys(data, ("points",), "key", where=f"{flag} {path}")
+        points = data.get("points")
+        if not isinstance(points, list) or not points:
+            raise ConfigError("points", points, f"a non-empty list: {PROFILE_FORMAT}", where=f"{flag} {path}")
+        G = model.G
         ratios: dict[str, list[float]] = {"prefill": [], "decode": [], "seed": []}
-        for i, p in enumerate(data.get("points", [])):
-            kind = p.get("kind")
-            if kind not in ratios or "seconds" not in p:
-                raise ConfigError(f"profile point {i}", p, "an object with 'kind' in prefill/decode/seed and 'seconds'")
+        for i, p in enumerate(points):
+            at = f"{flag} {path} points[{i}]"
+            if not isinstance(p, dict) or p.get("kind") not in PROFILE_KEYS:
+                raise ConfigError("kind", p.get("kind") if isinstance(p, dict) else p,
+                                  f"an object whose 'kind' is one of {sorted(PROFILE_KEYS)}", where=at)
+            kind = p["kind"]
+            known_keys(p, PROFILE_KEYS[kind], "key", where=at)
+            seconds = number(p.get("seconds"), "seconds", at, lo=0.0, lo_open=True, unit="(measured device time)")
             if kind == "decode":
-                per_group = p["requests_per_group"]
-                ctx = [[p.get("context", 1024)] * n for n in per_group]
+                per_group = _per_group(p.get("requests_per_group"), "requests_per_group", at, G, lambda v, n, w:
+                                       integer(v, n, w, lo=0, hi=C.DECODE_BATCH))
+                ctx_len = integer(p.get("context", 1024), "context", at, lo=1)
+                ctx = [[ctx_len] * n for n in per_group]
                 pred = model.decode(ctx, [[j % 4 for j in range(n)] for n in per_group])[0]
             elif kind == "prefill":
-                pred = model.prefill([[(n, p.get("start", 0)) for n in g] for g in p["tokens_per_group"]])[0]
+                def chunks(v, n, w):
+                    if not isinstance(v, list):
+                        raise ConfigError(n, v, "a list of chunk token counts", where=w)
+                    return [integer(x, f"{n}[{j}]", w, lo=1) for j, x in enumerate(v)]
+                groups = _per_group(p.get("tokens_per_group"), "tokens_per_group", at, G, chunks)
+                start = integer(p.get("start", 0), "start", at, lo=0)
+                pred = model.prefill([[(n, start) for n in g] for g in groups])[0]
             else:
-                pred = model.seed(int(p.get("rows", 128)))[0]
-            ratios[kind].append(float(p["seconds"]) / pred)
+                pred = model.seed(integer(p.get("rows", 128), "rows", at, lo=1))[0]
+            ratios[kind].append(seconds / pred)
         return cls(**{k: float(np.median(v)) if v else 1.0 for k, v in ratios.items()})
+
+
+PROFILE_FORMAT = "a measured profile: {\"points\": [{\"kind\": decode|prefill|seed, \"seconds\", ...}]} (docs/calibration.md)"
+PROFILE_KEYS = {"decode": ("kind", "seconds", "requests_per_group", "context"),
+                "prefill": ("kind", "seconds", "tokens_per_group", "start"),
+                "seed": ("kind", "seconds", "rows")}
+
+
+def _per_group(value, name: str, where: str, groups: int, item) -> list:
+    """One entry per TP group (the deployment's partitions), each read by `item`."""
+    if not isinstance(value, list) or len(value) != groups:
+        raise ConfigError(name, value, f"a list of {groups} entries, one per TP group", where=where)
+    return [item(v, f"{name}[{g}]", where) for g, v in enumerate(value)]
 
 
 ROUTING_POLICIES = ("balanced", "random", "skewed", "trace")
@@ -118,14 +149,41 @@ class Routing:
     def __post_init__(self):
         if self.policy not in ROUTING_POLICIES:
             raise ConfigError("routing", self.policy, f"one of {ROUTING_POLICIES}")
+        number(self.skew, "routing skew", lo=0.0, unit="(a Zipf exponent)")
         if self.policy == "trace" and not self.trace:
             raise ConfigError("routing trace", "empty", "per-layer expert histograms (a JSON list of lists)")
 
     @classmethod
-    def from_trace_file(cls, path: str | Path) -> "Routing":
-        data = json.loads(Path(path).read_text())
-        layers = data["layers"] if isinstance(data, dict) else data
-        return cls("trace", trace=tuple(tuple(float(x) for x in row) for row in layers))
+    def from_trace_file(cls, path: str | Path, flag: str = "--routing-trace") -> "Routing":
+        what = TRACE_FORMAT
+        data = read_json(path, flag, what, kind=(dict, list))
+        if isinstance(data, dict):
+            known_keys(data, ("layers",), "key", where=f"{flag} {path}")
+            data = data.get("layers")
+        if not isinstance(data, list) or not data:
+            raise ConfigError("layers", data, what, where=f"{flag} {path}")
+        rows = []
+        for i, row in enumerate(data):
+            if not isinstance(row, list):
+                raise ConfigError(f"layers[{i}]", row, "a list of expert token counts", where=f"{flag} {path}")
+            rows.append(tuple(number(x, f"layers[{i}][{j}]", f"{flag} {path}", lo=0.0, unit="(a token count)")
+                              for j, x in enumerate(row)))
+        return cls("trace", trace=tuple(rows))
+
+
+TRACE_FORMAT = "per-layer expert histograms: {\"layers\": [[tokens per expert, ...] per target layer]}"
+
+
+def check_trace(trace: tuple, m) -> None:
+    """A routing trace holds one histogram per target layer over every routed expert, each with some
+    tokens (the hash-routed layers' rows are not used: those route uniformly)."""
+    E, n = m.n_routed_experts, m.num_hidden_layers
+    if len(trace) != n:
+        raise ConfigError("routing trace layers", len(trace), f"{n} (one histogram per layer of {m.name})")
+    for i, row in enumerate(trace):
+        if len(row) != E or not sum(row) > 0:
+            raise ConfigError(f"routing trace layer {i}", f"{len(row)} counts summing to {sum(row):g}",
+                              f"{E} non-negative expert counts, not all zero")
 
 
 class CostModel:
@@ -141,6 +199,8 @@ class CostModel:
         self.fixed_tile = fixed_tile
         self._rng = np.random.default_rng(seed)
         m, topo = dep.model, dep.topology
+        if self.routing.policy == "trace":
+            check_trace(self.routing.trace, m)
         self.m, self.R, self.tp, self.G = m, topo.ranks, topo.tp, topo.partitions
         self.n_local = topo.experts_per_rank(m)
         self.decode_program = "l3_decode_fwd_dspark" if dep.k else "l3_decode_fwd"
@@ -206,9 +266,7 @@ class CostModel:
             p = 1.0 / np.arange(1, E + 1) ** self.routing.skew
             p = np.random.default_rng(layer).permutation(p)
             return p / p.sum()
-        row = np.asarray(self.routing.trace[layer % len(self.routing.trace)], dtype=float)
-        if row.shape != (E,) or row.sum() <= 0:
-            raise ConfigError("routing trace row", row.shape, f"{E} non-negative expert counts, not all zero")
+        row = np.asarray(self.routing.trace[layer], dtype=float)
         return row / row.sum()
 
     def moe_time(self, tokens: int, key: str = "target", program: str | None = None) -> float:

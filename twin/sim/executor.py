@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from twin.abi import constants as C
+from twin.abi.errors import ConfigError
 from twin.abi.lowering.drafter import BOOTSTRAP, context_bucket
 
 from .acceptance import AcceptanceModel, ConditionalAcceptance
@@ -72,8 +73,12 @@ HANG_ERROR = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 f
 
 
 def hang_probability(p: float, dep) -> float:
-    """The hang probability of one prefill dispatch: `p` at EP16, where the fault is reported."""
-    return p if dep.topology.ep == 16 else 0.0
+    """The hang probability of one prefill dispatch: the fault is reported at EP16 only, so any other
+    topology refuses a non-zero `p` rather than quietly running without it."""
+    if p and dep.topology.ep != 16:
+        raise ConfigError("prefill_hang_probability", p, f"0 at ep={dep.topology.ep}: the pypto-lib#1213 hang "
+                          "model is of EP16 prefill dispatches")
+    return p
 
 
 def fault_rng(seed: int) -> np.random.Generator:

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from twin.abi.outputs import atomic_path, write_text
+
 from .request import Finish
 
 COMPLETED = {Finish.EOS, Finish.LENGTH, Finish.STOP}
@@ -33,7 +35,8 @@ def requests_frame(requests, rec) -> pd.DataFrame:
         tpot = (e2el - ttft) / (n - 1) if (ttft is not None and e2el is not None and n > 1) else None
         rows.append({"request_id": r.request_id, "tag": r.tag, "arrival": r.arrival, "admitted": d.get("admitted"),
                      "first_token": first, "end": end, "prompt_len": r.prompt_len, "output_len": n,
-                     "max_new_tokens": r.max_new_tokens, "finish": r.finish.value if r.finish else None,
+                     "max_new_tokens": r.max_new_tokens, "requested_max_new_tokens": r.sampling.max_new_tokens,
+                     "capped": r.capped, "finish": r.finish.value if r.finish else None,
                      "finish_detail": r.finish_detail, "cached_tokens": d.get("cached", 0),
                      "preemptions": r.num_preemptions, "dropped_tokens": r.dropped_tokens,
                      "discarded_tokens": r.discarded_tokens, "chunks": d.get("chunks", 0),
@@ -119,6 +122,7 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
         "occupancy": occ,
         "preemptions": int(sum(1 for e in rec.events if e[1] == "preempt")),
         "dropped_tokens": int(req_df["dropped_tokens"].sum()) if len(req_df) else 0,
+        "capped_requests": int(req_df["capped"].sum()) if len(req_df) else 0,
     }
 
 
@@ -156,7 +160,7 @@ def plots(out: Path, req_df, steps, occ, acc: dict) -> list[str]:
         a.set_ylabel("CDF")
         a.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "latency_cdf.png", dpi=110)
+    _savefig(fig, out / "latency_cdf.png")
     plt.close(fig)
     files.append("latency_cdf.png")
 
@@ -174,7 +178,7 @@ def plots(out: Path, req_df, steps, occ, acc: dict) -> list[str]:
     ax[1].set_xlabel("simulated time (s)")
     ax[1].legend(fontsize=7, ncol=4)
     fig.tight_layout()
-    fig.savefig(out / "occupancy.png", dpi=110)
+    _savefig(fig, out / "occupancy.png")
     plt.close(fig)
     files.append("occupancy.png")
 
@@ -186,11 +190,16 @@ def plots(out: Path, req_df, steps, occ, acc: dict) -> list[str]:
         ax.set_ylabel("accepted fraction of verifies")
         ax.set_title(f"mean accepted length {acc['mean_accepted_length']:.2f}")
         fig.tight_layout()
-        fig.savefig(out / "acceptance.png", dpi=110)
+        _savefig(fig, out / "acceptance.png")
         plt.close(fig)
         files.append("acceptance.png")
     return files
 
 
+def _savefig(fig, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+
+
 def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+    write_text(path, json.dumps(obj, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)))

@@ -76,6 +76,11 @@ class Request:
             self.max_new_tokens = self.sampling.max_new_tokens
 
     @property
+    def capped(self) -> bool:
+        """Admission lowered max_new_tokens to the context left under max_seq_len."""
+        return self.max_new_tokens < self.sampling.max_new_tokens
+
+    @property
     def num_tokens(self) -> int:
         return self.prompt_len + len(self.outputs) + self.num_placeholders
 

@@ -21,7 +21,10 @@ import simpy
 
 from twin.abi.account import hbm_account
 from twin.abi.capacity import admit_slots, allocate_with_retry
+from twin.abi.programs import check_slots
 from twin.abi.errors import ConfigError
+from twin.abi.inputs import number
+from twin.abi.outputs import atomic_path
 
 from . import metrics, risk
 from .acceptance import AcceptanceModel, ConditionalAcceptance
@@ -36,6 +39,7 @@ from .scheduler import Scheduler, SchedulerConfig
 
 
 FIDELITIES = ("exact", "fleet")
+SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
 @dataclass
@@ -76,8 +80,11 @@ class SimConfig:
                               "'exact' when an executor or a scheduler subclass is injected (fleet runs its own)")
         if not 0.0 <= self.prefill_hang_probability <= 1.0:
             raise ConfigError("prefill_hang_probability", self.prefill_hang_probability, "in [0, 1]")
-        if not self.step_timeout > 0:
-            raise ConfigError("step_timeout", self.step_timeout, "> 0 seconds")
+        number(self.step_timeout, "step_timeout", lo=0.0, lo_open=True, unit="(seconds: what a hang costs)")
+        for key, ms in (self.slo_ms or {}).items():
+            if key not in SLO_KEYS:
+                raise ConfigError("slo_ms key", key, f"one of {SLO_KEYS}")
+            number(ms, f"slo_{key}", lo=0.0, lo_open=True, unit="(milliseconds)")
 
 
 @dataclass
@@ -102,7 +109,8 @@ class SimResult:
         files = []
         for name, df in (("requests", self.requests), ("steps", self.steps), ("dispatches", self.dispatches),
                          ("occupancy", self.occupancy), ("risks", self.risks), ("risk_summary", self.risk_summary)):
-            df.to_csv(out / f"{name}.csv", index=False)
+            with atomic_path(out / f"{name}.csv") as tmp:
+                df.to_csv(tmp, index=False)
             files.append(f"{name}.csv")
         metrics.write_json(out / "summary.json", self.summary)
         files.append("summary.json")
@@ -118,9 +126,7 @@ def startup_slots(cfg: SimConfig, device: DeviceLimits) -> int:
     """Slots per partition: `init_kv_cache` admission, then the halving retry on OOM."""
     dep, fits = cfg.dep, (lambda s: True)       # an explicit slot count or per-rank memory: no account
     if cfg.slots is not None:
-        if not 1 <= cfg.slots <= 64:
-            raise ConfigError("slots", cfg.slots, "1..64 capacity slots per partition")
-        slots = cfg.slots
+        slots = check_slots(cfg.slots, "simulate")
     elif cfg.rank_memory is not None:
         slots = admit_slots(dep, rank_memory=cfg.rank_memory)
     else:

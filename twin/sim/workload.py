@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from twin.abi.errors import ConfigError
+from twin.abi.inputs import integer, known_keys, number, read_jsonl, token_ids
 
 from .request import Request, Sampling
 
@@ -32,8 +33,13 @@ class LengthDist:
     def __post_init__(self):
         if self.kind not in LENGTH_KINDS:
             raise ConfigError("length kind", self.kind, f"one of {LENGTH_KINDS}")
-        if not 1 <= self.min <= self.max:
+        integer(self.min, "length min", lo=1)
+        integer(self.max, "length max", lo=1)
+        if not self.min <= self.max:
             raise ConfigError("length min/max", (self.min, self.max), "1 <= min <= max")
+        # the mean inside [min, max]: outside it every sample would be clipped to a bound
+        number(self.mean, "length mean", lo=self.min, hi=self.max, unit="(between min and max, tokens)")
+        number(self.spread, "length spread", lo=0.0)
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         if self.kind == "fixed":
@@ -69,13 +75,19 @@ class WorkloadSpec:
     def __post_init__(self):
         if self.arrival not in ARRIVALS:
             raise ConfigError("arrival", self.arrival, f"one of {ARRIVALS}")
-        if self.num_requests < 1:
-            raise ConfigError("num_requests", self.num_requests, ">= 1")
-        if not self.rate > 0:
+        integer(self.num_requests, "num_requests", lo=1)
+        if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not self.rate > 0:
             raise ConfigError("rate", self.rate, "> 0 requests per second (inf for all at once)")
+        number(self.gamma_cv, "gamma_cv", lo=0.0, lo_open=True)
+        for name in ("prefix_groups", "prefix_len", "seed"):
+            integer(getattr(self, name), name, lo=0)
+        integer(self.vocab, "vocab", lo=3)
+        integer(self.eos_token_id, "eos_token_id", lo=0, hi=self.vocab - 1)
+        token_ids(list(self.stop_sequence), "stop_sequence", self.vocab)
+        if not isinstance(self.prompt, LengthDist) or not isinstance(self.output, LengthDist):
+            raise ConfigError("prompt/output", (self.prompt, self.output), "length distributions")
         for name in ("prefix_fraction", "eos_fraction", "stop_fraction"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(name, getattr(self, name), "in [0, 1]")
+            number(getattr(self, name), name, lo=0.0, hi=1.0)
         if self.prefix_fraction and (self.prefix_groups < 1 or self.prefix_len < 1):
             raise ConfigError("prefix_groups/prefix_len", (self.prefix_groups, self.prefix_len),
                               ">= 1 each when prefix_fraction > 0")
@@ -87,15 +99,24 @@ class WorkloadSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorkloadSpec":
-        known = {f.name for f in fields(cls)}
-        bad = set(d) - known
-        if bad:
-            raise ConfigError("workload key", sorted(bad)[0], f"one of {sorted(known)}")
+        if not isinstance(d, dict):
+            raise ConfigError("workload", d, "a JSON object of workload keys (docs/simulation.md)")
+        known_keys(d, [f.name for f in fields(cls)], "workload key")
         d = dict(d)
         for k in ("prompt", "output"):
-            if isinstance(d.get(k), dict):
-                d[k] = LengthDist(**d[k])
+            if k not in d:
+                continue
+            v = d[k]
+            if not isinstance(v, dict):
+                raise ConfigError(k, v, "a length distribution {kind, mean, spread, min, max}")
+            known_keys(v, [f.name for f in fields(LengthDist)], f"{k} key")
+            try:
+                d[k] = LengthDist(**v)
+            except ConfigError as e:       # name the distribution: prompt.mean, output.min, ...
+                raise ConfigError(f"{k}.{e.name.removeprefix('length ')}", e.value, e.allowed) from None
         if "stop_sequence" in d:
+            if not isinstance(d["stop_sequence"], (list, tuple)):
+                raise ConfigError("stop_sequence", d["stop_sequence"], "a list of token ids")
             d["stop_sequence"] = tuple(d["stop_sequence"])
         return cls(**d)
 
@@ -151,42 +172,81 @@ def generate(spec: WorkloadSpec) -> list[Request]:
 
 
 # ---- traces --------------------------------------------------------------------------------
-def load_jsonl(path: str | Path, *, vocab: int = 129280, seed: int = 0, eos_token_id: int = 1) -> list[Request]:
+TRACE_KEYS = ("id", "arrival", "prompt", "prompt_len", "max_new_tokens", "output_len", "prefix_group", "prefix_len",
+              "eos_at", "stop", "script", "ignore_eos")
+
+
+def load_jsonl(path: str | Path, *, vocab: int = 129280, seed: int = 0, eos_token_id: int = 1,
+               flag: str = "--trace") -> list[Request]:
     """One request per line: {"id", "arrival", "prompt" (token ids) or "prompt_len",
     "max_new_tokens" (or "output_len"), optional "prefix_group" + "prefix_len", "eos_at",
-    "stop" (list of token-id lists), "script" ({output index: token})}."""
+    "stop" (list of token-id lists), "script" ({output index: token}), "ignore_eos"}.  Every value
+    is checked as given: a token id outside [0, vocab), a negative length or an unknown key is
+    refused naming the line, the request and the position."""
     rng = np.random.default_rng(seed)
     prefixes: dict[str, np.ndarray] = {}
-    reqs = []
-    for ln, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{ln}", line[:60], f"a JSON object per line ({e.msg})") from None
+    reqs, seen = [], {}
+    for ln, where, d in read_jsonl(path, flag, "one request (docs/simulation.md#workloads)"):
+        known_keys(d, TRACE_KEYS, "key", where)
+        rid = d.get("id", f"t{ln}")
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            raise ConfigError("id", rid, "a string or an integer", where=where)
+        rid = str(rid)
+        if rid in seen:
+            raise ConfigError("id", rid, f"an id not already used (line {seen[rid]} has it)", where=where)
+        seen[rid] = ln
+        at = f"{where} (request {rid!r})"
         if "prompt" in d:
-            prompt = np.asarray(d["prompt"], dtype=np.int32)
+            prompt = token_ids(d["prompt"], "prompt", vocab, at)
         elif "prompt_len" in d:
-            prompt = rng.integers(2, vocab, int(d["prompt_len"]), dtype=np.int32)
+            prompt = rng.integers(2, vocab, integer(d["prompt_len"], "prompt_len", at, lo=0), dtype=np.int32)
         else:
-            raise ConfigError(f"{path}:{ln}", sorted(d), "a 'prompt' (token ids) or a 'prompt_len'")
+            raise ConfigError("keys", sorted(d), "a 'prompt' (token ids) or a 'prompt_len'", where=at)
         if "prefix_group" in d:
-            g = str(d["prefix_group"])
-            plen = int(d.get("prefix_len", 0))
+            g = d["prefix_group"]
+            if isinstance(g, bool) or not isinstance(g, (str, int)):
+                raise ConfigError("prefix_group", g, "a string or an integer", where=at)
+            g = str(g)
+            plen = integer(d.get("prefix_len", 0), "prefix_len", at, lo=0)
             if g not in prefixes:
                 prefixes[g] = rng.integers(2, vocab, plen, dtype=np.int32)
+            elif plen != len(prefixes[g]):
+                raise ConfigError("prefix_len", plen, f"{len(prefixes[g])}, the length group {g!r} began with",
+                                  where=at)
             prompt = np.concatenate([prefixes[g], prompt])
-        m = d.get("max_new_tokens", d.get("output_len"))
-        if m is None:
-            raise ConfigError(f"{path}:{ln}", sorted(d), "a 'max_new_tokens' (or 'output_len')")
-        script = {int(k): int(v) for k, v in d.get("script", {}).items()}
+        elif "prefix_len" in d:
+            raise ConfigError("prefix_len", d["prefix_len"], "only with a 'prefix_group'", where=at)
+        if "max_new_tokens" in d and "output_len" in d:
+            raise ConfigError("keys", ["max_new_tokens", "output_len"], "one of them (they mean the same)", where=at)
+        key = "max_new_tokens" if "max_new_tokens" in d else "output_len"
+        if key not in d:
+            raise ConfigError("keys", sorted(d), "a 'max_new_tokens' (or 'output_len')", where=at)
+        m = integer(d[key], key, at, lo=0)
+        script = d.get("script", {})
+        if not isinstance(script, dict):
+            raise ConfigError("script", script, "an object {output index: token id}", where=at)
+        out_script = {}
+        for k, v in script.items():
+            if not (isinstance(k, str) and k.isdigit()):
+                raise ConfigError("script key", k, "an output index: a non-negative integer", where=at)
+            out_script[int(k)] = int(token_ids([v], f"script[{k}]", vocab, at)[0])
         if "eos_at" in d:
-            script[int(d["eos_at"])] = eos_token_id
-        stops = tuple(tuple(int(x) for x in s) for s in d.get("stop", ()))
-        reqs.append(Request(str(d.get("id", f"t{ln}")), prompt,
-                            Sampling(int(m), eos_token_id, bool(d.get("ignore_eos", False)), stops),
-                            float(d.get("arrival", 0.0)), script, str(d.get("prefix_group", ""))))
+            out_script[integer(d["eos_at"], "eos_at", at, lo=0)] = eos_token_id
+        stop = d.get("stop", [])
+        if not isinstance(stop, list):
+            raise ConfigError("stop", stop, "a list of token-id lists", where=at)
+        stops = []
+        for i, seq in enumerate(stop):
+            ids = token_ids(seq, f"stop[{i}]", vocab, at)
+            if not len(ids):
+                raise ConfigError(f"stop[{i}]", seq, "a non-empty list of token ids", where=at)
+            stops.append(tuple(int(x) for x in ids))
+        ignore_eos = d.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise ConfigError("ignore_eos", ignore_eos, "true or false", where=at)
+        arrival = number(d.get("arrival", 0.0), "arrival", at, lo=0.0, unit="(seconds)")
+        reqs.append(Request(rid, prompt, Sampling(m, eos_token_id, ignore_eos, tuple(stops)), arrival, out_script,
+                            str(d.get("prefix_group", ""))))
     return reqs
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from .. import constants as C
 from ..caches import cache_families, size_families
 from ..errors import AbiError
-from ..programs import bind, get_program, symbols
+from ..programs import bind, check_slots, get_program, symbols
 from ..topology import Deployment
 
 NP_DTYPES = {"f32": np.float32, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
@@ -94,9 +94,7 @@ class LoweringContext:
     rope: Callable | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        if not isinstance(self.slots, int) or not 1 <= self.slots <= C.DECODE_BATCH:
-            raise AbiError("slots", self.slots, f"an int in 1..{C.DECODE_BATCH} (capacity slots per partition)",
-                           where="LoweringContext")
+        check_slots(self.slots, "LoweringContext")
         if self.rope is None:
             self.rope = default_rope(self.model)
 

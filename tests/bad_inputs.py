@@ -1,0 +1,373 @@
+"""The corpus of bad command-line inputs: one row per case, every command and every input file.
+
+A row is (id, argv, flag, named, allowed):
+- argv: the command line; "{d}" is a scratch directory holding `FILES` (written once per session);
+- flag: the argument the case is about (the coverage checks read it: every value-taking option of
+  every command, and every input-file flag for each of `FILE_KINDS`, has a row);
+- named: substrings the one error line must hold: the argument or file (and line), and the value;
+- allowed: a substring of what the line says is allowed.
+Ids are "COMMAND FLAG what"; an input file's cases use the `FILE_KINDS` words for `what`.
+
+A flag or an input file added later gets its rows here; `test_bad_inputs` fails until it has them.
+One level down, `tests/abi/malformed_corpus.py` holds the malformed dispatches `validate` refuses
+(no command takes a dispatch as input: one of the twin's making that breaks the ABI is a bug).
+"""
+from __future__ import annotations
+
+import json
+
+FILE_KINDS = ("missing", "empty", "not JSON", "wrong shape")
+# the options that name an input file (the run directory holds lockstep's own files)
+FILE_FLAGS = {("simulate", "--workload"), ("simulate", "--trace"), ("simulate", "--profile"),
+              ("simulate", "--routing-trace"), ("simulate", "--acceptance-from"), ("lockstep", "--policy"),
+              ("lockstep", "--run-dir")}
+
+REPORT = '{"index": 0, "program": "l3_prefill_fwd", "verdict": "pass"}\n'
+FILES = {
+    "empty.json": "",
+    "not.json": '{"rate": 3,\n oops}',
+    "list.json": "[1, 2]",
+    "afile": "a regular file\n",
+    # workloads
+    "wl-unknown.json": '{"requests": 4}',
+    "wl-type.json": '{"num_requests": "many"}',
+    "wl-mean.json": '{"prompt": {"kind": "fixed", "mean": -5}}',
+    "wl-range.json": '{"output": {"kind": "fixed", "mean": 50, "min": 64, "max": 128}}',
+    "wl-fraction.json": '{"eos_fraction": 1.5}',
+    "wl-vocab.json": '{"vocab": 1000}',
+    "wl-dist.json": '{"prompt": 512}',
+    "wl-stop.json": '{"stop_sequence": [7, 200000]}',
+    # traces (JSONL)
+    "tr-line.jsonl": '{"prompt": [5, 6], "max_new_tokens": 4}\n{"prompt": [5, 6], oops\n',
+    "tr-array.jsonl": '[5, 6]\n',
+    "tr-neg-len.jsonl": '{"prompt_len": -4, "max_new_tokens": 3}\n',
+    "tr-neg-new.jsonl": '{"prompt": [5, 6], "max_new_tokens": -3}\n',
+    "tr-neg-id.jsonl": '{"id": "a", "prompt": [5, 6], "max_new_tokens": 3}\n{"id": "b", "prompt": [1, -5, 3], '
+                       '"max_new_tokens": 3}\n',
+    "tr-float-id.jsonl": '{"id": "c", "prompt": [1, 2.7, 3], "max_new_tokens": 3}\n',
+    "tr-huge-id.jsonl": '{"id": "d", "prompt": [1099511627776], "max_new_tokens": 3}\n',
+    "tr-vocab-id.jsonl": '{"id": "e", "prompt": [5, 129280], "max_new_tokens": 3}\n',
+    "tr-bool-id.jsonl": '{"id": "f", "prompt": [true], "max_new_tokens": 3}\n',
+    "tr-no-prompt.jsonl": '{"max_new_tokens": 3}\n',
+    "tr-no-new.jsonl": '{"prompt": [5, 6]}\n',
+    "tr-key.jsonl": '{"prompt": [5, 6], "max_new_tokens": 3, "temperature": 0.7}\n',
+    "tr-arrival.jsonl": '{"prompt": [5, 6], "max_new_tokens": 3, "arrival": -1}\n',
+    "tr-nan.jsonl": '{"prompt": [5, 6], "max_new_tokens": 3, "arrival": NaN}\n',
+    "tr-dup.jsonl": '{"id": "x", "prompt": [5], "max_new_tokens": 3}\n{"id": "x", "prompt": [6], "max_new_tokens": 3}\n',
+    "tr-stop.jsonl": '{"prompt": [5, 6], "max_new_tokens": 3, "stop": [[]]}\n',
+    "tr-script.jsonl": '{"prompt": [5, 6], "max_new_tokens": 3, "script": {"first": 7}}\n',
+    # measured profiles
+    "prof-points.json": '{"points": 5}',
+    "prof-kind.json": '{"points": [{"kind": "verify", "seconds": 0.01}]}',
+    "prof-field.json": '{"points": [{"kind": "decode", "seconds": 0.01}]}',
+    "prof-seconds.json": '{"points": [{"kind": "seed", "seconds": -1, "rows": 128}]}',
+    "prof-groups.json": '{"points": [{"kind": "decode", "seconds": 0.01, "requests_per_group": [16, 16]}]}',
+    "prof-key.json": '{"device": {"hbm_bw": 2e12}, "points": [{"kind": "seed", "seconds": 0.01}]}',
+    # routing traces
+    "rt-layers.json": '{"layers": "x"}',
+    "rt-neg.json": '{"layers": [[1, -2, 3]]}',
+    "rt-count.json": json.dumps({"layers": [[1.0] * 256] * 5}),
+    # acceptance exports
+    "acc-short.json": '{"rates": [0.5]}',
+    "acc-rate.json": '{"rates": [0.9, 0.8, 0.7, 1.5, 0.5, 0.4, 0.3]}',
+    # tolerance policies
+    "pol-key.json": '{"matmul": {"atol": 1}}',
+    "pol-field.json": '{"matmul/bf16/none": {"atoll": 1}}',
+    "pol-value.json": '{"matmul/bf16/none": {"atol": "big"}}',
+    "pol-entry.json": '{"matmul/bf16/none": 0.1}',
+    # lockstep run directories
+    "run-config/report.jsonl": REPORT,
+    "run-config/records/config.json": '{"preset": "tiny",\n oops',
+    "run-empty/report.jsonl": REPORT,
+    "run-empty/records/config.json": "",
+    "run-keys/report.jsonl": REPORT,
+    "run-keys/records/config.json": '{"preset": "tiny"}',
+    "run-report/report.jsonl": REPORT + "garbage\n" + REPORT,
+}
+
+SIM = ["simulate", "--no-plots", "--json", "--out", "{d}/out"]
+SIMQ = SIM + ["--requests", "4", "--rate", "inf"]      # a generated workload, small: validation comes first
+REF = ["lockstep", "--golden", "reference", "--steps", "2", "--no-records"]
+
+
+def trace(name: str) -> list:
+    return SIM + ["--trace", "{d}/" + name]
+
+
+def _rows():
+    R = []
+
+    def add(id_, argv, flag, named, allowed):
+        R.append((id_, argv, flag, tuple([named] if isinstance(named, str) else named), allowed))
+
+    def json_file(cmd, flag, base, wrong, named, allowed):
+        """The four kinds of bad JSON file for `flag` (base ends with the flag); `wrong` is of the wrong shape."""
+        add(f"{cmd} {flag} missing", base + ["{d}/nope.json"], flag, f"{flag}='{{d}}/nope.json'", "an existing file")
+        add(f"{cmd} {flag} empty", base + ["{d}/empty.json"], flag, f"{flag}='{{d}}/empty.json'",
+            "(the file is empty)")
+        add(f"{cmd} {flag} not JSON", base + ["{d}/not.json"], flag, f"{flag}='{{d}}/not.json:2'", "not JSON")
+        add(f"{cmd} {flag} wrong shape", base + [wrong], flag, named, allowed)
+
+    # ---- the command itself -----------------------------------------------------------------------
+    add("cli command unknown", ["frobnicate"], "command", ["command", "'frobnicate'"], "choose from 'abi'")
+    add("cli flag unknown", ["simulate", "--frob"], "--frob", "--frob", "--help")
+
+    # ---- deployment flags, on each command that takes them -------------------------------------------
+    for cmd, base in (("abi", ["abi"]), ("capacity", ["capacity"]), ("simulate", SIMQ)):
+        add(f"{cmd} --ep 12", base + ["--ep", "12"], "--ep", "ep=12", "one of [8, 16]")
+        add(f"{cmd} --tp 2", base + ["--tp", "2"], "--tp", "tp=2", "4")
+        add(f"{cmd} --max-model-len 0", base + ["--max-model-len", "0"], "--max-model-len", "max_model_len=0",
+            "1..1048576")
+        add(f"{cmd} --chunk 0", base + ["--chunk", "0"], "--chunk", "long_prefill_token_threshold=0", ">= 1")
+        add(f"{cmd} --max-num-batched-tokens 4", base + ["--max-num-batched-tokens", "4"],
+            "--max-num-batched-tokens", "max_num_batched_tokens=4", ">= 8")
+        add(f"{cmd} --max-num-seqs 0", base + ["--max-num-seqs", "0"], "--max-num-seqs", "max_num_seqs=0", "")
+        add(f"{cmd} -k 3", base + ["-k", "3"], "-k", "num_speculative_tokens=3", "0 (target only) or 7")
+        add(f"{cmd} --utilization nan", base + ["--utilization", "nan"], "--utilization", ["--utilization", "'nan'"],
+            "a number (not NaN)")
+        add(f"{cmd} --temperature 0.5", base + ["--temperature", "0.5"], "--temperature", "temperature=0.5",
+            "0 only")
+        add(f"{cmd} --preset huge", base + ["--preset", "huge"], "--preset", ["--preset", "'huge'"], "choose from")
+    add("capacity --ep word", ["capacity", "--ep", "sixteen"], "--ep", ["--ep", "'sixteen'"], "an integer")
+    add("capacity --utilization 1.5", ["capacity", "--utilization", "1.5"], "--utilization",
+        "npu_memory_utilization=1.5", "(0, 1]")
+
+    # ---- abi ------------------------------------------------------------------------------------------
+    add("abi program unknown", ["abi", "l3_nope"], "program", "program='l3_nope'", "l3_prefill_fwd")
+    add("abi --slots 0", ["abi", "l3_prefill_fwd", "--slots", "0"], "--slots", "slots=0", "an int in 1..64")
+    add("abi --slots -2", ["abi", "l3_prefill_fwd", "--slots", "-2", "--json"], "--slots", "slots=-2", "1..64")
+    add("abi --slots word", ["abi", "--slots", "two"], "--slots", ["--slots", "'two'"], "an integer")
+
+    # ---- capacity -------------------------------------------------------------------------------------
+    add("capacity --hbm-gib 0", ["capacity", "--hbm-gib", "0"], "--hbm-gib", "--hbm-gib=0.0", "> 0")
+    add("capacity --hbm-gib inf", ["capacity", "--hbm-gib", "inf"], "--hbm-gib", "--hbm-gib=inf", "a finite number")
+    add("capacity --hbm-gib nan", ["capacity", "--hbm-gib", "nan"], "--hbm-gib", ["--hbm-gib", "'nan'"], "not NaN")
+    add("capacity --ring-heap 1000", ["capacity", "--ring-heap", "1000"], "--ring-heap", ["--ring-heap", "1000"],
+        "power of two")
+
+    # ---- simulate: numbers ----------------------------------------------------------------------------
+    add("simulate --requests 0", SIM + ["--requests", "0"], "--requests", "num_requests=0", ">= 1")
+    add("simulate --rate -1", SIM + ["--requests", "4", "--rate", "-1"], "--rate", "rate=-1.0", "> 0")
+    add("simulate --rate nan", SIM + ["--rate", "nan"], "--rate", ["--rate", "'nan'"], "not NaN")
+    add("simulate --rate word", SIM + ["--rate", "fast"], "--rate", ["--rate", "'fast'"], "a number")
+    add("simulate --arrival uniform", SIM + ["--arrival", "uniform"], "--arrival", ["--arrival", "'uniform'"],
+        "choose from 'poisson'")
+    add("simulate --seed -1", SIMQ + ["--seed", "-1"], "--seed", ["--seed", "'-1'"], "an integer >= 0")
+    add("simulate --slots 0", SIMQ + ["--slots", "0"], "--slots", "slots=0", "1..64")
+    add("simulate --slots 65", SIMQ + ["--slots", "65"], "--slots", "slots=65", "1..64")
+    add("simulate --routing-skew -1", SIMQ + ["--routing", "skewed", "--routing-skew", "-1"], "--routing-skew",
+        "skew=-1.0", ">= 0")
+    add("simulate --routing-skew nan", SIMQ + ["--routing", "skewed", "--routing-skew", "nan"], "--routing-skew",
+        ["--routing-skew", "'nan'"], "not NaN")
+    add("simulate --routing-skew without skewed", SIMQ + ["--routing-skew", "2"], "--routing-skew",
+        "--routing-skew=2.0", "only with --routing skewed")
+    add("simulate --prefill-hang-prob 2", SIMQ + ["--prefill-hang-prob", "2"], "--prefill-hang-prob",
+        "prefill_hang_probability=2.0", "in [0, 1]")
+    add("simulate --prefill-hang-prob at EP8", SIMQ + ["--ep", "8", "-k", "0", "--prefill-hang-prob", "0.1"],
+        "--prefill-hang-prob", "prefill_hang_probability=0.1", "0 at ep=8")
+    add("simulate --prefill-hang-prob nan", SIMQ + ["--prefill-hang-prob", "nan"], "--prefill-hang-prob",
+        ["--prefill-hang-prob", "'nan'"], "not NaN")
+    add("simulate --step-timeout 0", SIMQ + ["--step-timeout", "0"], "--step-timeout", "step_timeout=0.0", "> 0")
+    add("simulate --step-timeout inf", SIMQ + ["--step-timeout", "inf"], "--step-timeout", "step_timeout=inf",
+        "a finite number > 0")
+    add("simulate --slo-ttft -5", SIMQ + ["--slo-ttft", "-5"], "--slo-ttft", "slo_ttft=-5.0", "> 0")
+    add("simulate --slo-tpot 0", SIMQ + ["--slo-tpot", "0"], "--slo-tpot", "slo_tpot=0.0", "> 0")
+    add("simulate --slo-e2el nan", SIMQ + ["--slo-e2el", "nan"], "--slo-e2el", ["--slo-e2el", "'nan'"], "not NaN")
+    add("simulate --acceptance forced:0", SIMQ + ["--acceptance", "forced:0"], "--acceptance",
+        "forced acceptance length=0", "1..8")
+    add("simulate --acceptance rates", SIMQ + ["--acceptance", "rates:2,0.5,0.5,0.5,0.5,0.5,0.5"], "--acceptance",
+        "acceptance rates=[2.0", "each in [0, 1]")
+    add("simulate --acceptance word", SIMQ + ["--acceptance", "greedy"], "--acceptance", "acceptance='greedy'",
+        "'forced:<n>'")
+    add("simulate --executor word", SIM + ["--executor", "npu"], "--executor", ["--executor", "'npu'"],
+        "choose from 'cost'")
+    add("simulate --executor golden on flash", SIMQ + ["--executor", "golden"], "--executor", "preset='flash'",
+        "a small preset")
+    add("simulate --acceptance with --executor golden", SIMQ + ["--preset", "tiny", "--ep", "8", "--executor",
+                                                                "golden", "--acceptance", "forced:4"],
+        "--acceptance", "--acceptance='forced:4'", "no acceptance model with --executor golden")
+    add("simulate --recompute word", SIM + ["--recompute", "all"], "--recompute", ["--recompute", "'all'"],
+        "choose from 'prompt'")
+    add("simulate --routing word", SIM + ["--routing", "zipf"], "--routing", ["--routing", "'zipf'"],
+        "choose from 'balanced'")
+    add("simulate --device unknown", SIMQ + ["--device", "h100"], "--device", "device='h100'", "ascend-a3-die")
+    add("simulate --fidelity word", SIM + ["--fidelity", "rough"], "--fidelity", ["--fidelity", "'rough'"],
+        "choose from 'exact'")
+    add("simulate --stop-check word", SIM + ["--stop-check", "never"], "--stop-check", ["--stop-check", "'never'"],
+        "choose from 'end'")
+
+    # ---- simulate: --out --------------------------------------------------------------------------------
+    q = ["simulate", "--no-plots", "--json", "--requests", "4", "--rate", "inf"]
+    add("simulate --out under a file", q + ["--out", "{d}/afile/out"], "--out", "--out='{d}/afile/out'",
+        "a directory that can be created and written (a parent is a file)")
+    add("simulate --out is a file", q + ["--out", "{d}/afile"], "--out", "--out='{d}/afile'",
+        "a directory that can be created and written (a file of that name exists)")
+    add("simulate --out unwritable", q + ["--out", "/proc/dspark-out"], "--out", "--out='/proc/dspark-out'",
+        "a directory that can be created and written")
+
+    # ---- simulate: --workload ---------------------------------------------------------------------------
+    W = SIM + ["--workload"]
+    json_file("simulate", "--workload", W, "{d}/list.json", "--workload='{d}/list.json'", "not a JSON object")
+    add("simulate --workload unknown key", W + ["{d}/wl-unknown.json"], "--workload",
+        ["{d}/wl-unknown.json", "workload key='requests'"], "one of ['arrival'")
+    add("simulate --workload wrong type", W + ["{d}/wl-type.json"], "--workload",
+        ["{d}/wl-type.json", "num_requests='many'"], "an integer >= 1")
+    add("simulate --workload negative mean", W + ["{d}/wl-mean.json"], "--workload",
+        ["{d}/wl-mean.json", "prompt.mean=-5"], "between min and max")
+    add("simulate --workload mean outside min..max", W + ["{d}/wl-range.json"], "--workload",
+        ["{d}/wl-range.json", "output.mean=50"], ">= 64 and <= 128")
+    add("simulate --workload fraction", W + ["{d}/wl-fraction.json"], "--workload",
+        ["{d}/wl-fraction.json", "eos_fraction=1.5"], "<= 1")
+    add("simulate --workload vocab", SIM + ["--preset", "tiny", "--ep", "8", "--workload", "{d}/wl-vocab.json"],
+        "--workload", ["{d}/wl-vocab.json", "vocab=1000"], "1616, the vocabulary of tiny")
+    add("simulate --workload distribution", W + ["{d}/wl-dist.json"], "--workload", ["{d}/wl-dist.json",
+                                                                                       "prompt=512"],
+        "a length distribution")
+    add("simulate --workload stop token", W + ["{d}/wl-stop.json"], "--workload",
+        ["{d}/wl-stop.json", "stop_sequence[1]=200000"], "[0, 129280)")
+
+    # ---- simulate: --trace --------------------------------------------------------------------------------
+    add("simulate --trace missing", trace("nope.jsonl"), "--trace", "--trace='{d}/nope.jsonl'", "an existing file")
+    add("simulate --trace empty", trace("empty.json"), "--trace", "--trace='{d}/empty.json'",
+        "(the file has none)")
+    add("simulate --trace not JSON", trace("tr-line.jsonl"), "--trace", "{d}/tr-line.jsonl:2",
+        "one JSON object per line")
+    add("simulate --trace wrong shape", trace("tr-array.jsonl"), "--trace", ["{d}/tr-array.jsonl:1", "[5, 6]"],
+        "a JSON object")
+    add("simulate --trace negative prompt_len", trace("tr-neg-len.jsonl"), "--trace",
+        ["{d}/tr-neg-len.jsonl:1", "prompt_len=-4"], "an integer >= 0")
+    add("simulate --trace negative max_new_tokens", trace("tr-neg-new.jsonl"), "--trace",
+        ["{d}/tr-neg-new.jsonl:1", "max_new_tokens=-3"], "an integer >= 0")
+    add("simulate --trace negative token id", trace("tr-neg-id.jsonl"), "--trace",
+        ["{d}/tr-neg-id.jsonl:2", "request 'b'", "prompt[1]=-5"], "an integer token id in [0, 129280)")
+    add("simulate --trace fractional token id", trace("tr-float-id.jsonl"), "--trace",
+        ["{d}/tr-float-id.jsonl:1", "request 'c'", "prompt[1]=2.7"], "an integer token id")
+    add("simulate --trace token id beyond int32", trace("tr-huge-id.jsonl"), "--trace",
+        ["request 'd'", "prompt[0]=1099511627776"], "[0, 129280)")
+    add("simulate --trace token id == vocab", trace("tr-vocab-id.jsonl"), "--trace",
+        ["request 'e'", "prompt[1]=129280"], "[0, 129280)")
+    add("simulate --trace boolean token id", trace("tr-bool-id.jsonl"), "--trace",
+        ["request 'f'", "prompt[0]=True"], "an integer token id")
+    add("simulate --trace token id beyond a small vocab",
+        SIM + ["--preset", "tiny", "--ep", "8", "--trace", "{d}/tr-neg-id.jsonl"], "--trace",
+        ["request 'b'", "prompt[1]=-5"], "[0, 1616)")
+    add("simulate --trace no prompt", trace("tr-no-prompt.jsonl"), "--trace", "{d}/tr-no-prompt.jsonl:1",
+        "a 'prompt' (token ids) or a 'prompt_len'")
+    add("simulate --trace no max_new_tokens", trace("tr-no-new.jsonl"), "--trace", "{d}/tr-no-new.jsonl:1",
+        "a 'max_new_tokens'")
+    add("simulate --trace unknown key", trace("tr-key.jsonl"), "--trace", ["{d}/tr-key.jsonl:1",
+                                                                          "key='temperature'"], "one of ['arrival'")
+    add("simulate --trace negative arrival", trace("tr-arrival.jsonl"), "--trace",
+        ["{d}/tr-arrival.jsonl:1", "arrival=-1"], ">= 0")
+    add("simulate --trace NaN arrival", trace("tr-nan.jsonl"), "--trace", ["{d}/tr-nan.jsonl:1", "arrival=nan"],
+        "a finite number >= 0")
+    add("simulate --trace duplicate id", trace("tr-dup.jsonl"), "--trace", ["{d}/tr-dup.jsonl:2", "id='x'"],
+        "an id not already used (line 1 has it)")
+    add("simulate --trace empty stop", trace("tr-stop.jsonl"), "--trace", ["{d}/tr-stop.jsonl:1", "stop[0]=[]"],
+        "a non-empty list of token ids")
+    add("simulate --trace script key", trace("tr-script.jsonl"), "--trace", ["{d}/tr-script.jsonl:1",
+                                                                            "script key='first'"], "an output index")
+    add("simulate --trace with --requests", trace("tr-neg-new.jsonl") + ["--requests", "4"], "--trace",
+        "--requests=4", "no value with --trace")
+
+    # ---- simulate: --profile ----------------------------------------------------------------------------
+    P = SIMQ + ["--profile"]
+    json_file("simulate", "--profile", P, "{d}/list.json", "--profile='{d}/list.json'", "not a JSON object")
+    add("simulate --profile points", P + ["{d}/prof-points.json"], "--profile", ["{d}/prof-points.json",
+                                                                                "points=5"], "a non-empty list")
+    add("simulate --profile kind", P + ["{d}/prof-kind.json"], "--profile",
+        ["{d}/prof-kind.json", "points[0]", "kind='verify'"], "one of ['decode'")
+    add("simulate --profile missing field", P + ["{d}/prof-field.json"], "--profile",
+        ["points[0]", "requests_per_group=None"], "a list of 4 entries, one per TP group")
+    add("simulate --profile negative seconds", P + ["{d}/prof-seconds.json"], "--profile",
+        ["points[0]", "seconds=-1"], "> 0")
+    add("simulate --profile groups", P + ["{d}/prof-groups.json"], "--profile",
+        ["points[0]", "requests_per_group=[16, 16]"], "a list of 4 entries")
+    add("simulate --profile unknown key", P + ["{d}/prof-key.json"], "--profile", ["{d}/prof-key.json",
+                                                                                  "key='device'"], "one of ['points']")
+
+    # ---- simulate: --routing-trace ------------------------------------------------------------------------
+    T = SIMQ + ["--routing", "trace", "--routing-trace"]
+    json_file("simulate", "--routing-trace", T, "{d}/rt-layers.json", ["{d}/rt-layers.json", "layers='x'"],
+              "per-layer expert histograms")
+    add("simulate --routing-trace negative count", T + ["{d}/rt-neg.json"], "--routing-trace",
+        ["{d}/rt-neg.json", "layers[0][1]=-2"], ">= 0")
+    add("simulate --routing-trace layer count", T + ["{d}/rt-count.json"], "--routing-trace",
+        "routing trace layers=5", "43 (one histogram per layer of flash)")
+    add("simulate --routing-trace without --routing trace", SIMQ + ["--routing-trace", "{d}/rt-neg.json"],
+        "--routing-trace", "--routing-trace='{d}/rt-neg.json'", "only with --routing trace")
+    add("simulate --routing trace without a file", SIMQ + ["--routing", "trace"], "--routing-trace",
+        "--routing-trace=None", "a JSON file of per-layer expert histograms")
+
+    # ---- simulate: --acceptance-from -------------------------------------------------------------------
+    A = SIMQ + ["--acceptance-from"]
+    json_file("simulate", "--acceptance-from", A, "{d}/acc-short.json", ["{d}/acc-short.json", "rates=[0.5]"],
+              "a list of 7 probabilities")
+    add("simulate --acceptance-from rate > 1", A + ["{d}/acc-rate.json"], "--acceptance-from",
+        ["{d}/acc-rate.json", "rates[3]=1.5"], "<= 1")
+    add("simulate --acceptance-from with --acceptance", A + ["{d}/acc-rate.json", "--acceptance", "forced:3"],
+        "--acceptance-from", "--acceptance='forced:3'", "'default' with --acceptance-from")
+
+    # ---- lockstep -----------------------------------------------------------------------------------------
+    add("lockstep --preset flash", ["lockstep", "--preset", "flash", "--steps", "2", "--run-dir", "{d}/ls-flash"],
+        "--preset", "preset='flash'", "tiny")
+    add("lockstep --preset flash (reference)", REF + ["--preset", "flash", "--run-dir", "{d}/ls-flash-ref"],
+        "--preset", "preset='flash'", "tiny")
+    add("lockstep --device tpu", REF + ["--device", "tpu", "--run-dir", "{d}/ls-tpu"], "--device", "device='tpu'",
+        "'cpu', 'cuda[:n]' or 'npu[:n]'")
+    # a device whose runtime is missing here (skipped where it is installed: `NEEDS_ABSENT`)
+    add("lockstep --device npu:0", REF + ["--device", "npu:0", "--run-dir", "{d}/ls-npu"], "--device",
+        "device='npu:0'", "torch_npu is not installed")
+    add("lockstep --device npu:0 (real)", ["lockstep", "--steps", "2", "--device", "npu:0", "--run-dir",
+                                           "{d}/ls-npu-real"], "--device", "device='npu:0'", "torch_npu is not installed")
+    add("lockstep --device cuda", REF + ["--device", "cuda", "--run-dir", "{d}/ls-cuda"], "--device",
+        "device='cuda'", "torch.cuda.is_available() is False")
+    add("lockstep --steps 0", REF + ["--steps", "0", "--run-dir", "{d}/ls-steps"], "--steps", "steps=0", ">= 1")
+    add("lockstep --steps word", REF + ["--steps", "many"], "--steps", ["--steps", "'many'"], "an integer")
+    add("lockstep --seed -1", REF + ["--seed", "-1"], "--seed", ["--seed", "'-1'"], "an integer >= 0")
+    add("lockstep --mode word", REF + ["--mode", "lax"], "--mode", ["--mode", "'lax'"], "choose from 'strict'")
+    add("lockstep --golden word", ["lockstep", "--golden", "fake"], "--golden", ["--golden", "'fake'"],
+        "choose from 'real'")
+    add("lockstep --inject kind", REF + ["--inject", "melted@2", "--run-dir", "{d}/ls-inj"], "--inject",
+        "fault='melted'", "one of (")
+    add("lockstep --inject kind (real)", ["lockstep", "--steps", "2", "--inject", "melted@2", "--run-dir",
+                                          "{d}/ls-inj-real"], "--inject", "kind='melted'", "one of (")
+    add("lockstep --inject position", REF + ["--inject", "ring_alias@x", "--run-dir", "{d}/ls-inj2"], "--inject",
+        "--inject='ring_alias@x'", "integers AT >= 0")
+    add("lockstep --run-dir under a file", REF + ["--run-dir", "{d}/afile/run"], "--run-dir",
+        "--run-dir='{d}/afile/run'", "a directory that can be created and written (a parent is a file)")
+    add("lockstep --run-dir missing", ["lockstep", "--replay", "--run-dir", "{d}/nope-run"], "--run-dir",
+        "run_dir='{d}/nope-run'", "a real-golden run directory with records/config.json")
+    add("lockstep --run-dir empty", ["lockstep", "--replay", "--run-dir", "{d}/run-empty"], "--run-dir",
+        "--run-dir='{d}/run-empty/records/config.json'", "(the file is empty)")
+    add("lockstep --run-dir not JSON", ["lockstep", "--replay", "--run-dir", "{d}/run-config"], "--run-dir",
+        "--run-dir='{d}/run-config/records/config.json:2'", "not JSON")
+    add("lockstep --run-dir not JSON (resume)", ["lockstep", "--steps", "2", "--run-dir", "{d}/run-config"],
+        "--run-dir", "{d}/run-config/records/config.json:2", "not JSON")
+    add("lockstep --run-dir wrong shape", ["lockstep", "--replay", "--run-dir", "{d}/run-keys"], "--run-dir",
+        ["{d}/run-keys/records/config.json", "keys=['preset']"], "exactly ['carry'")
+    add("lockstep --run-dir corrupt report", REF + ["--run-dir", "{d}/run-report"], "--run-dir",
+        ["{d}/run-report/report.jsonl:2", "line='garbage'"], "a report entry written by lockstep")
+    add("lockstep --replay with --inject", ["lockstep", "--replay", "--inject", "kv_row@2", "--run-dir", "{d}/run-keys"],
+        "--inject", "--inject='kv_row@2'", "no value with --replay")
+    add("lockstep --replay with --steps", ["lockstep", "--replay", "--steps", "5", "--run-dir", "{d}/run-keys"],
+        "--steps", "--steps=5", "no value with --replay")
+    add("lockstep --replay with --golden reference", ["lockstep", "--replay", "--golden", "reference", "--run-dir",
+                                                     "{d}/run-keys"], "--golden", "golden='reference'", "real")
+    L = REF + ["--run-dir", "{d}/ls-pol", "--policy"]
+    json_file("lockstep", "--policy", L, "{d}/list.json", "--policy='{d}/list.json'", "not a JSON object")
+    add("lockstep --policy key", L + ["{d}/pol-key.json"], "--policy", ["{d}/pol-key.json", "key='matmul'"],
+        "'op/dtype/quant'")
+    add("lockstep --policy field", L + ["{d}/pol-field.json"], "--policy", ["{d}/pol-field.json", "field='atoll'"],
+        "one of ['atol'")
+    add("lockstep --policy value", L + ["{d}/pol-value.json"], "--policy", ["{d}/pol-value.json", "atol='big'"],
+        "a number")
+    add("lockstep --policy entry", L + ["{d}/pol-entry.json"], "--policy", ["{d}/pol-entry.json", "entry=0.1"],
+        "an object of tolerance fields")
+    return R
+
+
+CASES = _rows()
+# cases that hold only where a runtime is absent: case id -> the runtime
+NEEDS_ABSENT = {"lockstep --device npu:0": "torch_npu", "lockstep --device npu:0 (real)": "torch_npu",
+                "lockstep --device cuda": "cuda"}
