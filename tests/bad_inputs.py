@@ -142,6 +142,27 @@ def _rows():
     add("capacity --hbm-gib 0", ["capacity", "--hbm-gib", "0"], "--hbm-gib", "--hbm-gib=0.0", "> 0")
     add("capacity --hbm-gib inf", ["capacity", "--hbm-gib", "inf"], "--hbm-gib", "--hbm-gib=inf", "a finite number")
     add("capacity --hbm-gib nan", ["capacity", "--hbm-gib", "nan"], "--hbm-gib", ["--hbm-gib", "'nan'"], "not NaN")
+    # the KV budget's sources (capacity and simulate share them)
+    for cmd, base in (("capacity", ["capacity"]), ("simulate", SIMQ)):
+        add(f"{cmd} --total-kv-pages -3", base + ["--total-kv-pages", "-3"], "--total-kv-pages",
+            "--total-kv-pages='-3'", "a positive page count")
+        add(f"{cmd} --total-kv-pages word", base + ["--total-kv-pages", "many"], "--total-kv-pages",
+            "--total-kv-pages='many'", "a decimal integer")
+        add(f"{cmd} --measured-free-bytes word", base + ["--measured-free-bytes", "abc"], "--measured-free-bytes",
+            "--measured-free-bytes='abc'", "a decimal integer")
+        add(f"{cmd} --measured-free-bytes past HBM", base + ["--measured-free-bytes", "99999999999999"],
+            "--measured-free-bytes", "--measured-free-bytes=99999999999999", "0..68,719,476,736")
+        add(f"{cmd} --measured-used-bytes 0", base + ["--measured-used-bytes", "0"], "--measured-used-bytes",
+            "--measured-used-bytes=0", "1..68,719,476,735 bytes")
+        add(f"{cmd} --measured-slots 0", base + ["--measured-slots", "0"], "--measured-slots", "--measured-slots=0",
+            "1..64")
+        add(f"{cmd} --measured-slots 99", base + ["--measured-slots", "99"], "--measured-slots",
+            "--measured-slots=99", "1..64")
+        add(f"{cmd} --measured-slots with --total-kv-pages", base + ["--total-kv-pages", "100", "--measured-slots", "3"],
+            "--measured-slots", "--measured-slots='3'", "not together with --total-kv-pages")
+    add("simulate --total-kv-pages with --slots", SIMQ + ["--slots", "4", "--total-kv-pages", "100"], "--slots",
+        "--slots=4", "not together with a KV budget flag")
+    add("simulate --drafter v5", SIMQ + ["--drafter", "v5"], "--drafter", ["--drafter", "'v5'"], "'device', 'v4.1'")
     add("capacity --ring-heap 1000", ["capacity", "--ring-heap", "1000"], "--ring-heap", ["--ring-heap", "1000"],
         "power of two")
 
@@ -163,7 +184,7 @@ def _rows():
         "--routing-skew=2.0", "only with --routing skewed")
     add("simulate --prefill-hang-prob 2", SIMQ + ["--prefill-hang-prob", "2"], "--prefill-hang-prob",
         "prefill_hang_probability=2.0", "in [0, 1]")
-    add("simulate --prefill-hang-prob at EP8", SIMQ + ["--ep", "8", "-k", "0", "--prefill-hang-prob", "0.1"],
+    add("simulate --prefill-hang-prob at EP8", SIMQ + ["--ep", "8", "-k", "0", "--slots", "4", "--prefill-hang-prob", "0.1"],
         "--prefill-hang-prob", "prefill_hang_probability=0.1", "0 at ep=8")
     add("simulate --prefill-hang-prob nan", SIMQ + ["--prefill-hang-prob", "nan"], "--prefill-hang-prob",
         ["--prefill-hang-prob", "'nan'"], "not NaN")
