@@ -160,6 +160,20 @@ def _rows():
             "--measured-slots=99", "1..64")
         add(f"{cmd} --measured-slots with --total-kv-pages", base + ["--total-kv-pages", "100", "--measured-slots", "3"],
             "--measured-slots", "--measured-slots='3'", "not together with --total-kv-pages")
+    boot = ["--max-model-len", "1024", "--chunk", "128"]          # 9 ori blocks per request
+    add("capacity --total-kv-pages below one request", ["capacity", *boot, "--total-kv-pages", "8"],
+        "--total-kv-pages", "--total-kv-pages=8", "an integer >= ori blocks per request = 9")
+    add("simulate --total-kv-pages below one request", SIMQ + [*boot, "--total-kv-pages", "5"],
+        "--total-kv-pages", "--total-kv-pages=5", "an integer >= ori blocks per request = 9")
+    add("capacity --measured-slots 3.5", ["capacity", "--measured-slots", "3.5"], "--measured-slots",
+        "--measured-slots='3.5'", "a decimal integer")
+    add("capacity --measured-free-bytes -1", ["capacity", "--measured-free-bytes", "-1"], "--measured-free-bytes",
+        "--measured-free-bytes=-1", "an integer byte count 0..")
+    add("capacity --measured-used-bytes past HBM", ["capacity", "--measured-used-bytes", str(65 << 30)],
+        "--measured-used-bytes", f"--measured-used-bytes={65 << 30}", "an integer byte count 0..")
+    add("capacity --measured-used-bytes with --measured-free-bytes",
+        ["capacity", "--measured-free-bytes", "1", "--measured-used-bytes", "1"], "--measured-used-bytes",
+        "--measured-used-bytes='1'", "not together with --measured-free-bytes")
     add("simulate --total-kv-pages with --slots", SIMQ + ["--slots", "4", "--total-kv-pages", "100"], "--slots",
         "--slots=4", "not together with a KV budget flag")
     add("simulate --drafter v5", SIMQ + ["--drafter", "v5"], "--drafter", ["--drafter", "'v5'"], "'device', 'v4.1'")
