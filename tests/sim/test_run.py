@@ -266,7 +266,7 @@ def test_prefill_hang_fault_model_aborts_in_flight_work():
         SimConfig(cfg.dep, prefill_hang_probability=2.0)
     ep8 = deployment("flash", ep=8, max_model_len=1024, num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prefill_hang_probability=0.5.*0 at ep=8"):     # not quietly 0
-        simulate(SimConfig(ep8, small_cfg(n=2).requests, prefill_hang_probability=0.5))
+        simulate(SimConfig(ep8, small_cfg(n=2).requests, slots=4, prefill_hang_probability=0.5))
 
 
 def test_risk_scan_reads_steps_dispatches_and_events():
