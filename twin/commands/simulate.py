@@ -8,7 +8,10 @@ import json
 import sys
 from pathlib import Path
 
+from twin.abi.errors import ConfigError
+
 from ._common import add_deployment_args, deployment_from_args, print_json
+from ._datasets import add_dataset_args, dataset_requests
 
 # the simulator's defaults: a saturating FLASH serving setup (dest -> (default, help))
 _DEFAULTS = {
@@ -25,10 +28,19 @@ def add_arguments(p) -> None:
     w = p.add_argument_group("workload (default: the bundled twin/sim/data/default_workload.json)")
     w.add_argument("--workload", help="a workload spec JSON file (keys: docs/simulation.md)")
     w.add_argument("--trace", help="replay a JSONL request trace instead of a generated workload")
-    w.add_argument("--requests", type=int, help="number of requests (overrides the spec)")
-    w.add_argument("--rate", type=float, help="arrival rate, requests/s ('inf': all at t=0)")
+    w.add_argument("--requests", "--num-prompts", dest="requests", type=int,
+                   help="number of requests (overrides the spec; --num-prompts is vLLM's name)")
+    w.add_argument("--rate", "--request-rate", dest="rate", type=float,
+                   help="arrival rate, requests/s ('inf': all at t=0); --request-rate is vLLM's name")
+    w.add_argument("--burstiness", type=float,
+                   help="vLLM's gamma-arrival shape: 1 is Poisson, < 1 burstier, > 1 more uniform "
+                        "(sets --arrival gamma with CV 1/sqrt(burstiness))")
+    w.add_argument("--max-concurrency", type=int,
+                   help="closed loop, as vllm bench serve: at most this many requests unfinished; "
+                        "a request is sent when one finishes (exact fidelity)")
     w.add_argument("--arrival", choices=("poisson", "gamma", "burst"), help="arrival process")
     w.add_argument("--seed", type=int, default=0, help="workload, routing and acceptance seed (default 0)")
+    add_dataset_args(p)
     m = p.add_argument_group("models")
     m.add_argument("--acceptance", default="default",
                    help="default | forced:<1..8> | rates:<a1,...,a7> (per-position conditional)")
@@ -60,14 +72,41 @@ def add_arguments(p) -> None:
     o.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT (ms)")
     o.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT (ms)")
     o.add_argument("--slo-e2el", type=float, help="goodput SLO on E2EL (ms)")
+    o.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="goodput SLOs by vLLM's flag: ttft:500 tpot:50 e2el:2000 (ms; same as --slo-*)")
+    o.add_argument("--metric-percentiles", default="99",
+                   help="percentiles in vllm_result.json, comma-separated (default 99, as vLLM)")
     o.add_argument("--out", default="sim-out", help="report directory (default ./sim-out)")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--json", action="store_true", help="print the summary as JSON (no progress display)")
 
 
+def _traffic(workload: dict) -> dict:
+    """vLLM's request_rate and burstiness for the result file (a trace: rate not set, None)."""
+    if "trace" in workload:                     # a --trace file, or a timed dataset
+        return {"request_rate": None, "burstiness": 1.0}
+    burst = workload["arrival"] == "burst"
+    return {"request_rate": None if burst else workload["rate"],
+            "burstiness": 1.0 / workload["gamma_cv"] ** 2 if workload["arrival"] == "gamma" else 1.0}
+
+
+def _slo(args) -> dict:
+    """--slo-* and vLLM's --goodput, merged; the same SLO given twice must agree."""
+    from twin.sim.vllm_result import parse_goodput
+
+    slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2el", args.slo_e2el)) if v}
+    for k, v in parse_goodput(args.goodput).items():
+        if k in slo and slo[k] != v:
+            raise ConfigError("--goodput", f"{k}:{v:g}", f"agreeing with --slo-{k} {slo[k]:g}")
+        slo[k] = v
+    return slo
+
+
 def _requests(args, dep):
     from twin.sim.workload import WorkloadSpec, default_spec, generate, load_jsonl
 
+    if args.trace and (args.dataset_name or args.dataset_path):
+        raise ConfigError("--trace", args.trace, "not with --dataset-name / --dataset-path (one source of requests)")
     if args.trace:
         return load_jsonl(args.trace, vocab=dep.model.vocab_size, seed=args.seed), {"trace": args.trace}
     spec = WorkloadSpec.from_dict(json.loads(Path(args.workload).read_text())) if args.workload else default_spec()
@@ -78,7 +117,14 @@ def _requests(args, dep):
         kw["rate"] = args.rate
     if args.arrival is not None:
         kw["arrival"] = args.arrival
+    if args.burstiness is not None:
+        if args.arrival not in (None, "gamma"):
+            raise ConfigError("--burstiness", args.burstiness, "only with --arrival gamma (or no --arrival)")
+        kw["arrival"], kw["gamma_cv"] = "gamma", 1.0 / args.burstiness ** 0.5
     spec = spec.replace(**kw)
+    reqs, record = dataset_requests(args, dep, spec)
+    if reqs is not None:
+        return reqs, record
     return generate(spec), spec.to_dict()
 
 
@@ -90,6 +136,7 @@ def run(args) -> int:
     from twin.sim.acceptance import parse_acceptance
     from twin.sim.costmodel import Calibration, CostModel, DeviceLimits, Routing
     from twin.sim.run import SimConfig, simulate, startup_slots
+    from twin.sim.vllm_result import parse_percentiles
 
     if args.max_num_seqs is None:             # saturate the topology: 64 requests per TP group
         args.max_num_seqs = 64 * max(1, args.ep // args.tp)
@@ -100,8 +147,13 @@ def run(args) -> int:
     device = DeviceLimits.load(args.device)
     routing = Routing.from_trace_file(args.routing_trace) if args.routing == "trace" and args.routing_trace \
         else Routing(args.routing, skew=args.routing_skew)
+    slo = _slo(args)
+    percentiles = parse_percentiles(args.metric_percentiles)
+    if args.burstiness is not None and not (args.burstiness > 0 and args.burstiness != float("inf")):
+        raise ConfigError("--burstiness", args.burstiness, "a finite number > 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError("--max-concurrency", args.max_concurrency, "an integer >= 1")
     reqs, workload = _requests(args, dep)
-    slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2el", args.slo_e2el)) if v}
     if args.acceptance_from:
         from twin.functional.acceptance import load_acceptance
         acceptance = load_acceptance(args.acceptance_from)
@@ -110,7 +162,7 @@ def run(args) -> int:
     cfg = SimConfig(dep, reqs, device=device, routing=routing, acceptance=acceptance,
                     slots=args.slots, async_depth=1 if args.sync else 2, stop_check=args.stop_check,
                     slo_ms=slo or None, seed=args.seed, prefill_hang_probability=args.prefill_hang_prob,
-                    step_timeout=args.step_timeout, fidelity=args.fidelity)
+                    step_timeout=args.step_timeout, fidelity=args.fidelity, max_concurrency=args.max_concurrency)
     if args.recompute == "replay":
         from twin.functional.replay import ReplayScheduler
         cfg.scheduler = ReplayScheduler
@@ -129,7 +181,8 @@ def run(args) -> int:
             task = prog.add_task("sim", total=len(reqs), t=0.0)
             res = simulate(cfg, lambda t, done, total: prog.update(task, completed=done, t=t))
     out = Path(args.out)
-    files = res.write(out, plots=not args.no_plots)
+    files = res.write(out, plots=not args.no_plots, percentiles=percentiles,
+                      traffic=_traffic(workload))
     if golden is not None:
         files += functional.write(out, cfg, golden, res.scheduler)
     s = res.summary

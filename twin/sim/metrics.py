@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .request import Finish
+from .vllm_result import latency_stats
 
 COMPLETED = {Finish.EOS, Finish.LENGTH, Finish.STOP}
 PERCENTILES = (50, 90, 95, 99)
@@ -78,14 +79,21 @@ def acceptance(rec) -> dict:
 
 
 def _stats(x) -> dict:
+    """The summary's latency block: vLLM's statistics (`vllm_result.latency_stats`), None when empty."""
     # None and NaN both mean "no value": one vectorised mask instead of a Python test per element
     x = np.asarray(x)
     x = np.asarray(pd.to_numeric(pd.Series(x), errors="coerce"), dtype=float) if x.dtype == object else x.astype(float)
-    x = x[~np.isnan(x)] * 1e3
+    x = x[~np.isnan(x)]
     if not len(x):
         return {"mean_ms": None, "median_ms": None, "std_ms": None, **{f"p{p}_ms": None for p in PERCENTILES}}
-    return {"mean_ms": float(x.mean()), "median_ms": float(np.median(x)), "std_ms": float(x.std()),
-            **{f"p{p}_ms": float(np.percentile(x, p)) for p in PERCENTILES}}
+    return {k.replace("_x_", "_"): v for k, v in latency_stats("x", x, PERCENTILES).items()}
+
+
+def completed_itl(req_df: pd.DataFrame, rec) -> np.ndarray:
+    """Inter-token gaps (s) of the completed requests' streams, as vLLM counts them."""
+    gaps = [np.diff([t for t, _ in rec.req.get(rid, {}).get("stream", ())])
+            for rid in req_df.loc[req_df["completed"], "request_id"]]
+    return np.concatenate(gaps) if gaps else np.zeros(0)
 
 
 def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
@@ -111,7 +119,7 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
         "request_throughput": len(done) / dur, "output_token_throughput": out_tok / dur,
         "total_token_throughput": (in_tok + out_tok) / dur,
         "request_goodput": (len(good) / dur) if slo else None, "slo_ms": slo or {},
-        "ttft": _stats(done["ttft"]), "tpot": _stats(done["tpot"]), "itl": _stats(np.asarray(rec.itl)),
+        "ttft": _stats(done["ttft"]), "tpot": _stats(done["tpot"]), "itl": _stats(completed_itl(req_df, rec)),
         "e2el": _stats(done["e2el"]),
         "acceptance": acceptance(rec),
         "prefix_cache": {**p, "hit_rate": (p["hits"] / p["queries"]) if p["queries"] else 0.0,

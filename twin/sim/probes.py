@@ -30,11 +30,12 @@ class Recorder(SchedulerProbe):
         self.events: list[tuple] = []         # (t, kind, request, detail)
         self.prefix = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0, "fallbacks": 0}
         self._page_every = 1
+        self.client_queue: dict[str, float] = {}   # request -> client-side wait under --max-concurrency (s)
 
     # ---- scheduler probe -----------------------------------------------------------------------
     def arrived(self, req):
         self.req[req.request_id] = {"arrival": req.arrival, "prompt_len": req.prompt_len, "first": None,
-                                    "last": None, "chunks": 0}
+                                    "last": None, "chunks": 0, "stream": []}
 
     def admitted(self, req, hit_tokens, fallback):
         d = self.req.get(req.request_id)
@@ -54,7 +55,7 @@ class Recorder(SchedulerProbe):
 
     def finished(self, req):
         d = self.req.setdefault(req.request_id, {"arrival": req.arrival, "prompt_len": req.prompt_len,
-                                                 "first": None, "last": None, "chunks": 0})
+                                                 "first": None, "last": None, "chunks": 0, "stream": []})
         d["end"] = self.env.now
 
     def stop_in_chunk(self, req, index, n_new):
@@ -85,6 +86,7 @@ class Recorder(SchedulerProbe):
             if n == 0:
                 continue
             d = self.req[req.request_id]
+            d["stream"].append((now, n))         # (time, tokens) per streamed chunk: vLLM's per-request itls
             if d["first"] is None:
                 d["first"] = now
             else:
