@@ -136,7 +136,7 @@ def test_streams_account_for_every_output_token(run):
     res, v, _ = run
     for rid, n, done in zip(res.requests["request_id"], res.requests["output_len"], res.requests["completed"]):
         if done:
-            assert sum(t for _, t in res.recorder.req[rid]["stream"]) == n
+            assert sum(c[1] for c in res.recorder.req[rid]["stream"]) == n
 
 
 def test_forced_acceptance_gives_the_spec_decode_block_exactly():

@@ -97,7 +97,10 @@ class Engine:
                     self.inflight.append(cmd)
                     if self.rec:
                         self.rec.scheduled(cmd, sched)
+                    t0 = env.now
                     yield env.timeout(per_req * len(cmd.scheduled))
+                    if self.rec:
+                        self.rec.host("schedule", cmd.step_id, t0, env.now)
                     self.cmd_q.put(cmd)
                     continue
             if self.inflight:
@@ -148,7 +151,10 @@ class Engine:
             if plan.decode_only:
                 slot_req = self.slots[cmd.step_id % 2].request()
                 yield slot_req
+            t0 = env.now
             yield env.timeout(self.dev.host_prepare_per_request * len(cmd.scheduled))
+            if self.rec:
+                self.rec.host("prepare", cmd.step_id, t0, env.now)
             self.dev_q.put((cmd, plan, slot_req))
 
     def _device(self):
@@ -178,7 +184,10 @@ class Engine:
             cmd, res, done, slot_req = yield self.reclaim_q.get()
             if done is not None:
                 yield done
+            t0 = env.now
             yield env.timeout(self.dev.host_reclaim)
+            if self.rec:
+                self.rec.host("reclaim", cmd.step_id, t0, env.now)
             if slot_req is not None:
                 self.slots[cmd.step_id % 2].release(slot_req)
             self.res_q.put(res)

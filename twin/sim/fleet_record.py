@@ -16,7 +16,7 @@ class FleetRecorder:
         self.dispatches: list[tuple] = []
         self._free: list[tuple[float, np.ndarray]] = []
         self._itl: list[np.ndarray] = []
-        self._stream: list[tuple[float, np.ndarray, np.ndarray]] = []   # (time, sampled rows, outputs after)
+        self._stream: list[tuple] = []         # (time, step, sampled rows, their output counts after)
         self._accepted: list[tuple[np.ndarray, np.ndarray]] = []
         self.accept_hist = np.zeros(k + 2 if k else 2, dtype=np.int64)
         self.fallbacks = 0
@@ -26,6 +26,7 @@ class FleetRecorder:
         self.pages: list[tuple] = []
         self.itl = np.zeros(0)
         self.client_queue: dict[str, float] = {}   # the fleet engine has no closed loop: always empty
+        self.host_lanes: list[tuple] = []          # the fleet engine charges host time inside its steps
         self.sim = None
 
     # ---- hooks (the fleet engine calls them) -------------------------------------------------------
@@ -77,7 +78,7 @@ class FleetRecorder:
         rows = cmd.idx[sim.last[cmd.idx] == sim.now]
         if len(rows) != len(itl):
             raise AssertionError(f"step {cmd.step_id}: {len(rows)} rows stamped now, {len(itl)} gaps")
-        self._stream.append((sim.now, rows, sim.n_out[rows].copy()))
+        self._stream.append((sim.now, cmd.step_id, rows, sim.n_out[rows].copy()))
         if cmd.accepted is not None:               # the decode rows' (accepted counts, drafted)
             self._accepted.append(cmd.accepted)    # counted once, at finalize (a bincount a step cost ~1%)
 
@@ -108,22 +109,23 @@ class FleetRecorder:
             self.req[rid] = {"arrival": arr, "prompt_len": pl, "first": fi, "last": la, "chunks": ch,
                              "admitted": ad, "cached": ca, "end": en, "stream": streams.get(i, [])}
 
-    def _streams(self) -> dict[int, list[tuple[float, int]]]:
-        """Per request, its streamed chunks as (time, tokens): the output count's steps between
-        successive chunks (the exact recorder's `stream` rows)."""
+    def _streams(self) -> dict[int, list[tuple[float, int, int]]]:
+        """Per request, its streamed chunks as (time, tokens, step): the output count's steps
+        between successive chunks (the exact recorder's `stream` rows)."""
         if not self._stream:
             return {}
-        t = np.concatenate([np.full(len(r), now) for now, r, _ in self._stream])
-        rows = np.concatenate([r for _, r, _ in self._stream])
-        outs = np.concatenate([o for _, _, o in self._stream]).astype(np.int64)
+        t = np.concatenate([np.full(len(r), now) for now, _, r, _ in self._stream])
+        st = np.concatenate([np.full(len(r), s, dtype=np.int64) for _, s, r, _ in self._stream])
+        rows = np.concatenate([r for _, _, r, _ in self._stream])
+        outs = np.concatenate([o for *_, o in self._stream]).astype(np.int64)
         order = np.argsort(rows, kind="stable")          # per request, in time order
-        t, rows, outs = t[order], rows[order], outs[order]
+        t, st, rows, outs = t[order], st[order], rows[order], outs[order]
         new = np.diff(outs, prepend=0)
         first = np.ones(len(rows), bool)
         first[1:] = rows[1:] != rows[:-1]
         new[first] = outs[first]
         self._stream = []
         out: dict[int, list] = {}
-        for i, ti, ni in zip(rows.tolist(), t.tolist(), new.tolist()):
-            out.setdefault(i, []).append((ti, ni))
+        for i, ti, ni, si in zip(rows.tolist(), t.tolist(), new.tolist(), st.tolist()):
+            out.setdefault(i, []).append((ti, ni, si))
         return out

@@ -1,4 +1,4 @@
-"""Metrics with `vllm bench serve` definitions, as pandas frames, PNG plots and a Perfetto trace.
+"""Metrics with `vllm bench serve` definitions, as pandas frames and PNG plots (the trace: `trace`).
 
 - TTFT: first token time - arrival; E2EL: finish time - arrival;
 - TPOT: (E2EL - TTFT) / (output tokens - 1), for requests with more than one output token;
@@ -91,7 +91,7 @@ def _stats(x) -> dict:
 
 def completed_itl(req_df: pd.DataFrame, rec) -> np.ndarray:
     """Inter-token gaps (s) of the completed requests' streams, as vLLM counts them."""
-    gaps = [np.diff([t for t, _ in rec.req.get(rid, {}).get("stream", ())])
+    gaps = [np.diff([c[0] for c in rec.req.get(rid, {}).get("stream", ())])
             for rid in req_df.loc[req_df["completed"], "request_id"]]
     return np.concatenate(gaps) if gaps else np.zeros(0)
 
@@ -130,24 +130,7 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
     }
 
 
-# ---- trace and plots ---------------------------------------------------------------------------
-def perfetto_trace(rec, steps: pd.DataFrame) -> dict:
-    """Chrome/Perfetto JSON: device dispatches as slices, live requests per partition as counters."""
-    ev = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "device (16 NPUs)"}},
-          {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "engine"}}]
-    tid = {"prefill": 0, "seed": 1, "decode": 2, "error": 3}
-    for step, kind, start, secs, meta, parts in rec.dispatches:
-        ev.append({"name": kind, "cat": "dispatch", "ph": "X", "ts": start * 1e6, "dur": secs * 1e6, "pid": 0,
-                   "tid": tid.get(kind, 4), "args": {"step": step, **{k: v for k, v in meta.items() if k != "requests"},
-                                                     **{f"t_{k}_ms": v * 1e3 for k, v in parts.items()}}})
-    for row in steps.itertuples(index=False):
-        ev.append({"name": "schedule", "cat": "engine", "ph": "i", "s": "t", "ts": row.t * 1e6, "pid": 1, "tid": 0,
-                   "args": {"step": row.step, "prefill": row.n_prefill, "decode": row.n_decode}})
-        ev.append({"name": "live requests", "ph": "C", "ts": row.t * 1e6, "pid": 1,
-                   "args": {c: getattr(row, c) for c in steps.columns if c.startswith("live_p")}})
-    return {"traceEvents": ev, "displayTimeUnit": "ms"}
-
-
+# ---- plots ------------------------------------------------------------------------------------
 def plots(out: Path, req_df, steps, occ, acc: dict) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")

@@ -31,6 +31,7 @@ class Recorder(SchedulerProbe):
         self.prefix = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0, "fallbacks": 0}
         self._page_every = 1
         self.client_queue: dict[str, float] = {}   # request -> client-side wait under --max-concurrency (s)
+        self.host_lanes: list[tuple] = []          # (lane, step, start, end): schedule / prepare / reclaim
 
     # ---- scheduler probe -----------------------------------------------------------------------
     def arrived(self, req):
@@ -86,7 +87,7 @@ class Recorder(SchedulerProbe):
             if n == 0:
                 continue
             d = self.req[req.request_id]
-            d["stream"].append((now, n))         # (time, tokens) per streamed chunk: vLLM's per-request itls
+            d["stream"].append((now, n, cmd.step_id))   # per streamed chunk: vLLM's itls, the trace's flows
             if d["first"] is None:
                 d["first"] = now
             else:
@@ -101,6 +102,9 @@ class Recorder(SchedulerProbe):
                     h[c] += 1
                 else:
                     self.fallbacks += 1
+
+    def host(self, lane: str, step: int, start: float, end: float):
+        self.host_lanes.append((lane, step, start, end))
 
     def worker_error(self, cmd, error):
         self.events.append((self.env.now, "worker_error", None, {"step": cmd.step_id, "error": error}))

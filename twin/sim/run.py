@@ -22,6 +22,7 @@ from twin.abi.capacity import admit_slots, allocate_with_retry, hbm_account
 from twin.abi.errors import ConfigError
 
 from . import metrics, risk, vllm_result
+from .trace import family_capacity, perfetto_trace
 from .acceptance import AcceptanceModel, ConditionalAcceptance
 from .costmodel import Calibration, CostModel, DeviceLimits, Routing
 from .engine import Engine
@@ -123,7 +124,8 @@ class SimResult:
         metrics.write_json(out / "vllm_result.json", self.bench_result(traffic, percentiles))
         files.append("vllm_result.json")
         if trace:
-            metrics.write_json(out / "trace.json", metrics.perfetto_trace(self.recorder, self.steps))
+            metrics.write_json(out / "trace.json", perfetto_trace(self.recorder, self.steps, self.requests,
+                                                                  family_capacity(self.scheduler.kv)))
             files.append("trace.json")
         if plots:
             files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"])

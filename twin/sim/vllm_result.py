@@ -56,7 +56,7 @@ def per_request(req_df: pd.DataFrame, rec) -> dict:
     """The per-request arrays (seconds), in the requests frame's order."""
     streams = [rec.req.get(rid, {}).get("stream", []) for rid in req_df["request_id"]]
     ok = req_df["completed"].to_numpy(bool)
-    itls = [np.diff([t for t, _ in s]).tolist() if o else [] for s, o in zip(streams, ok)]
+    itls = [np.diff([c[0] for c in s]).tolist() if o else [] for s, o in zip(streams, ok)]
     start = req_df["arrival"].to_numpy(float)
     ttft = np.where(ok, req_df["ttft"].to_numpy(float, na_value=np.nan), 0.0)
     e2el = np.where(ok, req_df["e2el"].to_numpy(float, na_value=np.nan), 0.0)
@@ -67,8 +67,8 @@ def per_request(req_df: pd.DataFrame, rec) -> dict:
             "output_lens": np.where(ok, req_df["output_len"], 0).astype(int).tolist(),
             "ttfts": ttft.tolist(), "itls": itls, "latencies": e2el.tolist(), "start_times": start.tolist(),
             "queue_times": queue, "errors": errors,
-            "_tokens": [[n for _, n in s] if o else [] for s, o in zip(streams, ok)],
-            "_times": [[t for t, _ in s] if o else [] for s, o in zip(streams, ok)]}
+            "_tokens": [[c[1] for c in s] if o else [] for s, o in zip(streams, ok)],
+            "_times": [[c[0] for c in s] if o else [] for s, o in zip(streams, ok)]}
 
 
 def peaks(start, latency, times, tokens) -> tuple[float, int]:
