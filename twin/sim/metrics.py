@@ -131,51 +131,100 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
 
 
 # ---- plots ------------------------------------------------------------------------------------
-def plots(out: Path, req_df, steps, occ, acc: dict) -> list[str]:
+def plots(out: Path, req_df, steps, occ, acc: dict, *, capacity: dict[str, int] | None = None,
+          slots: int | None = None, slo: dict | None = None, itl=None) -> list[str]:
+    """latency_cdf.png (TTFT, TPOT, ITL, E2EL with p50/p90/p99 and SLO markers), occupancy.png
+    (live requests per group against the slots, used pages per family against its capacity),
+    acceptance.png.  capacity: pages per family over all partitions; itl: gaps in seconds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     files = []
-    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    slo = slo or {}
     done = req_df[req_df["completed"]]
-    for a, key in zip(ax, ("ttft", "tpot", "e2el")):
-        x = np.sort(done[key].dropna().to_numpy() * 1e3)
+    series = {"ttft": done["ttft"].dropna().to_numpy(), "tpot": done["tpot"].dropna().to_numpy(),
+              "itl": np.asarray(itl if itl is not None else [], dtype=float), "e2el": done["e2el"].dropna().to_numpy()}
+    fig, ax = plt.subplots(1, 4, figsize=(16, 3.9))
+    for a, (key, x) in zip(ax, series.items()):
+        x = np.sort(x * 1e3)
         if len(x):
-            a.plot(x, np.arange(1, len(x) + 1) / len(x))
+            a.plot(x, np.arange(1, len(x) + 1) / len(x), lw=1.4)
+            for p, m in zip((50, 90, 99), ("o", "s", "^")):
+                v = float(np.percentile(x, p))
+                a.plot([v], [p / 100], m, color="black", ms=5)
+                a.annotate(f"p{p} {v:.0f}", (v, p / 100), textcoords="offset points", xytext=(5, -10), fontsize=7)
+        if slo.get(key) is not None:
+            a.axvline(slo[key], color="red", ls="--", lw=1)
+            met = float((x <= slo[key]).mean()) if len(x) else 0.0
+            a.annotate(f"SLO {slo[key]:g} ms\n{met:.0%} within", (slo[key], 0.05), color="red", fontsize=7,
+                       textcoords="offset points", xytext=(4, 0))
+        a.set_title(f"{key.upper()} ({len(x)} {'gaps' if key == 'itl' else 'requests'})", fontsize=10)
         a.set_xlabel(f"{key.upper()} (ms)")
-        a.set_ylabel("CDF")
+        a.set_ylabel("fraction at or below")
+        a.set_ylim(0, 1.02)
         a.grid(alpha=0.3)
+    fig.suptitle(f"latency CDFs: {len(done)} completed of {len(req_df)} requests", fontsize=11)
     fig.tight_layout()
     fig.savefig(out / "latency_cdf.png", dpi=110)
     plt.close(fig)
     files.append("latency_cdf.png")
 
-    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for c in [c for c in steps.columns if c.startswith("live_p")]:
-        ax[0].step(steps["t"], steps[c], where="post", label=c[5:].replace("p", "group "))
-    ax[0].set_ylabel("live requests")
-    ax[0].axhline(64, color="red", lw=0.8, ls="--")
-    ax[0].legend(fontsize=8)
-    if len(occ):
-        tot = occ.groupby(["t", "family"])["used_pages"].sum().unstack()
-        for fam in tot.columns:
-            ax[1].plot(tot.index, tot[fam] / tot[fam].max() if tot[fam].max() else tot[fam], label=fam)
-    ax[1].set_ylabel("used pages (/ run max)")
-    ax[1].set_xlabel("simulated time (s)")
-    ax[1].legend(fontsize=7, ncol=4)
+    fams = list(capacity) if capacity else sorted(occ["family"].unique()) if len(occ) else []
+    ncol = 4
+    nrow = 1 + (len(fams) + ncol - 1) // ncol if fams else 1
+    fig = plt.figure(figsize=(16, 2.9 * nrow))
+    gs = fig.add_gridspec(nrow, ncol)
+    a = fig.add_subplot(gs[0, :])
+    live = [c for c in steps.columns if c.startswith("live_p")]
+    for c in live:
+        a.step(steps["t"], steps[c], where="post", label=f"TP group {c[6:]}", lw=1)
+    if slots is not None:
+        a.axhline(slots, color="red", lw=1, ls="--")
+        a.annotate(f"capacity slots per group: {slots}", (0.005, slots), xycoords=("axes fraction", "data"),
+                   color="red", fontsize=8, va="bottom")
+        a.set_ylim(0, slots * 1.15)
+    a.set_ylabel("live requests")
+    a.set_xlabel("simulated time (s)")
+    a.set_title("live requests per TP group", fontsize=10)
+    a.legend(fontsize=8, ncol=len(live), loc="upper right")
+    a.grid(alpha=0.3)
+    tot = occ.groupby(["t", "family"])["used_pages"].sum().unstack() if len(occ) else pd.DataFrame()
+    for i, fam in enumerate(fams):
+        a = fig.add_subplot(gs[1 + i // ncol, i % ncol])
+        if fam in tot:
+            a.plot(tot.index, tot[fam], lw=1.2)
+            peak = int(tot[fam].max())
+        else:
+            peak = 0
+        cap = capacity.get(fam) if capacity else None
+        if cap is not None:
+            a.axhline(cap, color="red", ls="--", lw=1)
+            a.set_ylim(0, cap * 1.12)
+            a.annotate(f"capacity {cap:,}", (0.02, cap), xycoords=("axes fraction", "data"), color="red",
+                       fontsize=8, va="bottom")
+        a.set_title(f"{fam}: peak {peak:,}" + (f" ({peak / cap:.0%})" if cap else "") + " pages", fontsize=9)
+        a.set_ylabel("used pages (all groups)", fontsize=8)
+        a.set_xlabel("simulated time (s)", fontsize=8)
+        a.tick_params(labelsize=7)
+        a.grid(alpha=0.3)
+    fig.suptitle("occupancy: live requests and KV pages per cache family against their limits", fontsize=11)
     fig.tight_layout()
     fig.savefig(out / "occupancy.png", dpi=110)
     plt.close(fig)
     files.append("occupancy.png")
 
     if acc.get("acceptance_per_position"):
-        fig, ax = plt.subplots(figsize=(6, 3.4))
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
         pp = acc["acceptance_per_position"]
         ax.bar(range(1, len(pp) + 1), pp)
+        for i, v in enumerate(pp, 1):
+            ax.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
         ax.set_xlabel("draft position")
-        ax.set_ylabel("accepted fraction of verifies")
-        ax.set_title(f"mean accepted length {acc['mean_accepted_length']:.2f}")
+        ax.set_ylabel("fraction of verifies accepting it")
+        ax.set_ylim(0, 1.08)
+        ax.set_title(f"acceptance per position: mean accepted length {acc['mean_accepted_length']:.2f} "
+                     f"over {acc['verifies']} verifies", fontsize=10)
         fig.tight_layout()
         fig.savefig(out / "acceptance.png", dpi=110)
         plt.close(fig)

@@ -128,7 +128,9 @@ class SimResult:
                                                                   family_capacity(self.scheduler.kv)))
             files.append("trace.json")
         if plots:
-            files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"])
+            files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"],
+                                   capacity=family_capacity(self.scheduler.kv), slots=self.slots,
+                                   slo=self.config.slo_ms, itl=metrics.completed_itl(self.requests, self.recorder))
         return files
 
 
