@@ -222,6 +222,14 @@ def _print_summary(con, Table, res, out, files) -> None:
     pc = s["prefix_cache"]
     con.print(f"prefix cache: {pc['hits']}/{pc['queries']} requests hit, token hit rate {pc['token_hit_rate']:.1%}; "
               f"preemptions {s['preemptions']}; slots/partition {s['slots_per_partition']}")
+    from ._common import deployment_defaults, slot_defaults_note
+
+    mine, theirs = deployment_defaults(DEPLOYMENT), deployment_defaults()
+    dep = s["deployment"]
+    if (dep["max_model_len"], dep["chunk"]) == (mine["max_model_len"], mine["chunk"]):
+        note = slot_defaults_note("simulate", "capacity", mine, theirs)
+        if note:
+            con.print(f"note: {note}")
     r = Table(title="risk report (serving-contract §10; docs/risks.md)")
     for c in ("risk", "count", "first t (s)"):
         r.add_column(c)
