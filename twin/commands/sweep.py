@@ -65,7 +65,12 @@ def _ray(args):
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ConfigError("--address", args.address, f"a reachable Ray cluster ({type(e).__name__})") from None
     else:
-        ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        try:
+            ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            # RAY_ADDRESS in the environment names a cluster, which takes no --num-cpus
+            raise ConfigError("--num-cpus", args.num_cpus, f"unset when RAY_ADDRESS names a cluster "
+                                                           f"({type(e).__name__})") from None
     return ray, True
 
 
