@@ -10,10 +10,18 @@
 
 Accumulation: the device accumulates in FP32 in its own tile order.  The golden carries every
 in-kernel sum in float64 and rounds to FP32 at each kernel's FP32 outputs and storage (a correctly
-rounded FP32 accumulator).  That keeps the golden independent of batch composition, padding and
-BLAS blocking: the same token gives the same bits whether it runs alone, in a packed prefill or
-in a decode tile, which is what lets quantization points (a chaotic amplifier of 1-ulp noise) be
-compared across prefill, chunked prefill and decode.
+rounded FP32 accumulator).  In device mode that makes a token's bits independent of batch
+composition, padding and BLAS blocking: W8A8 products are integers and BF16 x BF16 products have
+16 significant bits, so their float64 sums are exact in any order unless the terms of one sum
+span more than ~2^25 in magnitude; where a sum does round (such a span, or FP32 operands), its
+error is ~2^-53 relative, and the FP32 rounding after it changes only for a value that close to
+an FP32 rounding boundary.  So, but for that rare case, the same token gives the same bits alone,
+in a packed prefill or in a decode tile, which is what lets quantization points (a chaotic
+amplifier of 1-ulp noise) be compared across prefill, chunked prefill and decode.  Exact mode has
+no such guarantee: its float64 operands make products that round, and BLAS (OpenBLAS's remainder
+tiles, its thread split) sums a row differently at another row position of the same GEMM, so two
+exact-mode formulations that put a row at different GEMM positions agree to ~1e-15 relative, not
+bit for bit.
 
 A `Numerics` object carries the mode and the array namespace (`numpy` or `jax.numpy`), so every
 kernel is written once and runs on both.  Kernels never branch on the namespace themselves: the

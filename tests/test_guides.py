@@ -57,7 +57,12 @@ def run_command(command, cwd):
     argv = shlex.split(command)
     exe = shutil.which("dspark-twin")
     argv = [exe] + argv[1:] if exe else [sys.executable, "-m", "twin.cli"] + argv[1:]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd)
+    # env: the child gets a copy of the environment made in this thread.  Without it, CPython's
+    # vfork'ed child execs with the process's live `environ` while the main thread goes on running
+    # tests, and pytest sets PYTEST_CURRENT_TEST at every phase of every test: that putenv can
+    # move or free the array the child is reading, and exec fails with EFAULT ("OSError: [Errno 14]
+    # Bad address")
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd, env=dict(os.environ))
 
 
 def _cases():

@@ -21,8 +21,10 @@ SHARED_NAMES = ("shared_w1", "shared_w1_scale", "shared_w3", "shared_w3_scale", 
 def tiled(fn, idx, tile: int):
     """Run a row-local fn for one rank on a fixed tile of `tile` rows: the rank's rows, then copies
     of them as padding (results of padding rows are dropped).  The device runs fixed tiles too; here
-    the tile is the call's row count, so NumPy picks the same GEMM kernel as the single-rank
-    reference and every row rounds identically (its GEMV / small-matrix paths do not)."""
+    the tile is the call's row count, so NumPy runs a GEMM of the single-rank reference's shape
+    (never its GEMV or small-matrix paths).  A row may sit at another position of that GEMM than in
+    the reference: in device mode its bits are the same anyway (golden.numerics, Accumulation), in
+    exact mode BLAS may round it differently (agreement to ~1e-15 relative)."""
     n = len(idx)
     if n == tile:
         return fn(idx)

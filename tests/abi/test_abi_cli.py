@@ -34,9 +34,14 @@ def test_abi_unknown_program_is_a_clear_error(capsys):
 
 
 def test_capacity_reports_fit_and_misfit(capsys):
-    rc, d = run_json(capsys, "capacity", "--preset", "flash", "--ep", "16", "--max-model-len", "16384",
+    rc, d = run_json(capsys, "capacity", "--preset", "flash", "--ep", "16", "--max-model-len", "1024",
                      "--chunk", "8192", "--json")
-    assert rc == 0 and d["fits"] and d["blocks_per_request"]["ori"] == 261
+    assert rc == 0 and d["fits"] and d["blocks_per_request"]["ori"] == 37
+    # a 16K request (2.9 GB) is larger than the budget the measured boot leaves: exit 3, and the
+    # report's own numbers say why
+    rc, d = run_json(capsys, "capacity", "--max-model-len", "16384", "--chunk", "8192", "--json")
+    assert rc == 3 and not d["fits"] and d["blocks_per_request"]["ori"] == 261
+    assert d["kv_budget_bytes"] < d["bytes_per_slot"] + d["scratch_bytes"]
     rc, d = run_json(capsys, "capacity", "--ep", "8", "--json")
     assert rc == 3 and not d["fits"] and "cannot fit" in d["error"]
     assert main(["capacity"]) == 0

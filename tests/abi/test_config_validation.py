@@ -154,8 +154,8 @@ def test_ring_heap_errors_name_variable_and_value(text, match):
 def test_ring_heap_profiles_from_env_and_cli():
     p = resolve_profiles({"PYPTO_DSPARK_DRAFTER_RING_HEAP": "2147483648"}, ring_heap="0,0,0,1073741824")
     assert p["drafter"].resolved() == (2 * GIB,) * 4 and p["drafter"].source == "PYPTO_DSPARK_DRAFTER_RING_HEAP"
-    # 0 keeps the default of that depth
-    assert p["prefill"].resolved() == (2 * GIB, 2 * GIB, 4 * GIB, GIB)
+    # 0 leaves a depth unset: the runtime's compile-time heap (PTO2_HEAP_SIZE, 256 MiB), not the profile's
+    assert p["prefill"].resolved() == (GIB // 4, GIB // 4, GIB // 4, GIB)
     assert p["decode"].resolved() == (GIB, GIB, GIB, 4 * GIB) and p["markov"].total == 4 * GIB
     with pytest.raises(ConfigError, match="--ring-heap"):
         resolve_profiles({}, ring_heap="7")

@@ -59,6 +59,8 @@ def _sinkhorn_reference(logits, iters, eps):
 def test_sinkhorn_in_place_rounds_are_bit_identical(t, scale, iters, seed):
     logits = np.random.default_rng(seed).standard_normal((t, 4, 4)) * scale
     got = sinkhorn(logits, iters, 1e-6, DEVICE)
+    # bitwise: no BLAS here; both sides are NumPy reductions of 4 terms added in order (NumPy's loop
+    # for these shapes, the same on every CPU) and elementwise divisions, correctly rounded
     assert np.array_equal(got, _sinkhorn_reference(logits, iters, 1e-6))
 
 
@@ -74,6 +76,8 @@ def _check_against_one_call_per_expert(x_i8, x_scale, idx, wts, expert, shared, 
     out = nm.asf(shared_expert(x_i8, x_scale, shared, cfg=cfg, nm=nm))
     for k in range(K):
         out = out + routed[:, k]
+    # bitwise in every mode: the first GEMMs have integer operands (exact), and each expert's rows
+    # reach its down-projection GEMM in the same (t, k) order on both sides (a stable sort)
     assert np.array_equal(got, nm.bf16(out))
 
 
@@ -112,6 +116,8 @@ def test_attention_chunks_do_not_change_bits(mode):
     whole = run(T)
     assert np.isfinite(whole).all() and np.abs(whole).max() > 0
     for chunk in (1, 7, None):
+        # bitwise in both modes: each token's score and value products are its own GEMMs (batched
+        # over tokens), the same shape in any chunk, so a chunk changes no GEMM a token goes through
         assert np.array_equal(run(chunk), whole)
 
 

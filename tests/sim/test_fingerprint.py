@@ -1,12 +1,15 @@
-"""Exactness guard for the simulator's fast paths: a digest of whole runs, pinned before the
-speed work (ring rotation in bulk, cheaper pins, leaner lanes) and asserted unchanged after.
+"""Exactness guard for the simulator's fast paths: a digest of the decisions of whole runs, pinned
+and asserted unchanged, and the run's simulated times, pinned to a tolerance.
 
-The digest covers everything the engine decides: per step, the virtual time, each dispatched
-request with its chunk/anchor, lease, generation and the exact block ids of every family
-(page identities, hence the free-queue order), the tokens returned; at the end, per request the
-finish, output length, dropped/discarded tokens, preemptions and cached tokens, the pool
-statistics (evictions, detaches, rotations) and the used pages per partition.  A change of any
-scheduling decision or of the page/ref-count accounting changes it.
+The digest covers everything the engine decides, all of it integers: per step, each dispatched
+request with its chunk/anchor, lease, generation and the exact block ids of every family (page
+identities, hence the free-queue order), the tokens returned; at the end, per request the finish,
+output length, dropped/discarded tokens, preemptions and cached tokens, the pool statistics
+(evictions, detaches, rotations) and the used pages per partition.  A change of any scheduling
+decision or of the page/ref-count accounting changes it.  The times (the clock at every step, the
+cost model's seconds) are floating point: they stay out of the digest and are compared as sums,
+to a relative 1e-9 (a few thousand float64 additions of positive terms, reordered by a faster
+form, move a sum by ~1e-13; a changed cost rule moves it by far more).
 """
 from __future__ import annotations
 
@@ -22,17 +25,19 @@ from twin.sim.workload import LengthDist, WorkloadSpec, generate
 
 
 class Digest:
-    """Wraps an executor; folds every plan and result into a sha256."""
+    """Wraps an executor; folds every plan's and result's decisions into a sha256 and sums their
+    times (`clock`: the virtual time at each step; `seconds`: every dispatch's cost)."""
 
     def __init__(self, inner, env):
         self.inner, self.env, self.h = inner, env, hashlib.sha256()
+        self.clock = self.seconds = 0.0
 
     def _put(self, x) -> None:
         self.h.update(repr(x).encode())
 
     def execute(self, plan):
-        self._put(("step", plan.step_id, round(float(self.env.now), 9), plan.error, tuple(plan.finished_ids),
-                   tuple(plan.requests)))
+        self.clock += float(self.env.now)
+        self._put(("step", plan.step_id, plan.error, tuple(plan.finished_ids), tuple(plan.requests)))
         for b in plan.prefill:
             self._put(tuple((it.request_id, it.num_computed, it.num_tokens, it.partition, it.lease, it.generation,
                              tuple(sorted((k, tuple(v)) for k, v in it.block_ids.items()))) for it in b.items))
@@ -42,12 +47,15 @@ class Digest:
                              tuple(sorted((k, tuple(v)) for k, v in it.block_ids.items()))) for it in g))
         res = self.inner.execute(plan)
         self._put(sorted(res.tokens.items()))
-        # values, whatever float type carries them (a numpy scalar's repr names its type)
-        self._put([(d.kind, round(float(d.seconds), 12)) for d in res.dispatches])
+        self._put([d.kind for d in res.dispatches])
+        self.seconds += sum(float(d.seconds) for d in res.dispatches)
         return res
 
+    def result(self):
+        return self.h.hexdigest(), {"clock": self.clock, "seconds": self.seconds}
 
-def fingerprint(cfg) -> str:
+
+def fingerprint(cfg):
     env, eng, sched, rec, slots = build(cfg)
     dig = Digest(eng.executor, env)
     eng.executor = dig
@@ -57,12 +65,12 @@ def fingerprint(cfg) -> str:
                r.num_preemptions, r.cached_tokens, r.lease) for r in cfg.requests])
     dig._put(sorted(sched.kv.stats.items()))
     dig._put([sched.kv.used_pages(p) for p in range(sched.kv.partitions)])
-    dig._put(round(float(env.now), 9))
+    dig.clock += float(env.now)
     sched.kv.check()
-    return dig.h.hexdigest()
+    return dig.result()
 
 
-def fingerprint_sync(cfg, depth: int) -> str:
+def fingerprint_sync(cfg, depth: int):
     """The wall-clock driver (`run_sync`, as the functional twin uses it) over the same objects."""
     env, eng, sched, rec, slots = build(cfg)
 
@@ -74,7 +82,7 @@ def fingerprint_sync(cfg, depth: int) -> str:
     dig._put((steps, [(r.request_id, r.finish.value, len(r.outputs), r.dropped_tokens, r.discarded_tokens,
                        r.num_preemptions, r.cached_tokens) for r in cfg.requests], sorted(sched.kv.stats.items())))
     sched.kv.check()
-    return dig.h.hexdigest()
+    return dig.result()[0]
 
 
 def saturated_cfg(n=300, seed=0):
@@ -83,7 +91,9 @@ def saturated_cfg(n=300, seed=0):
     dep = make_dep(max_num_seqs=256)
     reqs = generate(WorkloadSpec(num_requests=n, arrival="burst", prompt=LengthDist("uniform", 192, 128, 64, 320),
                                  output=LengthDist("uniform", 320, 160, 160, 400), eos_fraction=0.2, seed=seed))
-    return SimConfig(dep, reqs)
+    # 64 slots per partition: the digests guard the scheduler's decisions at full pools, whatever
+    # startup admission grants (the measured boot's account admits 37 at this setting)
+    return SimConfig(dep, reqs, slots=64)
 
 
 def pressure_cfg(depth=2):
@@ -108,16 +118,19 @@ def prefix_cfg():
     return SimConfig(dep, reqs, slots=12)
 
 
-# computed with the package at commit f938e96 (before the speed work); re-pinned at the cost model's
-# list forms becoming wrappers of its array forms (they returned a prefill's seconds as a numpy scalar,
-# whose repr the digest hashed): the old and the new package give these same digests once the digest
-# hashes the values of the seconds and of the clock (round(float(...))), not their float types
+# the decisions and times of the simulator as it stands: a change meant to keep every decision must
+# leave them as they are; one that changes a decision re-pins them, and says which decision moved
 PINNED = {
-    "saturated": "403e3146f3d493b85b481b8699113ea9ea95f2efdbb1cae4e2577643051d8323",
-    "pressure": "ce33100f0c1938670da381fe60c3d8a080b6751c20c355e7b1b74c81ca67b295",
-    "pressure_sync": "95dff5fd1f0b187a846f9447ae0cd0e85f3434f38e1a60ef5fd351ee8e9a2a64",
-    "lease_error": "92a114ee89fa79393fe03c14ed0c3f707cafc41f319d362f30e575ec36145993",
-    "prefix": "5ec3c060de9fd734be9eed2d6549c982085c027cca2a499ef48d717c11500711",
+    "saturated": ("300caa0a11a12b14060d8d67843f9088c591fd1fade1e7c2d833851ea0808454",
+                  {"clock": 517.6728666127476, "seconds": 5.861305109058076}),
+    "pressure": ("17028e6895137c1d86b11a81a72f6534ab614266ee343c22e7bdbb5e9d84c0fc",
+                 {"clock": 13174.352002957176, "seconds": 36.38669375216515}),
+    "pressure_sync": ("5ca2012705b90d774f55607322d29c55c4ba8cf65f031181f3f25205224580ed",
+                      {"clock": 1737.0621821916952, "seconds": 12.222971377951511}),
+    "lease_error": ("aece85a48f88c93d5dcd4f31331c39a229bb986e1ba92e0fff2cdc78549ac9c8",
+                    {"clock": 214.16420457278377, "seconds": 3.48080526188618}),
+    "prefix": ("3053233c364b5eb8c92676bccc3fca1d9f5095e0380ec7f936fd0a5f7ab72116",
+               {"clock": 332.79213904550227, "seconds": 5.4102927976318655}),
 }
 
 
@@ -125,12 +138,15 @@ PINNED = {
                                        ("pressure_sync", lambda: pressure_cfg(1)),
                                        ("lease_error", lambda: saturated_cfg(320, 5)), ("prefix", prefix_cfg)])
 def test_run_fingerprint_is_unchanged(name, make):
-    assert fingerprint(make()) == PINNED[name]
+    digest, times = fingerprint(make())
+    want_digest, want_times = PINNED[name]
+    assert digest == want_digest
+    assert times == pytest.approx(want_times, rel=1e-9)
 
 
-# run_sync over the pressure workloads, also computed with the package at f938e96
-PINNED_SYNC = {2: "bc08598c2f61cda2b4ac68afcab1321dd55d68ad62445e72237bf7c21f8f4678",
-               1: "c477d268eb4eb5265ba5a956eac4b740c9661fa4999bed4f74e26842592436a9"}
+# run_sync over the pressure workloads (its clock is the wall clock: decisions only)
+PINNED_SYNC = {2: "fb4b2a7ecb295354ac171b3e36d6b9354087fa21858ab58f4901fd90ee65afcc",
+               1: "a5980126ea534f7d5c99b70c94721eee099601648563a56bac16c82d4fceb886"}
 
 
 @pytest.mark.parametrize("depth", [2, 1])

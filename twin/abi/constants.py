@@ -27,6 +27,7 @@ DECODE_SEQ = 8                         # rows verified per request per step (1 +
 DECODE_TOKENS = DECODE_BATCH * DECODE_SEQ   # 512-row decode tile per group
 LOCAL_REQUESTS = DECODE_BATCH // TP_SIZE    # 16 requests per owner rank
 LOCAL_ROWS = LOCAL_REQUESTS * DECODE_SEQ    # 128 rows per rank
+MOE_TOKENS = 128                       # rows per MoE call per rank (runner DSPARK_MOE_TOKENS)
 PREFILL_REQUESTS_PER_GROUP = 64
 PREFILL_TOKENS_PER_GROUP = 8192
 PREFILL_LOGIT_ROWS = 128

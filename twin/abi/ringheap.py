@@ -3,7 +3,8 @@
 Profiles are per program (serving-contract.md §8).  Overrides come from the CLI (`--ring-heap`
 for prefill) or the environment (decode and drafter profiles) in one grammar: a scalar byte count
 broadcast to all four depths, or four comma-separated counts.  A nonzero entry must be a power of
-two and at least 1024; 0 keeps the runtime default for that depth.
+two and at least 1024; 0 leaves that depth unset, so the runtime's compile-time default applies
+(simpler tensormap_and_ringbuffer pto_runtime2_types.h: PTO2_HEAP_SIZE, 256 MiB per ring).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .errors import ConfigError
 
 DEPTHS = 4
 MIN_ENTRY = 1024
+RUNTIME_DEFAULT_HEAP = 256 * 1024 * 1024     # PTO2_HEAP_SIZE: what an unset (0) entry gets
 
 DEFAULT_PROFILES: dict[str, tuple[int, ...]] = {
     "prefill": (2 * GIB, 2 * GIB, 4 * GIB, 8 * GIB),   # DSPARK_PREFILL_RING_HEAP (pypto-lib#1073)
@@ -57,10 +59,8 @@ class RingHeapProfile:
     source: str                          # "default", an env var or a CLI flag
 
     def resolved(self) -> tuple[int, ...]:
-        """Bytes per depth, taking the profile default where the runtime default was kept
-        (the runtime's own default is not known to the contract: this is the twin's assumption)."""
-        base = DEFAULT_PROFILES[self.program_profile]
-        return tuple(b if v is None else v for v, b in zip(self.depths, base))
+        """Bytes per depth; an unset (0) entry takes the runtime's compile-time default."""
+        return tuple(RUNTIME_DEFAULT_HEAP if v is None else v for v in self.depths)
 
     @property
     def total(self) -> int:

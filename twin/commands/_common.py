@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -68,3 +69,62 @@ def deployment_from_args(args):
 def print_json(obj) -> None:
     json.dump(obj, sys.stdout, indent=2, sort_keys=False, default=str)
     sys.stdout.write("\n")
+
+
+# the KV budget's sources: flag -> the name the ABI layer gives it
+BUDGET_FLAGS = {"--total-kv-pages": "total_kv_pages", "--measured-free-bytes": "measured_free_bytes",
+                "--measured-used-bytes": "measured_used_bytes", "--measured-slots": "measured_slots"}
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    """Where the KV budget comes from (docs/capacity.md#calibration); at most one of these."""
+    g = p.add_argument_group("KV budget (default: the HBM account with the measured boot's unexplained line)")
+    g.add_argument("--total-kv-pages", metavar="N",
+                   help="upstream's knob: slots = N // ori blocks per request (capped at 64), no budget")
+    g.add_argument("--measured-free-bytes", metavar="BYTES",
+                   help="per-rank free HBM in bytes when init_kv_cache read it (the boot log's minimum over ranks)")
+    g.add_argument("--measured-used-bytes", metavar="BYTES",
+                   help="per-rank used HBM (total - free) in bytes at that moment (the maximum over ranks)")
+    g.add_argument("--measured-slots", metavar="N",
+                   help="slots per partition a boot at these settings admitted (its init_kv_cache log line)")
+
+
+def budget_given(args) -> bool:
+    """Whether a KV budget flag was given (the slot count then follows the budget, not the defaults)."""
+    return any(getattr(args, d, None) is not None for d in BUDGET_FLAGS.values())
+
+
+def budget_from_args(args):
+    """(measurement or None, total_kv_pages or None) from the budget flags, validated."""
+    from twin.abi import ConfigError, Measurement
+
+    given = [(f, getattr(args, d)) for f, d in BUDGET_FLAGS.items() if getattr(args, d, None) is not None]
+    if len(given) > 1:
+        (f0, _), (f1, v1) = given[:2]
+        raise ConfigError(f1, v1, f"not together with {f0}: the budget has one source")
+    if not given:
+        return None, None
+    flag, raw = given[0]
+    try:
+        value = int(str(raw).strip(), 10)
+    except ValueError:
+        raise ConfigError(flag, raw, "a decimal integer") from None
+    if flag == "--total-kv-pages":
+        if value < 1:
+            raise ConfigError(flag, raw, "a positive page count")
+        return None, value
+    return Measurement(BUDGET_FLAGS[flag], value), None
+
+
+@contextlib.contextmanager
+def flag_names():
+    """Re-raise an ABI error about a budget value under the flag the user typed."""
+    from twin.abi import AbiError
+
+    try:
+        yield
+    except AbiError as e:
+        flag = {d: f for f, d in BUDGET_FLAGS.items()}.get(e.name)
+        if flag is None:
+            raise
+        raise type(e)(flag, e.value, e.allowed, e.where) from None

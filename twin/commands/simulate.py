@@ -10,7 +10,7 @@ from pathlib import Path
 
 from twin.abi.errors import ConfigError
 
-from ._common import add_deployment_args, deployment_from_args, print_json
+from ._common import add_budget_args, add_deployment_args, budget_from_args, deployment_from_args, flag_names, print_json
 from ._datasets import add_dataset_args, dataset_requests
 
 # the simulator's defaults: a saturating FLASH serving setup (dest -> (default, help))
@@ -61,6 +61,7 @@ def add_arguments(p) -> None:
                    help="exact (page ids, the default) or fleet (page counts, ~10x+ faster, for sweeps; "
                         "docs/simulation.md#fidelity)")
     m.add_argument("--slots", type=int, help="override slots per partition (default: startup admission)")
+    add_budget_args(p)
     m.add_argument("--sync", action="store_true", help="synchronous scheduling (batch queue depth 1)")
     m.add_argument("--stop-check", default="end", choices=("end", "token"),
                    help="stop strings: 'end' as upstream (may miss one inside a multi-token step) or 'token'")
@@ -133,6 +134,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn
     from rich.table import Table
 
+    from twin.abi import ConfigError
     from twin.sim.acceptance import parse_acceptance
     from twin.sim.costmodel import Calibration, CostModel, DeviceLimits, Routing
     from twin.sim.run import SimConfig, simulate, startup_slots
@@ -159,8 +161,11 @@ def run(args) -> int:
         acceptance = load_acceptance(args.acceptance_from)
     else:
         acceptance = parse_acceptance(args.acceptance)
+    measured, pages = budget_from_args(args)
+    if args.slots is not None and (measured or pages):
+        raise ConfigError("--slots", args.slots, "not together with a KV budget flag (--total-kv-pages, --measured-*)")
     cfg = SimConfig(dep, reqs, device=device, routing=routing, acceptance=acceptance,
-                    slots=args.slots, async_depth=1 if args.sync else 2, stop_check=args.stop_check,
+                    slots=args.slots, measured=measured, total_kv_pages=pages, async_depth=1 if args.sync else 2, stop_check=args.stop_check,
                     slo_ms=slo or None, seed=args.seed, prefill_hang_probability=args.prefill_hang_prob,
                     step_timeout=args.step_timeout, fidelity=args.fidelity, max_concurrency=args.max_concurrency)
     if args.recompute == "replay":
@@ -172,6 +177,8 @@ def run(args) -> int:
         golden = functional.attach(cfg)
     if args.profile:
         cfg.calibration = Calibration.from_profile(args.profile, CostModel(dep, startup_slots(cfg, device), device, routing))
+    with flag_names():
+        startup_slots(cfg, device)             # bad budget values fail before the run, under their flags
     con = Console(stderr=True)
     if args.json:
         res = simulate(cfg)
@@ -221,12 +228,16 @@ def _print_summary(con, Table, res, out, files) -> None:
                   f"per position {', '.join(f'{x:.2f}' for x in acc['acceptance_per_position'])}")
     pc = s["prefix_cache"]
     con.print(f"prefix cache: {pc['hits']}/{pc['queries']} requests hit, token hit rate {pc['token_hit_rate']:.1%}; "
-              f"preemptions {s['preemptions']}; slots/partition {s['slots_per_partition']}")
+              f"preemptions {s['preemptions']}; slots/partition {s['slots_per_partition']} "
+              f"(budget: {s['kv_budget_source']})")
+    from twin.abi.account import ACCOUNT
+
     from ._common import deployment_defaults, slot_defaults_note
 
     mine, theirs = deployment_defaults(DEPLOYMENT), deployment_defaults()
     dep = s["deployment"]
-    if (dep["max_model_len"], dep["chunk"]) == (mine["max_model_len"], mine["chunk"]):
+    if (dep["max_model_len"], dep["chunk"]) == (mine["max_model_len"], mine["chunk"]) and \
+            s.get("kv_budget_source") == ACCOUNT:
         note = slot_defaults_note("simulate", "capacity", mine, theirs)
         if note:
             con.print(f"note: {note}")

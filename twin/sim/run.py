@@ -3,8 +3,9 @@
     result = simulate(SimConfig(dep, requests=generate(default_spec())))
     result.summary, result.requests, result.steps, result.risks; result.write("out/")
 
-Capacity comes from `twin.abi`: slots per partition from the HBM account (or from measured
-per-rank memory, or a page count), then `allocate_with_retry` halves them on a simulated OOM.
+Capacity comes from `twin.abi`: slots per partition from the HBM account (its `unexplained` line from
+a measured boot, `measured`, or upstream's `total_kv_pages`; or from measured per-rank memory), then
+`allocate_with_retry` halves them while the pools do not fit the HBM the account leaves free.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Callable
 import pandas as pd
 import simpy
 
-from twin.abi.capacity import admit_slots, allocate_with_retry, hbm_account
+from twin.abi.account import hbm_account
+from twin.abi.capacity import admit_slots, allocate_with_retry
 from twin.abi.errors import ConfigError
 
 from . import metrics, risk, vllm_result
@@ -47,6 +49,8 @@ class SimConfig:
     calibration: Calibration | None = None
     slots: int | None = None                      # override startup admission
     rank_memory: list | None = None               # measured (total, free) bytes per rank
+    measured: object | None = None                # twin.abi.Measurement of a boot at this deployment
+    total_kv_pages: int | None = None             # upstream's --total-kv-pages
     oom_above_slots: int | None = None            # simulated OOM: allocations above this many slots fail
     async_depth: int = 2
     stop_check: str = "end"
@@ -136,7 +140,7 @@ class SimResult:
 
 def startup_slots(cfg: SimConfig, device: DeviceLimits) -> int:
     """Slots per partition: `init_kv_cache` admission, then the halving retry on OOM."""
-    dep = cfg.dep
+    dep, fits = cfg.dep, (lambda s: True)       # an explicit slot count or per-rank memory: no account
     if cfg.slots is not None:
         if not 1 <= cfg.slots <= 64:
             raise ConfigError("slots", cfg.slots, "1..64 capacity slots per partition")
@@ -144,10 +148,22 @@ def startup_slots(cfg: SimConfig, device: DeviceLimits) -> int:
     elif cfg.rank_memory is not None:
         slots = admit_slots(dep, rank_memory=cfg.rank_memory)
     else:
-        acct = hbm_account(dep, hbm_bytes=device.hbm_bytes, strict=True)
-        slots = acct.slots_per_partition
+        acct = hbm_account(dep, hbm_bytes=device.hbm_bytes, measured=cfg.measured,
+                           total_kv_pages=cfg.total_kv_pages, strict=True)
+        slots, fits = acct.slots_per_partition, acct.allocates
     limit = cfg.oom_above_slots
-    return allocate_with_retry(slots, lambda s: limit is None or s <= limit)
+    return allocate_with_retry(slots, lambda s: fits(s) and (limit is None or s <= limit))
+
+
+def budget_source(cfg: SimConfig) -> str:
+    """Where startup admission's slots came from (the order `startup_slots` reads them in)."""
+    if cfg.slots is not None:
+        return "slots"
+    if cfg.rank_memory is not None:
+        return "rank_memory"
+    if cfg.measured is not None:
+        return cfg.measured.kind
+    return "total_kv_pages" if cfg.total_kv_pages is not None else "account"
 
 
 def build(cfg: SimConfig, env: simpy.Environment | None = None):
@@ -240,7 +256,7 @@ def _result(cfg: SimConfig, slots: int, sched, rec, wall: float, now: float) -> 
     steps = metrics.steps_frame(rec)
     flags = risk.scan(rec, cfg.dep.topology.ep)
     summ = metrics.summary(req_df, rec, cfg.slo_ms)
-    summ.update({"slots_per_partition": slots, "simulated_s": now, "wall_s": wall,
+    summ.update({"slots_per_partition": slots, "kv_budget_source": budget_source(cfg), "simulated_s": now, "wall_s": wall,
                  "sim_s_per_wall_s": now / wall if wall else None, "steps": len(rec.steps),
                  "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
                  "kv_stats": dict(sched.kv.stats), "fidelity": cfg.fidelity})
