@@ -23,12 +23,27 @@ class Finding:
     bad_points: int = 0
     bad_rows: list = field(default_factory=list)      # flat rows (pools) or leading-axis rows (tensors)
     site: tuple[str, str] | None = None
+    shape: list | None = None
+    stats: dict = field(default_factory=dict)         # {"golden": {...}, "device": {...}}: max, min, mean, l2
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "site": list(self.site) if self.site else None,
-                "kind": "/".join(self.kind), "points": self.points, "bad_points": self.bad_points,
-                "bad_rows": self.bad_rows[:8], "reasons": self.reasons,
-                "metrics": {k: _round(v) for k, v in self.metrics.items()}}
+        d = {"name": self.name, "passed": self.passed, "site": list(self.site) if self.site else None,
+             "kind": "/".join(self.kind), "points": self.points, "bad_points": self.bad_points,
+             "bad_rows": self.bad_rows[:8], "reasons": self.reasons,
+             "metrics": {k: _round(v) for k, v in self.metrics.items()}}
+        if self.shape is not None:
+            d["shape"] = self.shape
+            d["stats"] = {side: {k: _round(v) for k, v in st.items()} for side, st in self.stats.items()}
+        return d
+
+
+def tensor_stats(x) -> dict:
+    """max / min / mean / L2 norm over the finite values (msprobe's per-tensor statistics)."""
+    x = np.asarray(x, np.float64).ravel()
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return {"max": None, "min": None, "mean": None, "l2": None}
+    return {"max": float(x.max()), "min": float(x.min()), "mean": float(x.mean()), "l2": float(np.sqrt(np.dot(x, x)))}
 
 
 def _round(v):
@@ -60,7 +75,8 @@ def compare_tensor(name: str, actual, expected, tol: Tolerance, kind: tuple[str,
 
 def _compare_tensor(name, actual, expected, tol, kind) -> Finding:
     a, e = np.asarray(actual), np.asarray(expected)
-    f = Finding(name, True, kind, points=int(e.size))
+    f = Finding(name, True, kind, points=int(e.size), shape=list(e.shape),
+                stats={"golden": tensor_stats(e), "device": tensor_stats(a)})
     if a.shape != e.shape:
         f.passed = False
         f.reasons.append(f"shape {list(a.shape)} != golden {list(e.shape)}")
@@ -151,6 +167,8 @@ def _compare_pool(name, actual, expected, before, mapped_rows, tol, kind) -> Fin
     mapped[np.asarray(mapped_rows, np.int64)] = True
     am, em = a2[mapped], e2[mapped]
     f.points = int(em.size)
+    # the pool's statistics over the rows this dispatch maps (the rest must be unchanged bytes)
+    f.shape, f.stats = list(em.shape), {"golden": tensor_stats(em), "device": tensor_stats(am)}
     f.metrics = metrics.summary(am, em, kind[1]) if em.size else {}
     moved = ~mapped & (a2.view(np.uint8).reshape(a2.shape[0], -1) != b2.view(np.uint8).reshape(b2.shape[0], -1)).any(-1)
     f.metrics["unmapped_modified_rows"] = int(moved.sum())

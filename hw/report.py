@@ -109,7 +109,35 @@ def write_summary(run_dir, entries: list[dict], config: dict) -> dict:
     md += ["", "## Run", "", "```json", json.dumps(s["config"], indent=2, sort_keys=True), "```", ""]
     write_text(run_dir / "summary.md", "\n".join(md))
     write_text(run_dir / "summary.html", _html(s))
+    write_tensor_csv(run_dir / "tensors.csv", entries)
     return s
+
+
+TENSOR_COLUMNS = ("dispatch", "program", "layer", "stage", "tensor", "shape", "dtype", "quant", "op",
+                  "golden_max", "golden_min", "golden_mean", "golden_l2", "device_max", "device_min", "device_mean",
+                  "device_l2", "cosine", "max_abs_err", "max_rel_err", "rel_l2", "max_ulp", "bad_points", "points",
+                  "pass")
+
+
+def write_tensor_csv(path, entries: list[dict]) -> None:
+    """One row per compared tensor of every dispatch, in the msprobe compare layout: its site,
+    shape and dtype, golden and device statistics, and the error metrics with the verdict."""
+    import csv
+
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(TENSOR_COLUMNS)
+        for e in entries:
+            for f in e["findings"]:
+                op, dtype, quant = (f["kind"].split("/") + ["", "", ""])[:3]
+                site = f.get("site") or ["", ""]
+                g, d, m = f.get("stats", {}).get("golden", {}), f.get("stats", {}).get("device", {}), f["metrics"]
+                w.writerow([e["index"], e["program"], site[0], site[1], f["name"],
+                            "x".join(map(str, f["shape"])) if f.get("shape") is not None else "", dtype, quant, op,
+                            *(g.get(k) for k in ("max", "min", "mean", "l2")),
+                            *(d.get(k) for k in ("max", "min", "mean", "l2")),
+                            m.get("cosine"), m.get("max_abs"), m.get("max_rel"), m.get("rel_l2"), m.get("max_ulp"),
+                            f["bad_points"], f["points"], f["passed"]])
 
 
 def _html(s: dict) -> str:

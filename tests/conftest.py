@@ -1,6 +1,7 @@
 """Suite-wide settings: a hypothesis profile sized for CI (2 cores, whole suite well under 15 min)."""
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from golden.heap import retain_heap
@@ -14,3 +15,13 @@ settings.register_profile("ci", deadline=None, derandomize=True, suppress_health
 settings.register_profile("thorough", deadline=None, max_examples=1000,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for every Ray test (2 CPUs, no dashboard), started on first use; its address."""
+    import ray
+
+    ctx = ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ctx.address_info["address"]
+    ray.shutdown()

@@ -24,6 +24,7 @@ COMMANDS = {
     "capacity": "startup admission and the per-rank HBM account",
     "simulate": "run the serving simulator (capacity and admission)",
     "lockstep": "run dispatches on a device backend and check them against golden",
+    "sweep": "run a grid of simulations as Ray tasks: one table and its plots",
 }
 
 

@@ -105,10 +105,10 @@ def test_report_files(documented, tmp_path):
     *_, res = documented
     files = res.write(tmp_path)
     for f in ("requests.csv", "steps.csv", "dispatches.csv", "occupancy.csv", "risks.csv", "summary.json",
-              "trace.json", "latency_cdf.png", "occupancy.png", "acceptance.png"):
+              "vllm_result.json", "trace.json", "latency_cdf.png", "occupancy.png", "acceptance.png"):
         assert f in files and (tmp_path / f).stat().st_size > 0
     tr = json.loads((tmp_path / "trace.json").read_text())
-    slices = [e for e in tr["traceEvents"] if e.get("ph") == "X"]
+    slices = [e for e in tr["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "dispatch"]
     assert len(slices) == len(res.dispatches) and all(e["dur"] > 0 for e in slices)
 
 

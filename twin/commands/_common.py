@@ -71,6 +71,26 @@ def add_deployment_args(p: argparse.ArgumentParser, *,
         raise ValueError(f"overrides: {sorted(overrides)} are not deployment arguments (allowed: {dests})")
 
 
+def deployment_defaults(overrides: dict[str, tuple[object, str]] | None = None) -> dict:
+    """The deployment flags' defaults (dest -> value) of a command with these overrides."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_deployment_args(p, overrides=overrides)
+    return {a.dest: a.default for a in p._actions if a.dest != "help"}
+
+
+def slot_defaults_note(here: str, there: str, mine: dict, theirs: dict) -> str | None:
+    """Why two commands' default slot counts differ: the sizing settings they default to (None
+    when they agree).  mine / theirs: deployment defaults of `here` and `there`."""
+    keys = [("max_model_len", "max-model-len"), ("chunk", "chunk")]
+    diff = [(flag, mine[k], theirs[k]) for k, flag in keys if mine[k] != theirs[k]]
+    if not diff:
+        return None
+    a = ", ".join(f"{f} {m}" for f, m, _ in diff)
+    b = ", ".join(f"{f} {t}" for f, _, t in diff)
+    return (f"{here}'s defaults size the pools for {a}; `dspark-twin {there}` defaults to {b}, so its slot "
+            f"count differs: pass the same flags to both to compare")
+
+
 def deployment_from_args(args):
     from twin.abi import deployment
 
@@ -101,6 +121,11 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                    help="per-rank used HBM (total - free) in bytes at that moment (the maximum over ranks)")
     g.add_argument("--measured-slots", metavar="N",
                    help="slots per partition a boot at these settings admitted (its init_kv_cache log line)")
+
+
+def budget_given(args) -> bool:
+    """Whether a KV budget flag was given (the slot count then follows the budget, not the defaults)."""
+    return any(getattr(args, d, None) is not None for d in BUDGET_FLAGS.values())
 
 
 def budget_from_args(args):

@@ -1,6 +1,8 @@
 """Startup admission: blocks per request, bytes per slot, the per-rank HBM account, slots per partition."""
 from __future__ import annotations
 
+import argparse
+
 from rich.console import Console
 from rich.table import Table
 
@@ -22,6 +24,24 @@ def add_arguments(p) -> None:
 
 def _gib(v: int | None) -> str:
     return "open" if v is None else f"{v / GIB:.3f}"
+
+
+def _defaults_note(con, args) -> None:
+    """On capacity's own sizing defaults: say that simulate's differ, and what they admit."""
+    import os
+
+    from . import simulate
+    from ._common import budget_given, deployment_defaults, slot_defaults_note
+
+    mine, theirs = deployment_defaults(), deployment_defaults(simulate.DEPLOYMENT)
+    if (args.max_model_len, args.chunk) != (mine["max_model_len"], mine["chunk"]) or budget_given(args):
+        return
+    note = slot_defaults_note("capacity", "simulate", mine, theirs)
+    if note:
+        sim = hbm_account(deployment_from_args(argparse.Namespace(**{**vars(args), "max_model_len": theirs["max_model_len"],
+                                                                      "chunk": theirs["chunk"]})),
+                          hbm_bytes=int(args.hbm_gib * GIB), env=os.environ, ring_heap=args.ring_heap)
+        con.print(f"note: {note} (simulate's defaults admit {sim.slots_per_partition} slots per partition here)")
 
 
 def run(args) -> int:
@@ -81,6 +101,7 @@ def run(args) -> int:
     if acct.fits:
         con.print(f"slots per partition: [bold]{acct.slots_per_partition}[/bold] "
                   f"(x {dep.partitions} partitions = {acct.slots_per_partition * dep.partitions} max-length requests)")
+        _defaults_note(con, args)
         return 0
     con.print(f"[red]does not fit[/red]: {acct.error}")
     return 3

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import sys
 
+from twin.abi.errors import ConfigError
 from twin.abi.outputs import write_text
 
 from ._common import (add_budget_args, add_deployment_args, budget_from_args, deployment_from_args, flag_names, integer,
                       number, out_dir, print_json, seed)
+from ._datasets import add_dataset_args, dataset_requests
 
 # the simulator's defaults: a saturating FLASH serving setup (dest -> (default, help))
 _DEFAULTS = {
@@ -27,11 +29,20 @@ def add_arguments(p) -> None:
     w = p.add_argument_group("workload (default: the bundled twin/sim/data/default_workload.json)")
     w.add_argument("--workload", help="a workload spec JSON file (keys: docs/simulation.md)")
     w.add_argument("--trace", help="replay a JSONL request trace instead of a generated workload")
-    w.add_argument("--requests", type=integer, help="number of requests (overrides the spec)")
-    w.add_argument("--rate", type=number, help="arrival rate, requests/s ('inf': all at t=0)")
+    w.add_argument("--requests", "--num-prompts", dest="requests", type=integer,
+                   help="number of requests (overrides the spec; --num-prompts is vLLM's name)")
+    w.add_argument("--rate", "--request-rate", dest="rate", type=number,
+                   help="arrival rate, requests/s ('inf': all at t=0); --request-rate is vLLM's name")
+    w.add_argument("--burstiness", type=number,
+                   help="vLLM's gamma-arrival shape: 1 is Poisson, < 1 burstier, > 1 more uniform "
+                        "(sets --arrival gamma with CV 1/sqrt(burstiness))")
+    w.add_argument("--max-concurrency", type=integer,
+                   help="closed loop, as vllm bench serve: at most this many requests unfinished; "
+                        "a request is sent when one finishes (exact fidelity)")
     w.add_argument("--arrival", choices=("poisson", "gamma", "burst"), help="arrival process")
     w.add_argument("--seed", type=seed, default=None,
                    help="workload, routing and acceptance seed (default: the workload spec's seed, 0 with --trace)")
+    add_dataset_args(p)
     m = p.add_argument_group("models")
     m.add_argument("--acceptance", default="default",
                    help="default | forced:<1..8> | rates:<a1,...,a7> (per-position conditional)")
@@ -68,9 +79,35 @@ def add_arguments(p) -> None:
     o.add_argument("--slo-ttft", type=number, help="goodput SLO on TTFT (ms, > 0)")
     o.add_argument("--slo-tpot", type=number, help="goodput SLO on TPOT (ms, > 0)")
     o.add_argument("--slo-e2el", type=number, help="goodput SLO on E2EL (ms, > 0)")
+    o.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="goodput SLOs by vLLM's flag: ttft:500 tpot:50 e2el:2000 (ms; same as --slo-*)")
+    o.add_argument("--metric-percentiles", default="99",
+                   help="percentiles in vllm_result.json, comma-separated (default 99, as vLLM)")
     o.add_argument("--out", default="sim-out", help="report directory (default ./sim-out)")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--json", action="store_true", help="print the summary as JSON (no progress display)")
+
+
+def _traffic(workload: dict) -> dict:
+    """vLLM's request_rate and burstiness for the result file (a trace: rate not set, None)."""
+    if "trace" in workload:                     # a --trace file, or a timed dataset
+        return {"request_rate": None, "burstiness": 1.0}
+    burst = workload["arrival"] == "burst"
+    return {"request_rate": None if burst else workload["rate"],
+            "burstiness": 1.0 / workload["gamma_cv"] ** 2 if workload["arrival"] == "gamma" else 1.0}
+
+
+def _slo(args) -> dict:
+    """--slo-* and vLLM's --goodput, merged; the same SLO given twice must agree."""
+    from twin.sim.vllm_result import parse_goodput
+
+    slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2el", args.slo_e2el))
+           if v is not None}
+    for k, v in parse_goodput(args.goodput).items():
+        if k in slo and slo[k] != v:
+            raise ConfigError("--goodput", f"{k}:{v:g}", f"agreeing with --slo-{k} {slo[k]:g}")
+        slo[k] = v
+    return slo
 
 
 def _check_flags(args) -> None:
@@ -107,6 +144,8 @@ def _requests(args, dep):
     from twin.sim.workload import WorkloadSpec, default_spec, generate, load_jsonl
 
     vocab = dep.model.vocab_size
+    if args.trace and (args.dataset_name or args.dataset_path):
+        raise ConfigError("--trace", args.trace, "not with --dataset-name / --dataset-path (one source of requests)")
     if args.trace:
         return load_jsonl(args.trace, vocab=vocab, seed=args.seed or 0), {"trace": args.trace}
     if args.workload:
@@ -124,7 +163,14 @@ def _requests(args, dep):
                        ("arrival", args.arrival)):
         if value is not None:
             kw[key] = value
+    if args.burstiness is not None:
+        if args.arrival not in (None, "gamma"):
+            raise ConfigError("--burstiness", args.burstiness, "only with --arrival gamma (or no --arrival)")
+        kw["arrival"], kw["gamma_cv"] = "gamma", 1.0 / args.burstiness ** 0.5
     spec = spec.replace(**kw)
+    reqs, record = dataset_requests(args, dep, spec)
+    if reqs is not None:
+        return reqs, record
     return generate(spec), spec.to_dict()
 
 
@@ -146,6 +192,7 @@ def run(args) -> int:
     from twin.sim.acceptance import parse_acceptance
     from twin.sim.costmodel import Calibration, CostModel, DeviceLimits, Routing
     from twin.sim.run import SimConfig, simulate, startup_slots
+    from twin.sim.vllm_result import parse_percentiles
 
     _check_flags(args)
     if args.max_num_seqs is None:             # saturate the topology: 64 requests per TP group
@@ -157,9 +204,13 @@ def run(args) -> int:
     device = DeviceLimits.load(args.device)
     routing = Routing.from_trace_file(args.routing_trace) if args.routing == "trace" \
         else Routing(args.routing, skew=1.0 if args.routing_skew is None else args.routing_skew)
+    slo = _slo(args)
+    percentiles = parse_percentiles(args.metric_percentiles)
+    if args.burstiness is not None and not (args.burstiness > 0 and args.burstiness != float("inf")):
+        raise ConfigError("--burstiness", args.burstiness, "a finite number > 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError("--max-concurrency", args.max_concurrency, "an integer >= 1")
     reqs, workload = _requests(args, dep)
-    slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2el", args.slo_e2el))
-           if v is not None}
     if args.acceptance_from:
         from twin.functional.acceptance import load_acceptance
         acceptance = load_acceptance(args.acceptance_from)
@@ -173,7 +224,7 @@ def run(args) -> int:
                     slots=args.slots, measured=measured, total_kv_pages=pages, async_depth=1 if args.sync else 2,
                     stop_check=args.stop_check, slo_ms=slo or None, seed=seed_,
                     prefill_hang_probability=args.prefill_hang_prob,
-                    step_timeout=args.step_timeout, fidelity=args.fidelity)
+                    step_timeout=args.step_timeout, fidelity=args.fidelity, max_concurrency=args.max_concurrency)
     if args.recompute == "replay":
         from twin.functional.replay import ReplayScheduler
         cfg.scheduler = ReplayScheduler
@@ -194,7 +245,7 @@ def run(args) -> int:
                       TextColumn("t={task.fields[t]:.1f}s simulated"), console=con, transient=True) as prog:
             task = prog.add_task("sim", total=len(reqs), t=0.0)
             res = simulate(cfg, lambda t, done, total: prog.update(task, completed=done, t=t))
-    files = res.write(out, plots=not args.no_plots)
+    files = res.write(out, plots=not args.no_plots, percentiles=percentiles, traffic=_traffic(workload))
     if golden is not None:
         files += functional.write(out, cfg, golden, res.scheduler)
     s = res.summary
@@ -248,6 +299,17 @@ def _print_summary(con, Table, res, out, files, capped: str) -> None:
     con.print(f"prefix cache: {pc['hits']}/{pc['queries']} requests hit, token hit rate {pc['token_hit_rate']:.1%}; "
               f"preemptions {s['preemptions']}; slots/partition {s['slots_per_partition']} "
               f"(budget: {s['kv_budget_source']})")
+    from twin.abi.account import ACCOUNT
+
+    from ._common import deployment_defaults, slot_defaults_note
+
+    mine, theirs = deployment_defaults(DEPLOYMENT), deployment_defaults()
+    dep = s["deployment"]
+    if (dep["max_model_len"], dep["chunk"]) == (mine["max_model_len"], mine["chunk"]) and \
+            s.get("kv_budget_source") == ACCOUNT:
+        note = slot_defaults_note("simulate", "capacity", mine, theirs)
+        if note:
+            con.print(f"note: {note}")
     r = Table(title="risk report (serving-contract §10; docs/risks.md)")
     for c in ("risk", "count", "first t (s)"):
         r.add_column(c)

@@ -25,7 +25,7 @@ from .worker import plan as make_plan
 
 class Engine:
     def __init__(self, env: simpy.Environment, scheduler: Scheduler, executor, dep, device: DeviceLimits,
-                 recorder=None, *, depth: int = 2):
+                 recorder=None, *, depth: int = 2, max_concurrency: int | None = None):
         self.env, self.sched, self.executor, self.dep, self.dev = env, scheduler, executor, dep, device
         self.rec = recorder
         self.depth = depth
@@ -39,6 +39,11 @@ class Engine:
         self.device_free = 0.0
         self._wake = env.event()
         self._arrivals_left = 0
+        # `vllm bench serve --max-concurrency`: a closed loop; a request is sent only while fewer
+        # than this many of the client's requests are unfinished, and its clock starts when sent
+        self.max_concurrency = max_concurrency
+        self._sent = 0
+        self._finished_ev = env.event()
         self.done = env.event()
         self.split_reclaim = bool(dep.k)          # only the fused K=7 path reclaims split
         for proc in (self._engine(), self._prepare(), self._device(), self._reclaim()):
@@ -52,9 +57,19 @@ class Engine:
 
     def _arrive(self, reqs):
         env = self.env
+        mc = self.max_concurrency
         for r in reqs:
             if r.arrival > env.now:
                 yield env.timeout(r.arrival - env.now)
+            if mc is not None:
+                while self._sent - len(self.sched.finished) >= mc:
+                    self._finished_ev = env.event()
+                    yield self._finished_ev
+                if env.now > r.arrival:
+                    wait, r.arrival = env.now - r.arrival, env.now
+                    if self.rec:
+                        self.rec.client_queue[r.request_id] = wait
+                self._sent += 1
             self._arrivals_left -= 1
             self.sched.add_request(r)
             if self.rec:
@@ -64,6 +79,11 @@ class Engine:
     def _poke(self):
         if not self._wake.triggered:
             self._wake.succeed()
+
+    def _finishes_seen(self):
+        """A result, failure or stall may have finished requests: let a gated arrival go."""
+        if self.max_concurrency is not None and not self._finished_ev.triggered:
+            self._finished_ev.succeed()
 
     # ---- engine loop ---------------------------------------------------------------------------
     def _engine(self):
@@ -77,7 +97,10 @@ class Engine:
                     self.inflight.append(cmd)
                     if self.rec:
                         self.rec.scheduled(cmd, sched)
+                    t0 = env.now
                     yield env.timeout(per_req * len(cmd.scheduled))
+                    if self.rec:
+                        self.rec.host("schedule", cmd.step_id, t0, env.now)
                     self.cmd_q.put(cmd)
                     continue
             if self.inflight:
@@ -94,11 +117,13 @@ class Engine:
                     sched.fail_inflight(doomed, res.error)
                     if self.rec:
                         self.rec.worker_error(cmd, res.error)
+                    self._finishes_seen()
                     continue
                 touched = sched.update_from_output(cmd, res.tokens)
                 sched.check_stop(touched)
                 if self.rec:
                     self.rec.applied(cmd, res, touched)
+                self._finishes_seen()
                 continue
             if not sched.has_work:
                 if self._arrivals_left == 0:
@@ -114,6 +139,7 @@ class Engine:
         req = self.sched.break_stall()
         if self.rec:
             self.rec.stall(req)
+        self._finishes_seen()
 
     # ---- worker lanes ----------------------------------------------------------------------------
     def _prepare(self):
@@ -125,7 +151,10 @@ class Engine:
             if plan.decode_only:
                 slot_req = self.slots[cmd.step_id % 2].request()
                 yield slot_req
+            t0 = env.now
             yield env.timeout(self.dev.host_prepare_per_request * len(cmd.scheduled))
+            if self.rec:
+                self.rec.host("prepare", cmd.step_id, t0, env.now)
             self.dev_q.put((cmd, plan, slot_req))
 
     def _device(self):
@@ -155,7 +184,10 @@ class Engine:
             cmd, res, done, slot_req = yield self.reclaim_q.get()
             if done is not None:
                 yield done
+            t0 = env.now
             yield env.timeout(self.dev.host_reclaim)
+            if self.rec:
+                self.rec.host("reclaim", cmd.step_id, t0, env.now)
             if slot_req is not None:
                 self.slots[cmd.step_id % 2].release(slot_req)
             self.res_q.put(res)

@@ -16,6 +16,7 @@ class FleetRecorder:
         self.dispatches: list[tuple] = []
         self._free: list[tuple[float, np.ndarray]] = []
         self._itl: list[np.ndarray] = []
+        self._stream: list[tuple] = []         # (time, step, sampled rows, their output counts after)
         self._accepted: list[tuple[np.ndarray, np.ndarray]] = []
         self.accept_hist = np.zeros(k + 2 if k else 2, dtype=np.int64)
         self.fallbacks = 0
@@ -24,6 +25,8 @@ class FleetRecorder:
         self.req: dict[str, dict] = {}
         self.pages: list[tuple] = []
         self.itl = np.zeros(0)
+        self.client_queue: dict[str, float] = {}   # the fleet engine has no closed loop: always empty
+        self.host_lanes: list[tuple] = []          # the fleet engine charges host time inside its steps
         self.sim = None
 
     # ---- hooks (the fleet engine calls them) -------------------------------------------------------
@@ -70,6 +73,12 @@ class FleetRecorder:
         dropped once, at finalize; first / last / chunks are the engine's arrays) and the decode
         rows' acceptance."""
         self._itl.append(itl)
+        sim = self.sim
+        # the sampled rows are the ones whose stream time is now (apply_rows sets it), in row order
+        rows = cmd.idx[sim.last[cmd.idx] == sim.now]
+        if len(rows) != len(itl):
+            raise AssertionError(f"step {cmd.step_id}: {len(rows)} rows stamped now, {len(itl)} gaps")
+        self._stream.append((sim.now, cmd.step_id, rows, sim.n_out[rows].copy()))
         if cmd.accepted is not None:               # the decode rows' (accepted counts, drafted)
             self._accepted.append(cmd.accepted)    # counted once, at finalize (a bincount a step cost ~1%)
 
@@ -93,8 +102,30 @@ class FleetRecorder:
             parts = np.tile(np.repeat(np.arange(G), F), len(self._free)).tolist()
             self.pages.extend(zip(times, parts, list(self.families) * (G * len(self._free)), used.ravel().tolist()))
         self._free = []
+        streams = self._streams()
         cols = [[None if x != x else x for x in a.tolist()] for a in (sim.first, sim.last, sim.admitted, sim.end)]
-        for rid, arr, pl, ch, ca, fi, la, ad, en in zip(
-                sim.rid, sim.arrival.tolist(), sim.plen.tolist(), sim.chunks.tolist(), sim.cached.tolist(), *cols):
+        for i, (rid, arr, pl, ch, ca, fi, la, ad, en) in enumerate(zip(
+                sim.rid, sim.arrival.tolist(), sim.plen.tolist(), sim.chunks.tolist(), sim.cached.tolist(), *cols)):
             self.req[rid] = {"arrival": arr, "prompt_len": pl, "first": fi, "last": la, "chunks": ch,
-                             "admitted": ad, "cached": ca, "end": en}
+                             "admitted": ad, "cached": ca, "end": en, "stream": streams.get(i, [])}
+
+    def _streams(self) -> dict[int, list[tuple[float, int, int]]]:
+        """Per request, its streamed chunks as (time, tokens, step): the output count's steps
+        between successive chunks (the exact recorder's `stream` rows)."""
+        if not self._stream:
+            return {}
+        t = np.concatenate([np.full(len(r), now) for now, _, r, _ in self._stream])
+        st = np.concatenate([np.full(len(r), s, dtype=np.int64) for _, s, r, _ in self._stream])
+        rows = np.concatenate([r for _, _, r, _ in self._stream])
+        outs = np.concatenate([o for *_, o in self._stream]).astype(np.int64)
+        order = np.argsort(rows, kind="stable")          # per request, in time order
+        t, st, rows, outs = t[order], st[order], rows[order], outs[order]
+        new = np.diff(outs, prepend=0)
+        first = np.ones(len(rows), bool)
+        first[1:] = rows[1:] != rows[:-1]
+        new[first] = outs[first]
+        self._stream = []
+        out: dict[int, list] = {}
+        for i, ti, ni, si in zip(rows.tolist(), t.tolist(), new.tolist(), st.tolist()):
+            out.setdefault(i, []).append((ti, ni, si))
+        return out

@@ -1,4 +1,4 @@
-"""Metrics with `vllm bench serve` definitions, as pandas frames, PNG plots and a Perfetto trace.
+"""Metrics with `vllm bench serve` definitions, as pandas frames and PNG plots (the trace: `trace`).
 
 - TTFT: first token time - arrival; E2EL: finish time - arrival;
 - TPOT: (E2EL - TTFT) / (output tokens - 1), for requests with more than one output token;
@@ -19,6 +19,7 @@ import pandas as pd
 from twin.abi.outputs import atomic_path, write_text
 
 from .request import Finish
+from .vllm_result import latency_stats
 
 COMPLETED = {Finish.EOS, Finish.LENGTH, Finish.STOP}
 PERCENTILES = (50, 90, 95, 99)
@@ -81,14 +82,21 @@ def acceptance(rec) -> dict:
 
 
 def _stats(x) -> dict:
+    """The summary's latency block: vLLM's statistics (`vllm_result.latency_stats`), None when empty."""
     # None and NaN both mean "no value": one vectorised mask instead of a Python test per element
     x = np.asarray(x)
     x = np.asarray(pd.to_numeric(pd.Series(x), errors="coerce"), dtype=float) if x.dtype == object else x.astype(float)
-    x = x[~np.isnan(x)] * 1e3
+    x = x[~np.isnan(x)]
     if not len(x):
         return {"mean_ms": None, "median_ms": None, "std_ms": None, **{f"p{p}_ms": None for p in PERCENTILES}}
-    return {"mean_ms": float(x.mean()), "median_ms": float(np.median(x)), "std_ms": float(x.std()),
-            **{f"p{p}_ms": float(np.percentile(x, p)) for p in PERCENTILES}}
+    return {k.replace("_x_", "_"): v for k, v in latency_stats("x", x, PERCENTILES).items()}
+
+
+def completed_itl(req_df: pd.DataFrame, rec) -> np.ndarray:
+    """Inter-token gaps (s) of the completed requests' streams, as vLLM counts them."""
+    gaps = [np.diff([c[0] for c in rec.req.get(rid, {}).get("stream", ())])
+            for rid in req_df.loc[req_df["completed"], "request_id"]]
+    return np.concatenate(gaps) if gaps else np.zeros(0)
 
 
 def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
@@ -114,7 +122,7 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
         "request_throughput": len(done) / dur, "output_token_throughput": out_tok / dur,
         "total_token_throughput": (in_tok + out_tok) / dur,
         "request_goodput": (len(good) / dur) if slo else None, "slo_ms": slo or {},
-        "ttft": _stats(done["ttft"]), "tpot": _stats(done["tpot"]), "itl": _stats(np.asarray(rec.itl)),
+        "ttft": _stats(done["ttft"]), "tpot": _stats(done["tpot"]), "itl": _stats(completed_itl(req_df, rec)),
         "e2el": _stats(done["e2el"]),
         "acceptance": acceptance(rec),
         "prefix_cache": {**p, "hit_rate": (p["hits"] / p["queries"]) if p["queries"] else 0.0,
@@ -126,69 +134,101 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
     }
 
 
-# ---- trace and plots ---------------------------------------------------------------------------
-def perfetto_trace(rec, steps: pd.DataFrame) -> dict:
-    """Chrome/Perfetto JSON: device dispatches as slices, live requests per partition as counters."""
-    ev = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "device (16 NPUs)"}},
-          {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "engine"}}]
-    tid = {"prefill": 0, "seed": 1, "decode": 2, "error": 3}
-    for step, kind, start, secs, meta, parts in rec.dispatches:
-        ev.append({"name": kind, "cat": "dispatch", "ph": "X", "ts": start * 1e6, "dur": secs * 1e6, "pid": 0,
-                   "tid": tid.get(kind, 4), "args": {"step": step, **{k: v for k, v in meta.items() if k != "requests"},
-                                                     **{f"t_{k}_ms": v * 1e3 for k, v in parts.items()}}})
-    for row in steps.itertuples(index=False):
-        ev.append({"name": "schedule", "cat": "engine", "ph": "i", "s": "t", "ts": row.t * 1e6, "pid": 1, "tid": 0,
-                   "args": {"step": row.step, "prefill": row.n_prefill, "decode": row.n_decode}})
-        ev.append({"name": "live requests", "ph": "C", "ts": row.t * 1e6, "pid": 1,
-                   "args": {c: getattr(row, c) for c in steps.columns if c.startswith("live_p")}})
-    return {"traceEvents": ev, "displayTimeUnit": "ms"}
-
-
-def plots(out: Path, req_df, steps, occ, acc: dict) -> list[str]:
+# ---- plots ------------------------------------------------------------------------------------
+def plots(out: Path, req_df, steps, occ, acc: dict, *, capacity: dict[str, int] | None = None,
+          slots: int | None = None, slo: dict | None = None, itl=None) -> list[str]:
+    """latency_cdf.png (TTFT, TPOT, ITL, E2EL with p50/p90/p99 and SLO markers), occupancy.png
+    (live requests per group against the slots, used pages per family against its capacity),
+    acceptance.png.  capacity: pages per family over all partitions; itl: gaps in seconds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     files = []
-    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    slo = slo or {}
     done = req_df[req_df["completed"]]
-    for a, key in zip(ax, ("ttft", "tpot", "e2el")):
-        x = np.sort(done[key].dropna().to_numpy() * 1e3)
+    series = {"ttft": done["ttft"].dropna().to_numpy(), "tpot": done["tpot"].dropna().to_numpy(),
+              "itl": np.asarray(itl if itl is not None else [], dtype=float), "e2el": done["e2el"].dropna().to_numpy()}
+    fig, ax = plt.subplots(1, 4, figsize=(16, 3.9))
+    for a, (key, x) in zip(ax, series.items()):
+        x = np.sort(x * 1e3)
         if len(x):
-            a.plot(x, np.arange(1, len(x) + 1) / len(x))
+            a.plot(x, np.arange(1, len(x) + 1) / len(x), lw=1.4)
+            for p, m in zip((50, 90, 99), ("o", "s", "^")):
+                v = float(np.percentile(x, p))
+                a.plot([v], [p / 100], m, color="black", ms=5)
+                a.annotate(f"p{p} {v:.0f}", (v, p / 100), textcoords="offset points", xytext=(5, -10), fontsize=7)
+        if slo.get(key) is not None:
+            a.axvline(slo[key], color="red", ls="--", lw=1)
+            met = float((x <= slo[key]).mean()) if len(x) else 0.0
+            a.annotate(f"SLO {slo[key]:g} ms\n{met:.0%} within", (slo[key], 0.05), color="red", fontsize=7,
+                       textcoords="offset points", xytext=(4, 0))
+        a.set_title(f"{key.upper()} ({len(x)} {'gaps' if key == 'itl' else 'requests'})", fontsize=10)
         a.set_xlabel(f"{key.upper()} (ms)")
-        a.set_ylabel("CDF")
+        a.set_ylabel("fraction at or below")
+        a.set_ylim(0, 1.02)
         a.grid(alpha=0.3)
+    fig.suptitle(f"latency CDFs: {len(done)} completed of {len(req_df)} requests", fontsize=11)
     fig.tight_layout()
     _savefig(fig, out / "latency_cdf.png")
     plt.close(fig)
     files.append("latency_cdf.png")
 
-    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for c in [c for c in steps.columns if c.startswith("live_p")]:
-        ax[0].step(steps["t"], steps[c], where="post", label=c[5:].replace("p", "group "))
-    ax[0].set_ylabel("live requests")
-    ax[0].axhline(64, color="red", lw=0.8, ls="--")
-    ax[0].legend(fontsize=8)
-    if len(occ):
-        tot = occ.groupby(["t", "family"])["used_pages"].sum().unstack()
-        for fam in tot.columns:
-            ax[1].plot(tot.index, tot[fam] / tot[fam].max() if tot[fam].max() else tot[fam], label=fam)
-    ax[1].set_ylabel("used pages (/ run max)")
-    ax[1].set_xlabel("simulated time (s)")
-    ax[1].legend(fontsize=7, ncol=4)
+    fams = list(capacity) if capacity else sorted(occ["family"].unique()) if len(occ) else []
+    ncol = 4
+    nrow = 1 + (len(fams) + ncol - 1) // ncol if fams else 1
+    fig = plt.figure(figsize=(16, 2.9 * nrow))
+    gs = fig.add_gridspec(nrow, ncol)
+    a = fig.add_subplot(gs[0, :])
+    live = [c for c in steps.columns if c.startswith("live_p")]
+    for c in live:
+        a.step(steps["t"], steps[c], where="post", label=f"TP group {c[6:]}", lw=1)
+    if slots is not None:
+        a.axhline(slots, color="red", lw=1, ls="--")
+        a.annotate(f"capacity slots per group: {slots}", (0.005, slots), xycoords=("axes fraction", "data"),
+                   color="red", fontsize=8, va="bottom")
+        a.set_ylim(0, slots * 1.15)
+    a.set_ylabel("live requests")
+    a.set_xlabel("simulated time (s)")
+    a.set_title("live requests per TP group", fontsize=10)
+    a.legend(fontsize=8, ncol=len(live), loc="upper right")
+    a.grid(alpha=0.3)
+    tot = occ.groupby(["t", "family"])["used_pages"].sum().unstack() if len(occ) else pd.DataFrame()
+    for i, fam in enumerate(fams):
+        a = fig.add_subplot(gs[1 + i // ncol, i % ncol])
+        if fam in tot:
+            a.plot(tot.index, tot[fam], lw=1.2)
+            peak = int(tot[fam].max())
+        else:
+            peak = 0
+        cap = capacity.get(fam) if capacity else None
+        if cap is not None:
+            a.axhline(cap, color="red", ls="--", lw=1)
+            a.set_ylim(0, cap * 1.12)
+            a.annotate(f"capacity {cap:,}", (0.02, cap), xycoords=("axes fraction", "data"), color="red",
+                       fontsize=8, va="bottom")
+        a.set_title(f"{fam}: peak {peak:,}" + (f" ({peak / cap:.0%})" if cap else "") + " pages", fontsize=9)
+        a.set_ylabel("used pages (all groups)", fontsize=8)
+        a.set_xlabel("simulated time (s)", fontsize=8)
+        a.tick_params(labelsize=7)
+        a.grid(alpha=0.3)
+    fig.suptitle("occupancy: live requests and KV pages per cache family against their limits", fontsize=11)
     fig.tight_layout()
     _savefig(fig, out / "occupancy.png")
     plt.close(fig)
     files.append("occupancy.png")
 
     if acc.get("acceptance_per_position"):
-        fig, ax = plt.subplots(figsize=(6, 3.4))
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
         pp = acc["acceptance_per_position"]
         ax.bar(range(1, len(pp) + 1), pp)
+        for i, v in enumerate(pp, 1):
+            ax.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
         ax.set_xlabel("draft position")
-        ax.set_ylabel("accepted fraction of verifies")
-        ax.set_title(f"mean accepted length {acc['mean_accepted_length']:.2f}")
+        ax.set_ylabel("fraction of verifies accepting it")
+        ax.set_ylim(0, 1.08)
+        ax.set_title(f"acceptance per position: mean accepted length {acc['mean_accepted_length']:.2f} "
+                     f"over {acc['verifies']} verifies", fontsize=10)
         fig.tight_layout()
         _savefig(fig, out / "acceptance.png")
         plt.close(fig)

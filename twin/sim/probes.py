@@ -30,11 +30,13 @@ class Recorder(SchedulerProbe):
         self.events: list[tuple] = []         # (t, kind, request, detail)
         self.prefix = {"queries": 0, "hits": 0, "query_tokens": 0, "hit_tokens": 0, "fallbacks": 0}
         self._page_every = 1
+        self.client_queue: dict[str, float] = {}   # request -> client-side wait under --max-concurrency (s)
+        self.host_lanes: list[tuple] = []          # (lane, step, start, end): schedule / prepare / reclaim
 
     # ---- scheduler probe -----------------------------------------------------------------------
     def arrived(self, req):
         self.req[req.request_id] = {"arrival": req.arrival, "prompt_len": req.prompt_len, "first": None,
-                                    "last": None, "chunks": 0}
+                                    "last": None, "chunks": 0, "stream": []}
 
     def admitted(self, req, hit_tokens, fallback):
         d = self.req.get(req.request_id)
@@ -54,7 +56,7 @@ class Recorder(SchedulerProbe):
 
     def finished(self, req):
         d = self.req.setdefault(req.request_id, {"arrival": req.arrival, "prompt_len": req.prompt_len,
-                                                 "first": None, "last": None, "chunks": 0})
+                                                 "first": None, "last": None, "chunks": 0, "stream": []})
         d["end"] = self.env.now
 
     def stop_in_chunk(self, req, index, n_new):
@@ -85,6 +87,7 @@ class Recorder(SchedulerProbe):
             if n == 0:
                 continue
             d = self.req[req.request_id]
+            d["stream"].append((now, n, cmd.step_id))   # per streamed chunk: vLLM's itls, the trace's flows
             if d["first"] is None:
                 d["first"] = now
             else:
@@ -99,6 +102,9 @@ class Recorder(SchedulerProbe):
                     h[c] += 1
                 else:
                     self.fallbacks += 1
+
+    def host(self, lane: str, step: int, start: float, end: float):
+        self.host_lanes.append((lane, step, start, end))
 
     def worker_error(self, cmd, error):
         self.events.append((self.env.now, "worker_error", None, {"step": cmd.step_id, "error": error}))

@@ -26,7 +26,8 @@ from twin.abi.errors import ConfigError
 from twin.abi.inputs import number
 from twin.abi.outputs import atomic_path
 
-from . import metrics, risk
+from . import metrics, risk, vllm_result
+from .trace import family_capacity, perfetto_trace
 from .acceptance import AcceptanceModel, ConditionalAcceptance
 from .costmodel import Calibration, CostModel, DeviceLimits, Routing
 from .engine import Engine
@@ -71,6 +72,8 @@ class SimConfig:
     # "exact": page identities, every request an object (the default, pinned by fingerprints);
     # "fleet": struct-of-arrays requests and page counts, for sweeps (docs/simulation.md, "Fidelity")
     fidelity: str = "exact"
+    # `--max-concurrency`: at most this many unfinished requests sent (a closed loop; exact fidelity)
+    max_concurrency: int | None = None
 
     def __post_init__(self):
         if self.fidelity not in FIDELITIES:
@@ -85,6 +88,13 @@ class SimConfig:
             if key not in SLO_KEYS:
                 raise ConfigError("slo_ms key", key, f"one of {SLO_KEYS}")
             number(ms, f"slo_{key}", lo=0.0, lo_open=True, unit="(milliseconds)")
+        if self.max_concurrency is not None:
+            if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) \
+                    or self.max_concurrency < 1:
+                raise ConfigError("max_concurrency", self.max_concurrency, "an integer >= 1 (or None: open loop)")
+            if self.fidelity == "fleet":
+                raise ConfigError("max_concurrency", self.max_concurrency,
+                                  "None with fidelity 'fleet' (the closed loop runs in the exact engine)")
 
 
 @dataclass
@@ -103,7 +113,16 @@ class SimResult:
     risk_summary: pd.DataFrame
     summary: dict
 
-    def write(self, out: str | Path, *, plots: bool = True, trace: bool = True) -> list[str]:
+    def bench_result(self, traffic: dict | None = None, percentiles=vllm_result.DEFAULT_PERCENTILES) -> dict:
+        """The `vllm bench serve` result (twin/sim/vllm_result.py).  traffic: the client settings
+        vLLM records (`request_rate`, `burstiness`, `model_id`, `label`); defaults: all at once."""
+        t = {"request_rate": None, "burstiness": 1.0, "model_id": self.config.dep.model.name, **(traffic or {})}
+        return vllm_result.result(self.requests, self.recorder, duration=self.summary["duration_s"],
+                                  num_prompts=len(self.requests), max_concurrency=self.config.max_concurrency,
+                                  percentiles=percentiles, goodput=self.config.slo_ms, **t)
+
+    def write(self, out: str | Path, *, plots: bool = True, trace: bool = True, traffic: dict | None = None,
+              percentiles=vllm_result.DEFAULT_PERCENTILES) -> list[str]:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         files = []
@@ -114,11 +133,16 @@ class SimResult:
             files.append(f"{name}.csv")
         metrics.write_json(out / "summary.json", self.summary)
         files.append("summary.json")
+        metrics.write_json(out / "vllm_result.json", self.bench_result(traffic, percentiles))
+        files.append("vllm_result.json")
         if trace:
-            metrics.write_json(out / "trace.json", metrics.perfetto_trace(self.recorder, self.steps))
+            metrics.write_json(out / "trace.json", perfetto_trace(self.recorder, self.steps, self.requests,
+                                                                  family_capacity(self.scheduler.kv)))
             files.append("trace.json")
         if plots:
-            files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"])
+            files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"],
+                                   capacity=family_capacity(self.scheduler.kv), slots=self.slots,
+                                   slo=self.config.slo_ms, itl=metrics.completed_itl(self.requests, self.recorder))
         return files
 
 
@@ -165,7 +189,7 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
     ex = cfg.executor(cost, slots) if cfg.executor is not None else CostModelExecutor(
         cost, cfg.acceptance, seed=cfg.seed, prefill_hang_probability=cfg.prefill_hang_probability,
         step_timeout=cfg.step_timeout)
-    eng = Engine(env, sched, ex, dep, device, rec, depth=cfg.async_depth)
+    eng = Engine(env, sched, ex, dep, device, rec, depth=cfg.async_depth, max_concurrency=cfg.max_concurrency)
     return env, eng, sched, rec, slots
 
 

@@ -1,0 +1,125 @@
+"""Run a grid of simulations as Ray tasks: one tidy table (sweep.csv) and its plots.
+
+A local Ray is started for the run (`--num-cpus` workers) unless `--address` names a running
+cluster whose nodes have dspark-twin installed.  Points already done in `--out` are not rerun.
+Grid format: twin/sim/sweep.py and docs/simulation.md#sweeps.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+from twin.abi.errors import ConfigError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("grid", metavar="GRID", help="the grid file, YAML or JSON (base / grid / slo)")
+    p.add_argument("--out", default="sweep-out", help="sweep directory (default ./sweep-out)")
+    p.add_argument("--address", help="a running Ray cluster (ray://host:10001 or host:6379); default: start one")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--json", action="store_true", help="print the table as JSON records")
+
+
+class _Strict(argparse.ArgumentParser):
+    """simulate's parser, raising instead of exiting, so a bad point is one line naming it."""
+
+    def error(self, message):
+        raise ConfigError("point", self._point, f"simulate arguments ({message})")
+
+
+def _check(points_argv) -> None:
+    from . import simulate
+
+    p = _Strict(prog="simulate", add_help=False)
+    simulate.add_arguments(p)
+    for pid, a in points_argv:
+        p._point = pid
+        p.parse_args(a)
+
+
+def run_point(argv: list[str]) -> tuple[int, str]:
+    """One point, in a Ray worker: `dspark-twin simulate ARGV`; (exit status, its stderr)."""
+    from twin.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["simulate", *argv])
+    return rc, err.getvalue().strip()
+
+
+def _ray(args):
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("sweep", "ray", "Ray installed: pip install -e '.[ray]'") from None
+    if ray.is_initialized():
+        return ray, False
+    if args.address:
+        try:
+            ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError("--address", args.address, f"a reachable Ray cluster ({type(e).__name__})") from None
+    else:
+        try:
+            ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            # RAY_ADDRESS in the environment names a cluster, which takes no --num-cpus
+            raise ConfigError("--num-cpus", args.num_cpus, f"unset when RAY_ADDRESS names a cluster "
+                                                           f"({type(e).__name__})") from None
+    return ray, True
+
+
+def run(args) -> int:
+    import pandas as pd
+
+    from twin.sim import sweep
+
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise ConfigError("--num-cpus", args.num_cpus, ">= 1")
+    grid = sweep.load_grid(args.grid)
+    out = Path(args.out)
+    pts = [(sweep.point_id(s, grid["slo"]), s) for s in sweep.points(grid)]
+    todo = [(pid, s) for pid, s in pts if not (out / "points" / pid / "point.json").is_file()]
+    _check([(pid, sweep.argv(s, grid["slo"], out / "points" / pid)) for pid, s in pts])
+    failed: dict[str, str] = {}
+    if todo:
+        ray, started = _ray(args)
+        try:
+            task = ray.remote(num_cpus=1)(run_point)
+            refs = {pid: (s, task.remote(sweep.argv(s, grid["slo"], out / "points" / pid))) for pid, s in todo}
+            for pid, (s, ref) in refs.items():
+                try:
+                    rc, err = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    rc, err = 70, str(e).strip().splitlines()[-1]
+                if rc == 0:
+                    # the marker a resumed sweep trusts: written only after the point's files
+                    (out / "points" / pid / "point.json").write_text(json.dumps({"point": pid, "settings": s}))
+                else:
+                    failed[pid] = err.splitlines()[-1] if err else f"exit status {rc}"
+        finally:
+            if started:
+                ray.shutdown()
+    rows = [sweep.row(pid, s, grid["slo"], out / "points" / pid) for pid, s in pts if pid not in failed]
+    rows += [{"point": pid, **s, "error": failed[pid]} for pid, s in pts if pid in failed]
+    table = pd.DataFrame(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "sweep.csv", index=False)
+    files = ["sweep.csv"]
+    ok = table[table["error"].isna()] if "error" in table else table
+    if not args.no_plots and len(ok):
+        files += sweep.plots(out, ok, grid)
+    if args.json:
+        json.dump(json.loads(table.to_json(orient="records")), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(f"sweep: {len(pts)} points ({len(pts) - len(todo)} already done, {len(todo) - len(failed)} run, "
+              f"{len(failed)} failed); {out}/ ({', '.join(files)})")
+    for pid, err in failed.items():
+        print(f"dspark-twin sweep: point {pid} failed: {err}", file=sys.stderr)
+    return 1 if failed else 0
