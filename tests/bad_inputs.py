@@ -25,6 +25,12 @@ FILE_FLAGS = {("simulate", "--workload"), ("simulate", "--trace"), ("simulate", 
 REPORT = '{"index": 0, "program": "l3_prefill_fwd", "verdict": "pass"}\n'
 FILES = {
     "empty.json": "",
+    "bad.csv": "a,b\n1,2\n",
+    "bad.yaml": "base: [1\n",
+    "grid-flag.json": '{"grid": {"nope-flag": [1]}}',
+    "grid-ok.json": '{"base": {"requests": 2, "rate": "inf"}, "grid": {"num-speculative-tokens": [0]}}',
+    "sharegpt.json": '[{"conversations": [{"from": "human", "value": "Explain paged attention in two sentences."}, '
+                     '{"from": "gpt", "value": "Rows live in fixed pages."}]}]',
     "not.json": '{"rate": 3,\n oops}',
     "list.json": "[1, 2]",
     "afile": "a regular file\n",
@@ -399,6 +405,86 @@ def _rows():
         "a number")
     add("lockstep --policy entry", L + ["{d}/pol-entry.json"], "--policy", ["{d}/pol-entry.json", "entry=0.1"],
         "an object of tolerance fields")
+    # ---- simulate: vLLM's names, datasets ----------------------------------------------------------
+    add("simulate --burstiness 0", SIMQ + ["--burstiness", "0"], "--burstiness", "--burstiness=0.0",
+        "a finite number > 0")
+    add("simulate --burstiness nan", SIMQ + ["--burstiness", "nan"], "--burstiness", ["--burstiness", "'nan'"],
+        "not NaN")
+    add("simulate --burstiness with burst arrivals", SIMQ + ["--arrival", "burst", "--burstiness", "2"],
+        "--burstiness", "--burstiness=2.0", "only with --arrival gamma")
+    add("simulate --max-concurrency 0", SIMQ + ["--max-concurrency", "0"], "--max-concurrency",
+        "--max-concurrency=0", "an integer >= 1")
+    add("simulate --max-concurrency fleet", SIMQ + ["--max-concurrency", "2", "--fidelity", "fleet"],
+        "--max-concurrency", "max_concurrency=2", "None with fidelity 'fleet'")
+    add("simulate --goodput pair", SIMQ + ["--goodput", "ttft500"], "--goodput", "--goodput='ttft500'", "KEY:MS pairs")
+    add("simulate --goodput key", SIMQ + ["--goodput", "foo:5"], "--goodput", "--goodput='foo:5'",
+        "KEY one of ('ttft', 'tpot', 'e2el')")
+    add("simulate --goodput against --slo-ttft", SIMQ + ["--slo-ttft", "400", "--goodput", "ttft:500"], "--goodput",
+        "--goodput='ttft:500'", "agreeing with --slo-ttft 400")
+    add("simulate --metric-percentiles 101", SIMQ + ["--metric-percentiles", "101"], "--metric-percentiles",
+        "--metric-percentiles='101'", "numbers in [0, 100]")
+    add("simulate --dataset-name bogus", SIMQ + ["--dataset-name", "bogus"], "--dataset-name",
+        ["--dataset-name", "'bogus'"], "'sharegpt', 'random'")
+    add("simulate --dataset-path without a name", SIMQ + ["--dataset-path", "{d}/sharegpt.json"], "--dataset-path",
+        "--dataset-path='{d}/sharegpt.json'", "only with --dataset-name sharegpt, mooncake or azure")
+    add("simulate --dataset-path missing", SIMQ + ["--dataset-name", "sharegpt", "--dataset-path", "{d}/nope.json"],
+        "--dataset-path", "{d}/nope.json", "an existing ShareGPT JSON file")
+    add("simulate --dataset-path wrong shape", SIMQ + ["--dataset-name", "sharegpt", "--dataset-path",
+                                                       "{d}/list.json"], "--dataset-path", "{d}/list.json",
+        "{'conversations'")
+    add("simulate --dataset-path mooncake line", SIMQ + ["--dataset-name", "mooncake", "--dataset-path",
+                                                         "{d}/not.json"], "--dataset-path", "{d}/not.json:1",
+        "a JSON object per line")
+    add("simulate --dataset-path azure header", SIMQ + ["--dataset-name", "azure", "--dataset-path", "{d}/bad.csv"],
+        "--dataset-path", "{d}/bad.csv:1", "TIMESTAMP,ContextTokens,GeneratedTokens")
+    add("simulate --dataset-path with --trace", SIM + ["--trace", "{d}/tr-key.jsonl", "--dataset-name", "azure",
+                                                       "--dataset-path", "{d}/bad.csv"], "--dataset-path",
+        "--trace='{d}/tr-key.jsonl'", "one source of requests")
+    add("simulate --tokenizer missing", SIMQ + ["--dataset-name", "sharegpt", "--dataset-path", "{d}/sharegpt.json",
+                                                "--tokenizer", "{d}/nodir"], "--tokenizer", "--tokenizer='{d}/nodir'",
+        "a directory holding tokenizer.json")
+    add("simulate --tokenizer not sharegpt", SIMQ + ["--dataset-name", "random", "--tokenizer", "{d}"],
+        "--tokenizer", "--tokenizer='{d}'", "only with --dataset-name sharegpt")
+    add("simulate --sharegpt-output-len 0", SIMQ + ["--dataset-name", "sharegpt", "--dataset-path",
+                                                    "{d}/sharegpt.json", "--sharegpt-output-len", "0"],
+        "--sharegpt-output-len", "--sharegpt-output-len=0", ">= 1")
+    add("simulate --sharegpt-output-len without sharegpt", SIMQ + ["--sharegpt-output-len", "5"],
+        "--sharegpt-output-len", "--sharegpt-output-len=5", "only with --dataset-name sharegpt")
+    RND = SIMQ + ["--dataset-name", "random"]
+    add("simulate --random-input-len 0", RND + ["--random-input-len", "0"], "--random-input-len",
+        "--random-input-len=0", "the shortest sampled input >= 1 token")
+    add("simulate --random-input-len without random", SIMQ + ["--random-input-len", "10"], "--random-input-len",
+        "--random-input-len=10", "only with --dataset-name random")
+    add("simulate --random-output-len -1", RND + ["--random-output-len", "-1"], "--random-output-len",
+        "--random-output-len=-1", ">= 1")
+    add("simulate --random-range-ratio 1.5", RND + ["--random-range-ratio", "1.5"], "--random-range-ratio",
+        "--random-range-ratio=1.5", "in [0, 1)")
+    add("simulate --random-prefix-len -1", RND + ["--random-prefix-len", "-1"], "--random-prefix-len",
+        "--random-prefix-len=-1", ">= 0")
+    PRE = SIMQ + ["--dataset-name", "prefix_repetition"]
+    add("simulate --prefix-repetition-num-prefixes 0", PRE + ["--prefix-repetition-num-prefixes", "0"],
+        "--prefix-repetition-num-prefixes", "--prefix-repetition-num-prefixes=0", "1..num_prompts (4)")
+    for flag in ("--prefix-repetition-prefix-len", "--prefix-repetition-suffix-len", "--prefix-repetition-output-len"):
+        add(f"simulate {flag} -1", PRE + ["--prefix-repetition-num-prefixes", "2", flag, "-1"], flag, f"{flag}=-1",
+            ">= ")
+        add(f"simulate {flag} without prefix_repetition", SIMQ + [flag, "8"], flag, f"{flag}=8",
+            "only with --dataset-name prefix_repetition")
+
+    # ---- sweep -----------------------------------------------------------------------------------------
+    add("sweep grid missing", ["sweep", "{d}/nope.yaml", "--out", "{d}/sw"], "grid", "GRID='{d}/nope.yaml'",
+        "an existing YAML or JSON grid file")
+    add("sweep grid not YAML", ["sweep", "{d}/bad.yaml", "--out", "{d}/sw"], "grid", "{d}/bad.yaml:2",
+        "a YAML mapping with base / grid / slo")
+    add("sweep grid wrong shape", ["sweep", "{d}/list.json", "--out", "{d}/sw"], "grid", "{d}/list.json",
+        "a mapping with 'grid'")
+    add("sweep grid unknown flag", ["sweep", "{d}/grid-flag.json", "--out", "{d}/sw"], "grid", "--nope-flag",
+        "simulate arguments")
+    add("sweep --out under a file", ["sweep", "{d}/grid-ok.json", "--out", "{d}/afile/sw"], "--out",
+        "{d}/afile/sw", "a directory")
+    add("sweep --num-cpus 0", ["sweep", "{d}/grid-ok.json", "--out", "{d}/sw", "--num-cpus", "0"], "--num-cpus",
+        "--num-cpus=0", ">= 1")
+    add("sweep --address unreachable", ["sweep", "{d}/grid-ok.json", "--out", "{d}/sw", "--address", "auto"],
+        "--address", "--address='auto'", "a reachable Ray cluster")
     return R
 
 

@@ -4,7 +4,33 @@ from __future__ import annotations
 
 from twin.abi.errors import ConfigError
 
+from ._common import integer, number
+
 FILE_DATASETS = ("sharegpt", "mooncake", "azure")
+# each dataset's own flags: (default, help); given with another dataset (or none) they are refused
+OWN_DEFAULTS = {
+    "random_input_len": (1024, "random: mean input length"),
+    "random_output_len": (128, "random: mean output length"),
+    "random_range_ratio": (0.0, "random: lengths uniform in [L(1-r), L(1+r)], r in [0, 1)"),
+    "random_prefix_len": (0, "random: a prefix shared by all"),
+    "prefix_repetition_prefix_len": (256, "prefix_repetition: the shared prefix's length"),
+    "prefix_repetition_suffix_len": (256, "prefix_repetition: each request's own suffix length"),
+    "prefix_repetition_num_prefixes": (10, "prefix_repetition: distinct prefixes"),
+    "prefix_repetition_output_len": (128, "prefix_repetition: output length"),
+}
+OWNER = {"random_": "random", "prefix_repetition_": "prefix_repetition", "sharegpt_": "sharegpt"}
+
+
+def _own_flags(args) -> None:
+    """Refuse a dataset's own flag given for another dataset, then fill in the defaults."""
+    for name in (*OWN_DEFAULTS, "sharegpt_output_len"):
+        value = getattr(args, name)
+        owner = next(o for prefix, o in OWNER.items() if name.startswith(prefix))
+        if value is not None and args.dataset_name != owner:
+            raise ConfigError("--" + name.replace("_", "-"), value, f"only with --dataset-name {owner}")
+    for name, (default, _) in OWN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def add_dataset_args(p) -> None:
@@ -17,17 +43,11 @@ def add_dataset_args(p) -> None:
     d.add_argument("--dataset-path", help="the dataset file (ShareGPT JSON, Mooncake JSONL, Azure CSV)")
     d.add_argument("--tokenizer", help=f"a local tokenizer directory (tokenizer.json) for ShareGPT lengths "
                                        f"(default: {CHARS_PER_TOKEN:g} characters per token)")
-    d.add_argument("--sharegpt-output-len", type=int, help="fix every ShareGPT output length")
-    d.add_argument("--random-input-len", type=int, default=1024, help="random: mean input length (default 1024)")
-    d.add_argument("--random-output-len", type=int, default=128, help="random: mean output length (default 128)")
-    d.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="random: lengths uniform in [L(1-r), L(1+r)], r in [0, 1) (default 0)")
-    d.add_argument("--random-prefix-len", type=int, default=0, help="random: a prefix shared by all (default 0)")
-    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="default 256")
-    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="default 256")
-    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, help="default 10")
-    d.add_argument("--prefix-repetition-output-len", type=int, default=128, help="default 128")
-
+    d.add_argument("--sharegpt-output-len", type=integer, help="fix every ShareGPT output length")
+    for name, (default, what) in OWN_DEFAULTS.items():
+        flag = "--" + name.replace("_", "-")
+        d.add_argument(flag, type=number if name == "random_range_ratio" else integer, default=None,
+                       help=f"{what} (default {default:g})")
 
 def dataset_requests(args, dep, spec):
     """The dataset's requests (None without --dataset-name) and the workload record for the summary.
@@ -36,6 +56,7 @@ def dataset_requests(args, dep, spec):
     from twin.sim.workload import arrivals
 
     name, path = args.dataset_name, args.dataset_path
+    _own_flags(args)
     if name is None:
         if path is not None:
             raise ConfigError("--dataset-path", path, "only with --dataset-name sharegpt, mooncake or azure")

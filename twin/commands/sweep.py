@@ -14,13 +14,16 @@ import sys
 from pathlib import Path
 
 from twin.abi.errors import ConfigError
+from twin.abi.outputs import atomic_path, write_text
+
+from ._common import integer, out_dir
 
 
 def add_arguments(p) -> None:
     p.add_argument("grid", metavar="GRID", help="the grid file, YAML or JSON (base / grid / slo)")
     p.add_argument("--out", default="sweep-out", help="sweep directory (default ./sweep-out)")
     p.add_argument("--address", help="a running Ray cluster (ray://host:10001 or host:6379); default: start one")
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--num-cpus", type=integer, default=None, help="CPUs of the local Ray (default: all)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--json", action="store_true", help="print the table as JSON records")
 
@@ -82,7 +85,7 @@ def run(args) -> int:
     if args.num_cpus is not None and args.num_cpus < 1:
         raise ConfigError("--num-cpus", args.num_cpus, ">= 1")
     grid = sweep.load_grid(args.grid)
-    out = Path(args.out)
+    out = out_dir(args.out, "--out")
     pts = [(sweep.point_id(s, grid["slo"]), s) for s in sweep.points(grid)]
     todo = [(pid, s) for pid, s in pts if not (out / "points" / pid / "point.json").is_file()]
     _check([(pid, sweep.argv(s, grid["slo"], out / "points" / pid)) for pid, s in pts])
@@ -99,7 +102,7 @@ def run(args) -> int:
                     rc, err = 70, str(e).strip().splitlines()[-1]
                 if rc == 0:
                     # the marker a resumed sweep trusts: written only after the point's files
-                    (out / "points" / pid / "point.json").write_text(json.dumps({"point": pid, "settings": s}))
+                    write_text(out / "points" / pid / "point.json", json.dumps({"point": pid, "settings": s}))
                 else:
                     failed[pid] = err.splitlines()[-1] if err else f"exit status {rc}"
         finally:
@@ -108,8 +111,8 @@ def run(args) -> int:
     rows = [sweep.row(pid, s, grid["slo"], out / "points" / pid) for pid, s in pts if pid not in failed]
     rows += [{"point": pid, **s, "error": failed[pid]} for pid, s in pts if pid in failed]
     table = pd.DataFrame(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "sweep.csv", index=False)
+    with atomic_path(out / "sweep.csv") as tmp:
+        table.to_csv(tmp, index=False)
     files = ["sweep.csv"]
     ok = table[table["error"].isna()] if "error" in table else table
     if not args.no_plots and len(ok):

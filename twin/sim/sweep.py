@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from twin.abi.errors import ConfigError
+from twin.abi.outputs import atomic_path
 
 KEYS = ("base", "grid", "slo")
 UNITS = {"request-rate": " (requests/s)", "rate": " (requests/s)", "max-concurrency": " (requests)"}
@@ -156,7 +157,8 @@ def plots(out: Path, table: pd.DataFrame, grid: dict) -> list[str]:
                        color="red", fontsize=8, va="bottom")
     fig.suptitle(f"throughput vs latency over {x_key} ({len(table)} points)")
     fig.tight_layout()
-    fig.savefig(out / "throughput_latency.png", dpi=110)
+    with atomic_path(out / "throughput_latency.png") as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     files.append("throughput_latency.png")
     if "slo_attainment" in table:
@@ -173,7 +175,8 @@ def plots(out: Path, table: pd.DataFrame, grid: dict) -> list[str]:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / "slo_attainment.png", dpi=110)
+        with atomic_path(out / "slo_attainment.png") as tmp:
+            fig.savefig(tmp, dpi=110)
         plt.close(fig)
         files.append("slo_attainment.png")
     return files
