@@ -8,7 +8,8 @@
   prefills, seeding waves, decode; a decode-only K=7 command is submitted and left to the
   reclaim lane: split reclaim), *reclaim* (waits for the device, reads outputs, publishes
   results in dispatch order);
-- a worker error aborts the failed batch and every in-flight batch (serving-contract §4.11).
+- a worker error aborts the failed batch and every in-flight batch (serving-contract §4.11);
+- a run with no progress over the scheduler's livelock window stops and reports the livelock.
 
 The scheduler and the executor are plain objects handed in; this module only adds time.
 """
@@ -40,7 +41,8 @@ class Engine:
         self._wake = env.event()
         self._arrivals_left = 0
         self.done = env.event()
-        self.split_reclaim = bool(dep.k)          # only the fused K=7 path reclaims split
+        self.split_reclaim = bool(dep.k)
+        self.livelock: dict | None = None          # only the fused K=7 path reclaims split
         for proc in (self._engine(), self._prepare(), self._device(), self._reclaim()):
             env.process(proc)
 
@@ -99,6 +101,13 @@ class Engine:
                 sched.check_stop(touched)
                 if self.rec:
                     self.rec.applied(cmd, res, touched)
+                lock = sched.livelock()
+                if lock is not None:          # upstream would never end: stop and report it
+                    self.livelock = lock
+                    if self.rec:
+                        self.rec.livelock(lock)
+                    self.done.succeed()
+                    return
                 continue
             if not sched.has_work:
                 if self._arrivals_left == 0:

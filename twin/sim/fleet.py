@@ -66,6 +66,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check,
                                                max_preemptions=cfg.max_preemptions)
         self.max_preemptions = scfg.max_preemptions
+        self.livelock_window = scfg.livelock_window
         self.stop_token_mode = scfg.stop_check == "token"
         self.depth = scfg.async_depth
         self.kv = PagePools.from_deployment(dep, slots)
@@ -211,6 +212,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         discard: set[int] = set()
         prep_free = dev_free = rec_free = 0.0
         slot_free = [0.0, 0.0]
+        progress, window = 0, self.livelock_window
         per_req, per_prep, lifecycle, reclaim = (dev.host_schedule_per_request, dev.host_prepare_per_request,
                                                  dev.lifecycle, dev.host_reclaim)
         while True:
@@ -262,7 +264,14 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
                     self.fail_inflight([cmd, *inflight], cmd.error)
                     self.rec.worker_error(cmd.step_id, cmd.error, self.now)
                     continue
+                done_before = self.finished
                 self.apply(cmd)
+                if self.finished != done_before or (cmd.counts is not None and cmd.counts.any()):
+                    progress = cmd.step_id
+                elif cmd.step_id - progress > window and self.has_work:
+                    # no progress over the livelock window: upstream would never end
+                    self.rec.events.append((self.now, "livelock", None, {"step": cmd.step_id, "since_step": progress}))
+                    return
                 continue
             if not self.has_work:
                 if ai == n:

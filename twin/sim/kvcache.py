@@ -7,10 +7,11 @@ rolling families are rings of `max_blocks_per_seq` slots whose write slot is det
 shared and rotated through the free queue when solely owned (serving-contract.md §3).
 
 Async block-table pins (§3.5) are kept implicit: a pin of a page the request still owns costs
-nothing; only when the owner drops a pinned page (a wrap onto it, a detach) does the pin become
-a stored reference, released with the snapshot.  So `ref` of a block always equals its owners
-plus the in-flight snapshots that hold it (`effective_ref`), while pinning a 4,000-page table
-costs O(1) instead of O(pages).  Tables are immutable tuples, replaced on every change, so a pin
+nothing; only when the owner drops a pinned page (a wrap onto it, a detach, the request's
+release) does the pin become a stored reference, released with the snapshot in the snapshot's
+slot order, family by family, as upstream's explicit pin references are.  So `ref` of a block
+plus its implicit pins always equals its owners plus the in-flight snapshots that hold it
+(`effective_refs`), while pinning a 4,000-page table costs O(1) instead of O(pages).  Tables are immutable tuples, replaced on every change, so a pin
 is the tuple of the current tables (no copy) and a ring rewrite can tell at once that a pin
 taken since the last change holds every slot.  No SimPy here.
 """
@@ -96,8 +97,9 @@ class _Owned:
 
 
 class Pin:
-    """An in-flight step's exact block tables (§3.5); `stored` lists (family, blocks) runs of
-    refs that became explicit because the owner dropped the pages while this pin held them."""
+    """An in-flight step's exact block tables (§3.5); `stored` lists (family, first slot, blocks)
+    runs of consecutive slots whose refs became explicit because the owner dropped the pages while
+    this pin held them."""
 
     __slots__ = ("tables", "partition", "stored")
 
@@ -106,7 +108,11 @@ class Pin:
         self.stored = [] if stored is None else stored
 
     def __repr__(self) -> str:
-        return f"Pin(partition={self.partition}, stored={sum(len(bs) for _, bs in self.stored)})"
+        return f"Pin(partition={self.partition}, stored={sum(len(bs) for _, _, bs in self.stored)})"
+
+
+def _run_key(run) -> tuple[int, int]:
+    return run[0], run[1]
 
 
 class KvCacheManager:
@@ -124,6 +130,7 @@ class KvCacheManager:
         self.free: list[list[OrderedDict]] = [[OrderedDict.fromkeys(range(f.blocks_per_partition))
                                                for _ in range(partitions)] for f in families]
         self.reqs: dict[str, _Owned] = {}
+        self.orphans: set[Pin] = set()      # pins of released requests, held until their step settles
         self.load = [0] * partitions
         self._next_partition = 0
         self._nf = nf
@@ -357,7 +364,7 @@ class KvCacheManager:
         if len(pins) == 1 and end <= maxb and pins[0].tables[f] is t and len(free) >= n:
             # the async steady state (a few pages, the one in-flight step pins the whole table):
             # every page moves from the owner to the pin, ref counts unchanged, all detaches
-            pins[0].stored.append((f, t[s0:end]))
+            pins[0].stored.append((f, s0, t[s0:end]))
             new = self._take_n(f, p, n)
             self.stats["detaches"] += n
             return t[:s0] + tuple(new) + t[end:]
@@ -373,7 +380,7 @@ class KvCacheManager:
             else:
                 lp = len(pt)
                 hit = [s < lp and pt[s] == b for s, b in zip(slots, old)]
-            stored.append((f, [b for b, h in zip(old, hit) if h]))
+            stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
         if len(free) >= n:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
@@ -507,15 +514,46 @@ class KvCacheManager:
         return pin
 
     def unpin(self, rid: str, pin: Pin) -> None:
+        """The step that took `pin` was applied or discarded: its references go."""
         o = self.reqs.get(rid)
         if o is not None and pin in o.pins:
             o.pins.remove(pin)
+        else:
+            self.orphans.discard(pin)
         self._release_stored(pin)
 
     def _release_stored(self, pin: Pin) -> None:
-        for f, bs in pin.stored:
+        """`release_group_block_snapshot`: family by family, in the snapshot's slot order (a page
+        the owner still holds cannot reach zero here, so only the stored ones matter)."""
+        st = pin.stored
+        if len(st) > 1:
+            st.sort(key=_run_key)
+        for f, _, bs in st:
             self._decref_all(f, pin.partition, bs)
-        pin.stored.clear()
+        st.clear()
+
+    def _store_pin(self, pin: Pin) -> None:
+        """The owner drops every page: each page the pin still holds implicitly becomes a stored
+        reference, so it stays in use until the in-flight step settles (upstream's snapshot ref)."""
+        p = pin.partition
+        held: dict[int, set] = {}
+        for f, s0, bs in pin.stored:
+            held.setdefault(f, set()).update(range(s0, s0 + len(bs)))
+        for f, t in enumerate(pin.tables):
+            if not t:
+                continue
+            r = self.ref[f][p]
+            h = held.get(f)
+            if h is None:
+                pin.stored.append((f, 0, t))
+                for b in t:
+                    if b is not None:
+                        r[b] += 1
+                continue
+            for s, b in enumerate(t):
+                if b is not None and s not in h:
+                    pin.stored.append((f, s, (b,)))
+                    r[b] += 1
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
         """`cache_group_blocks_from_snapshot`: after a confirmed step, hash the completed prompt
@@ -562,14 +600,16 @@ class KvCacheManager:
 
     # ---- release -----------------------------------------------------------------------------
     def release(self, rid: str) -> None:
-        """`release_all_group_requests`: pins first, then owned pages in table order; freed pages
-        keep their hashes at the free-queue tail."""
+        """`release_all_group_requests`: the owner's pages in table order, family by family; pages
+        an in-flight step still pins stay in use until that step is applied or discarded (`unpin`).
+        Freed pages keep their hashes at the free-queue tail."""
         o = self.reqs.pop(rid, None)
         if o is None:
             return
-        for pin in list(o.pins):
-            o.pins.remove(pin)
-            self._release_stored(pin)
+        for pin in o.pins:
+            self._store_pin(pin)
+            self.orphans.add(pin)
+        o.pins = []
         p = o.partition
         for f, t in enumerate(o.tables):
             if t:
@@ -593,6 +633,11 @@ class KvCacheManager:
                         if b is not None and b not in seen:
                             seen.add(b)
                             d[b] = d.get(b, 0) + 1
+        for pin in self.orphans:
+            for f, _, bs in pin.stored:
+                d = out[f][pin.partition]
+                for b in bs:
+                    d[b] = d.get(b, 0) + 1
         return out
 
     def implicit_pins(self) -> list[list[dict[int, int]]]:
@@ -600,7 +645,7 @@ class KvCacheManager:
         for o in self.reqs.values():
             for pin in o.pins:
                 stored = {}
-                for f, bs in pin.stored:
+                for f, _, bs in pin.stored:
                     for b in bs:
                         stored[(f, b)] = stored.get((f, b), 0) + 1
                 for f in range(self._nf):

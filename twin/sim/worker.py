@@ -96,7 +96,9 @@ def plan(cmd, dep) -> StepPlan:
             dispatches = split_prefill(pre, dep.prefill_batch, dep.prefill_requests_per_partition)
         except ValueError as e:
             error = error or str(e)
-    waves = [tuple(w) for w in seeding_waves([it for it in pre if it.terminal])] if dep.k else []
+    # the runner seeds once per prefill dispatch, with that dispatch's completed requests
+    waves = [tuple(w) for d in dispatches for w in seeding_waves([it for it in d.items if it.terminal])] \
+        if dep.k else []
     groups, derr = decode_groups(cmd.decode.items, dep.partitions, dep.k)
     return StepPlan(cmd.step_id, tuple(dispatches), tuple(waves), cmd.decode if cmd.decode.items else None,
                     groups, cmd.decode_only, error or derr, {r.request_id: r for r in cmd.new_requests},
