@@ -14,6 +14,7 @@ import json
 from collections import deque
 from pathlib import Path
 
+from twin.sim.decisions import DecisionLog
 from twin.sim.kvcache import FamilySpec, KvCacheManager
 from twin.sim.request import Request, Sampling
 from twin.sim.scheduler import Scheduler, SchedulerConfig, SchedulerProbe
@@ -78,10 +79,12 @@ def _used(kv: KvCacheManager) -> dict[str, list[int]]:
     return {n: [u[n] for u in per] for n in kv.names}
 
 
-def replay(fx: dict, max_steps: int | None = None) -> tuple[list[dict], list]:
-    """The twin's decisions on the fixture's workload, in the fixture's record format."""
+def replay(fx: dict, max_steps: int | None = None, log: bool = False):
+    """The twin's decisions on the fixture's workload, in the fixture's record format (and, with
+    `log`, the run's decision log)."""
     cfg = fx["config"]
     s = build(cfg)
+    dlog = DecisionLog(s) if log else None
     for w in fx["workload"]:
         s.add_request(Request(w["id"], w["prompt"], Sampling(w["max_new_tokens"], None, True), w["arrival"]))
     depth = cfg["batch_queue_depth"]
@@ -113,6 +116,8 @@ def replay(fx: dict, max_steps: int | None = None) -> tuple[list[dict], list]:
             raise AssertionError(f"stalled after {len(steps)} steps: work left, nothing schedulable")
         if max_steps is not None and len(steps) >= max_steps and not inflight:
             break
+    if log:
+        return steps, s.probe.log, dlog.done()
     return steps, s.probe.log
 
 

@@ -115,6 +115,30 @@ def _run_key(run) -> tuple[int, int]:
     return run[0], run[1]
 
 
+class PageLog:
+    """The page ids that left (`taken`) and joined (`freed`) each free queue since the last `cut`,
+    in the order the manager moved them, keyed by (family index, partition)."""
+
+    __slots__ = ("taken", "freed")
+
+    def __init__(self):
+        self.taken: dict[tuple[int, int], list[int]] = {}
+        self.freed: dict[tuple[int, int], list[int]] = {}
+
+    def take(self, f: int, p: int, blocks) -> None:
+        self.taken.setdefault((f, p), []).extend(blocks)
+
+    def free(self, f: int, p: int, blocks) -> None:
+        self.freed.setdefault((f, p), []).extend(blocks)
+
+    def cut(self, names) -> dict:
+        """What moved since the last cut, as {"taken"|"freed": {"family/partition": [ids]}}."""
+        out = {k: {f"{names[f]}/{p}": v for (f, p), v in sorted(d.items())}
+               for k, d in (("taken", self.taken), ("freed", self.freed))}
+        self.taken, self.freed = {}, {}
+        return out
+
+
 class KvCacheManager:
     def __init__(self, families: tuple[FamilySpec, ...], partitions: int, *, prefix_caching: bool = True):
         self.families = families
@@ -140,6 +164,7 @@ class KvCacheManager:
         self._maxb = [f.max_blocks_per_seq for f in families]
         self._rolling = [f.rolling for f in families]
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
+        self.log: PageLog | None = None     # page ids moved, for the decision log (off: no cost)
 
     @classmethod
     def from_deployment(cls, dep, slots: int) -> "KvCacheManager":
@@ -169,6 +194,8 @@ class KvCacheManager:
         free, bh, ref = self.free[f][p], self.bhash[f][p], self.ref[f][p]
         popitem = free.popitem
         out = [popitem(False)[0] for _ in range(n)]
+        if self.log is not None:
+            self.log.take(f, p, out)
         for b in out:
             ref[b] = 1
             h = bh[b]
@@ -184,6 +211,7 @@ class KvCacheManager:
         """One reference fewer on each block (None: no page); a page left unreferenced joins the
         free queue's tail with its hash kept."""
         r, fr = self.ref[f][p], self.free[f][p]
+        freed = [] if self.log is not None else None
         for b in blocks:
             if b is None:
                 continue
@@ -191,8 +219,12 @@ class KvCacheManager:
             r[b] = x
             if x == 0:
                 fr[b] = None
+                if freed is not None:
+                    freed.append(b)
             elif x < 0:
                 raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+        if freed:
+            self.log.free(f, p, freed)
 
     def _pinned(self, o: _Owned, f: int, slot: int, b: int) -> bool:
         for pin in o.pins:
@@ -365,7 +397,7 @@ class KvCacheManager:
             # the async steady state (a few pages, the one in-flight step pins the whole table):
             # every page moves from the owner to the pin, ref counts unchanged, all detaches
             pins[0].stored.append((f, s0, t[s0:end]))
-            new = self._take_n(f, p, n)
+            new = self._take_n(f, p, n)             # logs the taken pages
             self.stats["detaches"] += n
             return t[:s0] + tuple(new) + t[end:]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
@@ -408,6 +440,9 @@ class KvCacheManager:
                         free[b] = None
             for nb in new:
                 ref[nb] = 1
+            if self.log is not None:
+                self.log.take(f, p, new)
+                self.log.free(f, p, [b for b in old if ref[b] == 0])
         else:
             # the queue may run dry: a page freed by this rewrite is taken again, in order
             new = []
@@ -421,9 +456,13 @@ class KvCacheManager:
                 ref[b] = r
                 if r == 0:
                     free[b] = None
+                    if self.log is not None:
+                        self.log.free(f, p, (b,))
                 nb = popitem(False)[0]
                 ref[nb] = 1
                 new.append(nb)
+                if self.log is not None:
+                    self.log.take(f, p, (nb,))
         bh = self.bhash[f][p]
         evictions = 0
         for nb in new:
@@ -499,6 +538,8 @@ class KvCacheManager:
                 if b is not None:
                     if self.ref[f][partition][b] == 0:
                         del self.free[f][partition][b]
+                        if self.log is not None:
+                            self.log.take(f, partition, (b,))
                     self.ref[f][partition][b] += 1
             o.tables[f] = t = tuple(t)
             o.holes |= None in t

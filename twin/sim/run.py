@@ -9,6 +9,7 @@ per-rank memory, or a page count), then `allocate_with_retry` halves them on a s
 from __future__ import annotations
 
 import gc
+import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from twin.abi.errors import ConfigError
 from . import metrics, risk
 from .acceptance import AcceptanceModel, ConditionalAcceptance
 from .costmodel import Calibration, CostModel, DeviceLimits, Routing
+from .decisions import DecisionLog
 from .engine import Engine
 from .executor import CostModelExecutor
 from .kvcache import KvCacheManager
@@ -63,6 +65,7 @@ class SimConfig:
     # "exact": page identities, every request an object (the default, pinned by fingerprints);
     # "fleet": struct-of-arrays requests and page counts, for sweeps (docs/simulation.md, "Fidelity")
     fidelity: str = "exact"
+    decision_log: bool = False                    # keep every decision (twin/sim/decisions.py); exact only
 
     def __post_init__(self):
         if self.fidelity not in FIDELITIES:
@@ -70,6 +73,8 @@ class SimConfig:
         if self.fidelity == "fleet" and (self.executor is not None or self.scheduler is not Scheduler):
             raise ConfigError("fidelity", self.fidelity,
                               "'exact' when an executor or a scheduler subclass is injected (fleet runs its own)")
+        if self.decision_log and self.fidelity != "exact":
+            raise ConfigError("decision_log", self.decision_log, "False with fidelity 'fleet' (exact only)")
         if not 0.0 <= self.prefill_hang_probability <= 1.0:
             raise ConfigError("prefill_hang_probability", self.prefill_hang_probability, "in [0, 1]")
         if not self.step_timeout > 0:
@@ -91,6 +96,7 @@ class SimResult:
     risks: pd.DataFrame
     risk_summary: pd.DataFrame
     summary: dict
+    decisions: list[dict] | None = None           # the decision log, when kept
 
     def write(self, out: str | Path, *, plots: bool = True, trace: bool = True) -> list[str]:
         out = Path(out)
@@ -107,6 +113,11 @@ class SimResult:
             files.append("trace.json")
         if plots:
             files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"])
+        if self.decisions is not None:
+            with open(out / "decisions.jsonl", "w") as f:
+                for r in self.decisions:
+                    f.write(json.dumps(r) + "\n")
+            files.append("decisions.jsonl")
         return files
 
 
@@ -139,6 +150,8 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
                       noise_token=dep.model.dspark_noise_token_id)
     rec = Recorder(env, sched, partitions=dep.partitions, k=dep.k)
     sched.probe = rec
+    if cfg.decision_log:
+        DecisionLog(sched)
     cost = CostModel(dep, slots, device, cfg.routing, cfg.calibration, seed=cfg.seed, fixed_tile=cfg.fixed_tile)
     ex = cfg.executor(cost, slots) if cfg.executor is not None else CostModelExecutor(
         cost, cfg.acceptance, seed=cfg.seed, prefill_hang_probability=cfg.prefill_hang_probability,
@@ -220,5 +233,7 @@ def _result(cfg: SimConfig, slots: int, sched, rec, wall: float, now: float) -> 
                  "sim_s_per_wall_s": now / wall if wall else None, "steps": len(rec.steps),
                  "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
                  "kv_stats": dict(sched.kv.stats), "fidelity": cfg.fidelity})
+    log = getattr(sched, "log", None)
     return SimResult(cfg, slots, sched, rec, wall, now, req_df, steps, metrics.dispatches_frame(rec),
-                     metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ)
+                     metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ,
+                     log.done() if log is not None else None)

@@ -24,6 +24,7 @@ from twin.abi.errors import ConfigError
 from .kvcache import KVCacheCapacityError, KvCacheManager, Pin
 from .leases import LeaseManager, LeasesExhausted
 from .request import Finish, Request, Status
+from .worker import dispatch_waves, split_prefill
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Scheduler:
         self.kv = kv
         self.leases = leases if leases is not None else (LeaseManager(kv.partitions) if cfg.k else None)
         self.probe = probe or SchedulerProbe()
+        self.log = None                      # a DecisionLog when the run keeps one
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -189,6 +191,8 @@ class Scheduler:
         max_seq, chunk = cfg.max_seq_len, cfg.chunk_limit
         out: dict[str, Scheduled] = {}
         self._pass += 1
+        if self.log is not None:
+            self.log.begin_schedule()
         finished_ids, self._finished_ids = self._finished_ids, []     # preemptions below queue here
 
         # phase 1: running requests, over the list as it stood (a victim later in it is skipped)
@@ -264,6 +268,8 @@ class Scheduler:
             req.cached_tokens = hit
             self.running.append(req)
             self.probe.admitted(req, hit, fallback)
+            if self.log is not None:
+                self.log.admitted(req, hit, fallback)
             new_reqs.append(req)
             out[rid] = Scheduled(req, num_new, 0, req.num_computed, True,
                                  req.num_computed + num_new >= req.prompt_len, req.incarnation)
@@ -297,6 +303,8 @@ class Scheduler:
         if s is not None:
             back = s.num_new + s.spec
         self.probe.preempted(victim, by)
+        if self.log is not None:
+            self.log.preempted(victim, by)
         self._thrash.append((victim.request_id, by.request_id, victim.partition))
         self.kv.release(victim.request_id)
         self.running.remove(victim)
@@ -336,25 +344,30 @@ class Scheduler:
                 dec.append(DecodeItem(req.request_id, last, s.start + s.num_new - 1, blocks, req.partition,
                                       self._noise, req.lease, req.generation))
         error = None
+        taken: list = []
+        dispatches = None
+        if (self.leases is not None or self.log is not None) and pre:
+            try:
+                dispatches = split_prefill(pre, self.cfg.prefill_batch, self.cfg.prefill_requests_per_partition)
+            except ValueError:
+                dispatches = None                 # the step fails in the worker anyway
         if self.leases is not None and out:
             for rid in finished_ids:
                 self.leases.release(rid)          # the worker frees finished leases before new reservations
-            pre, error = self._reserve_leases(pre)
-        return StepCommand(self._step, list(out.values()), PrefillBatch(tuple(pre)),
-                           DecodeBatch(tuple(dec), k), new_reqs, finished_ids, error)
+            pre, error, taken = self._reserve_leases(pre, dispatches)
+        cmd = StepCommand(self._step, list(out.values()), PrefillBatch(tuple(pre)),
+                          DecodeBatch(tuple(dec), k), new_reqs, finished_ids, error)
+        if self.log is not None:
+            waves = dispatch_waves(dispatches) if k and dispatches is not None else []
+            self.log.command(cmd, taken, waves)
+        return cmd
 
-    def _reserve_leases(self, pre: list[PrefillItem]) -> tuple[list[PrefillItem], str | None]:
+    def _reserve_leases(self, pre: list[PrefillItem], dispatches) -> tuple[list[PrefillItem], str | None, list]:
         """A request's first prefill chunk takes a drafter lease in dispatch order (the runner's
         tail capture runs dispatch by dispatch), not in scheduled order."""
-        from .worker import split_prefill
-
-        try:
-            order = [it for batch in split_prefill(pre, self.cfg.prefill_batch, self.cfg.prefill_requests_per_partition)
-                     for it in batch.items]
-        except ValueError:
-            order = pre                           # the step fails in the worker anyway
+        order = pre if dispatches is None else [it for batch in dispatches for it in batch.items]
         error = None
-        leased = {}
+        leased, taken = {}, []
         for it in order:
             req = self.requests[it.request_id]
             if req.lease is None:
@@ -363,9 +376,10 @@ class Scheduler:
                 except LeasesExhausted as e:
                     error = error or str(e)
                     continue
+                taken.append((req.request_id, req.lease, req.generation))
             leased[it.request_id] = (req.lease, req.generation)
         return [replace(it, lease=leased[it.request_id][0], generation=leased[it.request_id][1])
-                if it.request_id in leased else it for it in pre], error
+                if it.request_id in leased else it for it in pre], error, taken
 
     # ---- async accounting ----------------------------------------------------------------------
     def advance_after_schedule(self, cmd: StepCommand) -> None:
@@ -385,10 +399,15 @@ class Scheduler:
         every snapshot release of this step (upstream's order)."""
         touched = []
         done = False
+        log = self.log
+        if log is not None:
+            log.begin_apply(cmd.step_id)
         for s in cmd.scheduled:
             req = s.req
             rid = req.request_id
             if req.finished or req.incarnation != s.incarnation:
+                if log is not None:
+                    log.discarded(req)
                 req.discarded_tokens += len(tokens.get(rid, ()))
                 self.kv.unpin(rid, s.pin)         # a stale result: its snapshot goes now
                 continue
@@ -488,6 +507,8 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
         self.finished.append(req)
         self.probe.finished(req)
+        if self.log is not None:
+            self.log.finished(req)
 
     def fail_inflight(self, cmds: Iterable[StepCommand], detail: str) -> None:
         """A worker error or timeout: every request in the failed and in-flight batches aborts
