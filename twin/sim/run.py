@@ -62,7 +62,8 @@ class SimConfig:
     # variants: executor(cost_model, slots) -> Executor; scheduler: a Scheduler subclass
     executor: Callable | None = None
     scheduler: type = Scheduler
-    # "exact": page identities, every request an object (the default, pinned by fingerprints);
+    # "exact": page identities, every request an object, upstream's decisions (the default, proven on
+    # upstream's recorded runs by tests/sim/test_upstream_fixtures.py);
     # "fleet": struct-of-arrays requests and page counts, for sweeps (docs/simulation.md, "Fidelity")
     fidelity: str = "exact"
     decision_log: bool = False                    # keep every decision (twin/sim/decisions.py); exact only
