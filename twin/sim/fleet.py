@@ -44,6 +44,9 @@ from .request import Status
 from .scheduler import SchedulerConfig
 
 
+FLEET_PREEMPTION_CAP = 100
+
+
 class FleetSim(FleetSchedule, FleetApply, FleetExecute):
     """Scheduler + executor + engine timing of one fleet run (plain object, no SimPy)."""
 
@@ -65,7 +68,9 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         # the exact scheduler's config validates async_depth (`apply` relies on 1 or 2) and stop_check
         scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check,
                                                max_preemptions=cfg.max_preemptions)
-        self.max_preemptions = scfg.max_preemptions
+        # no cap given: the fleet fidelity still ends a request at its 100th preemption; its decisions
+        # are not upstream's, and without one its thrash on a saturated burst runs on and on
+        self.max_preemptions = scfg.max_preemptions if scfg.max_preemptions is not None else FLEET_PREEMPTION_CAP
         self.livelock_window = scfg.livelock_window
         self.stop_token_mode = scfg.stop_check == "token"
         self.depth = scfg.async_depth
