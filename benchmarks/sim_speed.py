@@ -24,7 +24,10 @@
    as `kernels_first_call`; the timed runs above start after a small warm-up run, so they
    exclude it.
 
-7. With `--digest`: no timing; a hash per run of the summary and the request, step, dispatch and
+7. The exact fidelity's decision log (`SimConfig.decision_log`): the small run again with the
+   log kept, its CPU time against the run without (`decision_log`).
+
+8. With `--digest`: no timing; a hash per run of the summary and the request, step, dispatch and
    occupancy frames (the 2,000-request burst and tests/sim/fleet_workloads.py's four agreement
    workloads, one fidelity), to show that a speed change left the results bit-identical.
 
@@ -93,7 +96,7 @@ def _warm_runs(fidelity: str) -> None:
         simulate(SimConfig(dep(), workload(20), slots=slots, **fid_kw(fidelity)))
 
 
-def run(n: int, fidelity: str = "exact") -> dict:
+def run(n: int, fidelity: str = "exact", decision_log: bool = False) -> dict:
     import numpy as np
 
     from twin.sim.run import SimConfig, simulate
@@ -101,7 +104,7 @@ def run(n: int, fidelity: str = "exact") -> dict:
     # a small run first, so neither side's timing includes imports or the fleet kernels' first
     # call (loaded from numba's cache, or compiled: `compile_times` reports that cost)
     warm_up(fidelity)
-    cfg = SimConfig(dep(), workload(n), **fid_kw(fidelity))
+    cfg = SimConfig(dep(), workload(n), **fid_kw(fidelity), **({"decision_log": True} if decision_log else {}))
     c0 = time.process_time()
     res = simulate(cfg)
     cpu = time.process_time() - c0
@@ -370,6 +373,13 @@ def main() -> None:
             "overall_sim_s_per_cpu_s": [a["sim_s_per_cpu_s"], b["sim_s_per_cpu_s"]],
             "scaling": scaling(a, b), "saturated": sat, "runs": [
                 {k: v for k, v in x.items() if k not in ("saturated", "summary")} for x in (a, b)]}
+    if "exact" in res:
+        # the decision log's cost: the small run again with the log kept
+        on = run(small, "exact", decision_log=True)
+        off = res["exact"][0]
+        out["fidelities"]["exact"]["decision_log"] = {
+            "requests": small, "cpu_s_off": off["cpu_s"], "cpu_s_on": on["cpu_s"],
+            "cpu_ratio": on["cpu_s"] / off["cpu_s"], "steps": [off["steps"], on["steps"]]}
     if "fleet" in res:
         out["fidelities"]["fleet"]["kernels_first_call"] = compile_times()
     if len(res) == 2:

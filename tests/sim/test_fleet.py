@@ -52,7 +52,15 @@ def _accounting(reqs) -> None:
             assert r.finish_detail, r
 
 
-@pytest.mark.parametrize("name", list(WORKLOADS))
+# the exact fidelity now follows upstream's rules (serving-contract §4.13: pins kept past a release,
+# set-aside admission, deferred frees, preempted ids in the same command, leases in dispatch order,
+# per-dispatch waves); the fleet fidelity does not yet, and under page pressure the two part ways
+DIVERGE = {"saturated", "shared_prefix", "tight"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="fleet does not apply upstream's rules 1-8 (serving-contract §4.13)")) if n in DIVERGE else n
+    for n in WORKLOADS])
 def test_fleet_agrees_with_exact(name):
     runs = {}
     for fid in ("exact", "fleet"):
@@ -236,7 +244,8 @@ def test_acceptance_stats_count_every_applied_decode_row(k):
     spec = WorkloadSpec(num_requests=8, arrival="burst", prompt=LengthDist("uniform", 300, 200, 1, 500),
                         output=LengthDist("uniform", 100, 90, 1, 200), eos_fraction=0.2, seed=4)
     for fid in ("exact", "fleet"):
-        res = simulate(SimConfig(dep, generate(spec), slots=1, fidelity=fid))
+        # an explicit cap: at one slot per partition the thrash would otherwise run very long
+        res = simulate(SimConfig(dep, generate(spec), slots=1, fidelity=fid, max_preemptions=100))
         d = res.dispatches
         rows = sum(sum(x) for x in d[d.kind == "decode"].requests_per_group)
         acc = res.summary["acceptance"]

@@ -224,8 +224,11 @@ def test_leases_start_at_63_and_come_back_after_finish():
     s.advance_after_schedule(cmd)
     apply(s, cmd)
     assert s.requests["a"].finish is Finish.LENGTH
-    s.schedule()
-    assert s.leases.live(cmd.prefill.items[0].partition) == 0
+    assert s.schedule().scheduled == [] and "a" in s.leases.held     # no command sent: the worker still holds it
+    s.add_request(req("b", plen=20, out=1))
+    cmd = s.schedule()                    # the worker frees a's lease before b's reservation
+    assert cmd.finished_ids == ("a",) and "a" not in s.leases.held
+    assert cmd.prefill.items[0].lease == 63 and cmd.prefill.items[0].generation == 1
 
 
 def test_config_errors_name_the_argument():

@@ -171,7 +171,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 self.sched.break_stall()
         assert not self.sched.has_work and not self.inflight
-        self.sched.schedule()                     # the worker releases the last finished leases
+        assert self.sched.schedule().scheduled == []
+        self.sched.drain_finished()               # the worker releases the last finished leases
         for r in self.sched.requests.values():
             assert r.finished and r.finish is not None, r
             if r.finish is Finish.REJECTED:

@@ -69,6 +69,8 @@ def add_arguments(p) -> None:
     m.add_argument("--slots", type=integer, help="override slots per partition (default: startup admission)")
     add_budget_args(p)
     m.add_argument("--sync", action="store_true", help="synchronous scheduling (batch queue depth 1)")
+    m.add_argument("--max-preemptions", type=integer,
+                   help="end a request at its n-th preemption (default: no cap, as upstream)")
     m.add_argument("--stop-check", default="end", choices=("end", "token"),
                    help="stop strings: 'end' as upstream (may miss one inside a multi-token step) or 'token'")
     m.add_argument("--prefill-hang-prob", type=number, default=0.0,
@@ -86,6 +88,8 @@ def add_arguments(p) -> None:
     o.add_argument("--out", default="sim-out", help="report directory (default ./sim-out)")
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--json", action="store_true", help="print the summary as JSON (no progress display)")
+    o.add_argument("--decision-log", action="store_true",
+                   help="write every scheduling decision to decisions.jsonl (exact fidelity; docs/simulation.md)")
 
 
 def _traffic(workload: dict) -> dict:
@@ -224,7 +228,8 @@ def run(args) -> int:
                     slots=args.slots, measured=measured, total_kv_pages=pages, async_depth=1 if args.sync else 2,
                     stop_check=args.stop_check, slo_ms=slo or None, seed=seed_,
                     prefill_hang_probability=args.prefill_hang_prob,
-                    step_timeout=args.step_timeout, fidelity=args.fidelity, max_concurrency=args.max_concurrency)
+                    step_timeout=args.step_timeout, fidelity=args.fidelity, max_concurrency=args.max_concurrency,
+                    decision_log=args.decision_log, max_preemptions=args.max_preemptions)
     if args.recompute == "replay":
         from twin.functional.replay import ReplayScheduler
         cfg.scheduler = ReplayScheduler

@@ -8,7 +8,7 @@ reproduces that faithfully (and the risk report flags `preempt_with_outputs`).
 `ReplayScheduler` is the corrected behaviour: at a preemption the generated tokens are folded into
 the context the re-prefill replays (prompt + outputs), so the request resumes where it stopped.
 While folded, `prompt` holds the replayed context, `outputs` only the tokens since the last
-preemption and `max_new_tokens` what is left; `_finish` unfolds, so a finished request looks like
+preemption and `max_new_tokens` what is left; `_retire` unfolds, so a finished request looks like
 any other (prompt, all outputs).  A stop string that straddles the preemption is not detected:
 the engine checks only the outputs after the fold.
 """
@@ -38,8 +38,8 @@ class ReplayScheduler(Scheduler):
                 victim.hashes = self.kv.prompt_hashes(victim.prompt)
         return back
 
-    def _finish(self, req, reason, detail: str = "") -> None:
-        super()._finish(req, reason, detail)
+    def _retire(self, req) -> None:
+        super()._retire(req)
         fold = getattr(req, "fold", None)
         if fold is not None:
             req.outputs = fold["outputs"] + req.outputs

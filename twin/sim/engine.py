@@ -8,7 +8,8 @@
   prefills, seeding waves, decode; a decode-only K=7 command is submitted and left to the
   reclaim lane: split reclaim), *reclaim* (waits for the device, reads outputs, publishes
   results in dispatch order);
-- a worker error aborts the failed batch and every in-flight batch (serving-contract §4.11).
+- a worker error aborts the failed batch and every in-flight batch (serving-contract §4.11);
+- a run with no progress over the scheduler's livelock window stops and reports the livelock.
 
 The scheduler and the executor are plain objects handed in; this module only adds time.
 """
@@ -46,6 +47,7 @@ class Engine:
         self._finished_ev = env.event()
         self.done = env.event()
         self.split_reclaim = bool(dep.k)          # only the fused K=7 path reclaims split
+        self.livelock: dict | None = None          # the scheduler's livelock report, when it stopped the run
         for proc in (self._engine(), self._prepare(), self._device(), self._reclaim()):
             env.process(proc)
 
@@ -124,6 +126,13 @@ class Engine:
                 if self.rec:
                     self.rec.applied(cmd, res, touched)
                 self._finishes_seen()
+                lock = sched.livelock()
+                if lock is not None:          # upstream would never end: stop and report it
+                    self.livelock = lock
+                    if self.rec:
+                        self.rec.livelock(lock)
+                    self.done.succeed()
+                    return
                 continue
             if not sched.has_work:
                 if self._arrivals_left == 0:

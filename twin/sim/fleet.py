@@ -44,6 +44,9 @@ from .request import Status
 from .scheduler import SchedulerConfig
 
 
+FLEET_PREEMPTION_CAP = 100
+
+
 class FleetSim(FleetSchedule, FleetApply, FleetExecute):
     """Scheduler + executor + engine timing of one fleet run (plain object, no SimPy)."""
 
@@ -65,7 +68,10 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         # the exact scheduler's config validates async_depth (`apply` relies on 1 or 2) and stop_check
         scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check,
                                                max_preemptions=cfg.max_preemptions)
-        self.max_preemptions = scfg.max_preemptions
+        # no cap given: the fleet fidelity still ends a request at its 100th preemption; its decisions
+        # are not upstream's, and without one its thrash on a saturated burst runs on and on
+        self.max_preemptions = scfg.max_preemptions if scfg.max_preemptions is not None else FLEET_PREEMPTION_CAP
+        self.livelock_window = scfg.livelock_window
         self.stop_token_mode = scfg.stop_check == "token"
         self.depth = scfg.async_depth
         self.kv = PagePools.from_deployment(dep, slots)
@@ -211,6 +217,7 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
         discard: set[int] = set()
         prep_free = dev_free = rec_free = 0.0
         slot_free = [0.0, 0.0]
+        progress, window = 0, self.livelock_window
         per_req, per_prep, lifecycle, reclaim = (dev.host_schedule_per_request, dev.host_prepare_per_request,
                                                  dev.lifecycle, dev.host_reclaim)
         while True:
@@ -262,7 +269,14 @@ class FleetSim(FleetSchedule, FleetApply, FleetExecute):
                     self.fail_inflight([cmd, *inflight], cmd.error)
                     self.rec.worker_error(cmd.step_id, cmd.error, self.now)
                     continue
+                done_before = self.finished
                 self.apply(cmd)
+                if self.finished != done_before or (cmd.counts is not None and cmd.counts.any()):
+                    progress = cmd.step_id
+                elif cmd.step_id - progress > window and self.has_work:
+                    # no progress over the livelock window: upstream would never end
+                    self.rec.events.append((self.now, "livelock", None, {"step": cmd.step_id, "since_step": progress}))
+                    return
                 continue
             if not self.has_work:
                 if ai == n:

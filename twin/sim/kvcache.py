@@ -7,10 +7,11 @@ rolling families are rings of `max_blocks_per_seq` slots whose write slot is det
 shared and rotated through the free queue when solely owned (serving-contract.md §3).
 
 Async block-table pins (§3.5) are kept implicit: a pin of a page the request still owns costs
-nothing; only when the owner drops a pinned page (a wrap onto it, a detach) does the pin become
-a stored reference, released with the snapshot.  So `ref` of a block always equals its owners
-plus the in-flight snapshots that hold it (`effective_ref`), while pinning a 4,000-page table
-costs O(1) instead of O(pages).  Tables are immutable tuples, replaced on every change, so a pin
+nothing; only when the owner drops a pinned page (a wrap onto it, a detach, the request's
+release) does the pin become a stored reference, released with the snapshot in the snapshot's
+slot order, family by family, as upstream's explicit pin references are.  So `ref` of a block
+plus its implicit pins always equals its owners plus the in-flight snapshots that hold it
+(`effective_refs`), while pinning a 4,000-page table costs O(1) instead of O(pages).  Tables are immutable tuples, replaced on every change, so a pin
 is the tuple of the current tables (no copy) and a ring rewrite can tell at once that a pin
 taken since the last change holds every slot.  No SimPy here.
 """
@@ -96,8 +97,9 @@ class _Owned:
 
 
 class Pin:
-    """An in-flight step's exact block tables (§3.5); `stored` lists (family, blocks) runs of
-    refs that became explicit because the owner dropped the pages while this pin held them."""
+    """An in-flight step's exact block tables (§3.5); `stored` lists (family, first slot, blocks)
+    runs of consecutive slots whose refs became explicit because the owner dropped the pages while
+    this pin held them."""
 
     __slots__ = ("tables", "partition", "stored")
 
@@ -106,7 +108,35 @@ class Pin:
         self.stored = [] if stored is None else stored
 
     def __repr__(self) -> str:
-        return f"Pin(partition={self.partition}, stored={sum(len(bs) for _, bs in self.stored)})"
+        return f"Pin(partition={self.partition}, stored={sum(len(bs) for _, _, bs in self.stored)})"
+
+
+def _run_key(run) -> tuple[int, int]:
+    return run[0], run[1]
+
+
+class PageLog:
+    """The page ids that left (`taken`) and joined (`freed`) each free queue since the last `cut`,
+    in the order the manager moved them, keyed by (family index, partition)."""
+
+    __slots__ = ("taken", "freed")
+
+    def __init__(self):
+        self.taken: dict[tuple[int, int], list[int]] = {}
+        self.freed: dict[tuple[int, int], list[int]] = {}
+
+    def take(self, f: int, p: int, blocks) -> None:
+        self.taken.setdefault((f, p), []).extend(blocks)
+
+    def free(self, f: int, p: int, blocks) -> None:
+        self.freed.setdefault((f, p), []).extend(blocks)
+
+    def cut(self, names) -> dict:
+        """What moved since the last cut, as {"taken"|"freed": {"family/partition": [ids]}}."""
+        out = {k: {f"{names[f]}/{p}": v for (f, p), v in sorted(d.items())}
+               for k, d in (("taken", self.taken), ("freed", self.freed))}
+        self.taken, self.freed = {}, {}
+        return out
 
 
 class KvCacheManager:
@@ -124,6 +154,7 @@ class KvCacheManager:
         self.free: list[list[OrderedDict]] = [[OrderedDict.fromkeys(range(f.blocks_per_partition))
                                                for _ in range(partitions)] for f in families]
         self.reqs: dict[str, _Owned] = {}
+        self.orphans: set[Pin] = set()      # pins of released requests, held until their step settles
         self.load = [0] * partitions
         self._next_partition = 0
         self._nf = nf
@@ -133,6 +164,7 @@ class KvCacheManager:
         self._maxb = [f.max_blocks_per_seq for f in families]
         self._rolling = [f.rolling for f in families]
         self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
+        self.log: PageLog | None = None     # page ids moved, for the decision log (off: no cost)
 
     @classmethod
     def from_deployment(cls, dep, slots: int) -> "KvCacheManager":
@@ -162,6 +194,8 @@ class KvCacheManager:
         free, bh, ref = self.free[f][p], self.bhash[f][p], self.ref[f][p]
         popitem = free.popitem
         out = [popitem(False)[0] for _ in range(n)]
+        if self.log is not None:
+            self.log.take(f, p, out)
         for b in out:
             ref[b] = 1
             h = bh[b]
@@ -177,6 +211,7 @@ class KvCacheManager:
         """One reference fewer on each block (None: no page); a page left unreferenced joins the
         free queue's tail with its hash kept."""
         r, fr = self.ref[f][p], self.free[f][p]
+        freed = [] if self.log is not None else None
         for b in blocks:
             if b is None:
                 continue
@@ -184,8 +219,12 @@ class KvCacheManager:
             r[b] = x
             if x == 0:
                 fr[b] = None
+                if freed is not None:
+                    freed.append(b)
             elif x < 0:
                 raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+        if freed:
+            self.log.free(f, p, freed)
 
     def _pinned(self, o: _Owned, f: int, slot: int, b: int) -> bool:
         for pin in o.pins:
@@ -357,8 +396,8 @@ class KvCacheManager:
         if len(pins) == 1 and end <= maxb and pins[0].tables[f] is t and len(free) >= n:
             # the async steady state (a few pages, the one in-flight step pins the whole table):
             # every page moves from the owner to the pin, ref counts unchanged, all detaches
-            pins[0].stored.append((f, t[s0:end]))
-            new = self._take_n(f, p, n)
+            pins[0].stored.append((f, s0, t[s0:end]))
+            new = self._take_n(f, p, n)             # logs the taken pages
             self.stats["detaches"] += n
             return t[:s0] + tuple(new) + t[end:]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
@@ -373,7 +412,7 @@ class KvCacheManager:
             else:
                 lp = len(pt)
                 hit = [s < lp and pt[s] == b for s, b in zip(slots, old)]
-            stored.append((f, [b for b, h in zip(old, hit) if h]))
+            stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
         if len(free) >= n:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
@@ -401,6 +440,9 @@ class KvCacheManager:
                         free[b] = None
             for nb in new:
                 ref[nb] = 1
+            if self.log is not None:
+                self.log.take(f, p, new)
+                self.log.free(f, p, [b for b in old if ref[b] == 0])
         else:
             # the queue may run dry: a page freed by this rewrite is taken again, in order
             new = []
@@ -414,9 +456,13 @@ class KvCacheManager:
                 ref[b] = r
                 if r == 0:
                     free[b] = None
+                    if self.log is not None:
+                        self.log.free(f, p, (b,))
                 nb = popitem(False)[0]
                 ref[nb] = 1
                 new.append(nb)
+                if self.log is not None:
+                    self.log.take(f, p, (nb,))
         bh = self.bhash[f][p]
         evictions = 0
         for nb in new:
@@ -492,6 +538,8 @@ class KvCacheManager:
                 if b is not None:
                     if self.ref[f][partition][b] == 0:
                         del self.free[f][partition][b]
+                        if self.log is not None:
+                            self.log.take(f, partition, (b,))
                     self.ref[f][partition][b] += 1
             o.tables[f] = t = tuple(t)
             o.holes |= None in t
@@ -507,15 +555,46 @@ class KvCacheManager:
         return pin
 
     def unpin(self, rid: str, pin: Pin) -> None:
+        """The step that took `pin` was applied or discarded: its references go."""
         o = self.reqs.get(rid)
         if o is not None and pin in o.pins:
             o.pins.remove(pin)
+        else:
+            self.orphans.discard(pin)
         self._release_stored(pin)
 
     def _release_stored(self, pin: Pin) -> None:
-        for f, bs in pin.stored:
+        """`release_group_block_snapshot`: family by family, in the snapshot's slot order (a page
+        the owner still holds cannot reach zero here, so only the stored ones matter)."""
+        st = pin.stored
+        if len(st) > 1:
+            st.sort(key=_run_key)
+        for f, _, bs in st:
             self._decref_all(f, pin.partition, bs)
-        pin.stored.clear()
+        st.clear()
+
+    def _store_pin(self, pin: Pin) -> None:
+        """The owner drops every page: each page the pin still holds implicitly becomes a stored
+        reference, so it stays in use until the in-flight step settles (upstream's snapshot ref)."""
+        p = pin.partition
+        held: dict[int, set] = {}
+        for f, s0, bs in pin.stored:
+            held.setdefault(f, set()).update(range(s0, s0 + len(bs)))
+        for f, t in enumerate(pin.tables):
+            if not t:
+                continue
+            r = self.ref[f][p]
+            h = held.get(f)
+            if h is None:
+                pin.stored.append((f, 0, t))
+                for b in t:
+                    if b is not None:
+                        r[b] += 1
+                continue
+            for s, b in enumerate(t):
+                if b is not None and s not in h:
+                    pin.stored.append((f, s, (b,)))
+                    r[b] += 1
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
         """`cache_group_blocks_from_snapshot`: after a confirmed step, hash the completed prompt
@@ -562,14 +641,16 @@ class KvCacheManager:
 
     # ---- release -----------------------------------------------------------------------------
     def release(self, rid: str) -> None:
-        """`release_all_group_requests`: pins first, then owned pages in table order; freed pages
-        keep their hashes at the free-queue tail."""
+        """`release_all_group_requests`: the owner's pages in table order, family by family; pages
+        an in-flight step still pins stay in use until that step is applied or discarded (`unpin`).
+        Freed pages keep their hashes at the free-queue tail."""
         o = self.reqs.pop(rid, None)
         if o is None:
             return
-        for pin in list(o.pins):
-            o.pins.remove(pin)
-            self._release_stored(pin)
+        for pin in o.pins:
+            self._store_pin(pin)
+            self.orphans.add(pin)
+        o.pins = []
         p = o.partition
         for f, t in enumerate(o.tables):
             if t:
@@ -593,6 +674,11 @@ class KvCacheManager:
                         if b is not None and b not in seen:
                             seen.add(b)
                             d[b] = d.get(b, 0) + 1
+        for pin in self.orphans:
+            for f, _, bs in pin.stored:
+                d = out[f][pin.partition]
+                for b in bs:
+                    d[b] = d.get(b, 0) + 1
         return out
 
     def implicit_pins(self) -> list[list[dict[int, int]]]:
@@ -600,7 +686,7 @@ class KvCacheManager:
         for o in self.reqs.values():
             for pin in o.pins:
                 stored = {}
-                for f, bs in pin.stored:
+                for f, _, bs in pin.stored:
                     for b in bs:
                         stored[(f, b)] = stored.get((f, b), 0) + 1
                 for f in range(self._nf):

@@ -17,7 +17,8 @@ from .worker import plan
 
 def run_sync(scheduler: Scheduler, executor, dep, requests: Iterable[Request], *, depth: int = 1,
              on_step: Callable[[StepCommand, object], None] | None = None, max_steps: int | None = None) -> int:
-    """Run until every request has finished; returns the number of steps applied."""
+    """Run until every request has finished (or the scheduler reports a livelock); returns the
+    number of steps applied."""
     for r in requests:
         scheduler.add_request(r)
     inflight: deque = deque()
@@ -41,6 +42,8 @@ def run_sync(scheduler: Scheduler, executor, dep, requests: Iterable[Request], *
                 scheduler.check_stop(scheduler.update_from_output(cmd, res.tokens))
             if on_step:
                 on_step(cmd, res)
+            if scheduler.livelock() is not None:
+                break                           # upstream never ends; `scheduler.livelock()` says why
         else:
             scheduler.break_stall()
     return steps

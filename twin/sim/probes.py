@@ -109,5 +109,8 @@ class Recorder(SchedulerProbe):
     def worker_error(self, cmd, error):
         self.events.append((self.env.now, "worker_error", None, {"step": cmd.step_id, "error": error}))
 
+    def livelock(self, info):
+        self.events.append((self.env.now, "livelock", None, dict(info)))
+
     def stall(self, req):
         self.events.append((self.env.now, "stall", req.request_id, {"reason": req.finish_detail}))

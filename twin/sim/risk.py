@@ -35,6 +35,8 @@ KINDS = {k.id: k for k in (
              "serving-contract §10.2 item 3: endswith() after all accepted tokens misses it"),
     RiskKind("worker_error", "a worker error aborted the failed and in-flight batches",
              "serving-contract §4.11"),
+    RiskKind("livelock", "no progress over the livelock window: the run stopped (requests preempting each other)",
+             "twin: upstream has no preemption cap and would never end (serving-contract §4.13 rule 10)"),
     RiskKind("stall", "a request could never be scheduled (no pages, nothing to preempt)",
              "twin: upstream would wait forever"),
 )}

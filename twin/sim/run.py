@@ -10,6 +10,7 @@ a measured boot, `measured`, or upstream's `total_kv_pages`; or from measured pe
 from __future__ import annotations
 
 import gc
+import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from . import metrics, risk, vllm_result
 from .trace import family_capacity, perfetto_trace
 from .acceptance import AcceptanceModel, ConditionalAcceptance
 from .costmodel import Calibration, CostModel, DeviceLimits, Routing
+from .decisions import DecisionLog
 from .engine import Engine
 from .executor import CostModelExecutor
 from .kvcache import KvCacheManager
@@ -58,7 +60,7 @@ class SimConfig:
     oom_above_slots: int | None = None            # simulated OOM: allocations above this many slots fail
     async_depth: int = 2
     stop_check: str = "end"
-    max_preemptions: int | None = 100             # None: upstream (a preemption livelock never ends)
+    max_preemptions: int | None = None            # None: upstream (no cap; a livelock is detected and reported)
     slo_ms: dict | None = None                    # goodput SLOs: {"ttft": ms, "tpot": ms, "e2el": ms}
     seed: int = 0
     fixed_tile: bool = True
@@ -69,11 +71,13 @@ class SimConfig:
     # variants: executor(cost_model, slots) -> Executor; scheduler: a Scheduler subclass
     executor: Callable | None = None
     scheduler: type = Scheduler
-    # "exact": page identities, every request an object (the default, pinned by fingerprints);
+    # "exact": page identities, every request an object, upstream's decisions (the default, proven on
+    # upstream's recorded runs by tests/sim/test_upstream_fixtures.py);
     # "fleet": struct-of-arrays requests and page counts, for sweeps (docs/simulation.md, "Fidelity")
     fidelity: str = "exact"
     # `--max-concurrency`: at most this many unfinished requests sent (a closed loop; exact fidelity)
     max_concurrency: int | None = None
+    decision_log: bool = False                    # keep every decision (twin/sim/decisions.py); exact only
 
     def __post_init__(self):
         if self.fidelity not in FIDELITIES:
@@ -81,6 +85,8 @@ class SimConfig:
         if self.fidelity == "fleet" and (self.executor is not None or self.scheduler is not Scheduler):
             raise ConfigError("fidelity", self.fidelity,
                               "'exact' when an executor or a scheduler subclass is injected (fleet runs its own)")
+        if self.decision_log and self.fidelity != "exact":
+            raise ConfigError("decision_log", self.decision_log, "False with fidelity 'fleet' (exact only)")
         if not 0.0 <= self.prefill_hang_probability <= 1.0:
             raise ConfigError("prefill_hang_probability", self.prefill_hang_probability, "in [0, 1]")
         number(self.step_timeout, "step_timeout", lo=0.0, lo_open=True, unit="(seconds: what a hang costs)")
@@ -112,6 +118,7 @@ class SimResult:
     risks: pd.DataFrame
     risk_summary: pd.DataFrame
     summary: dict
+    decisions: list[dict] | None = None           # the decision log, when kept
 
     def bench_result(self, traffic: dict | None = None, percentiles=vllm_result.DEFAULT_PERCENTILES) -> dict:
         """The `vllm bench serve` result (twin/sim/vllm_result.py).  traffic: the client settings
@@ -143,6 +150,11 @@ class SimResult:
             files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"],
                                    capacity=family_capacity(self.scheduler.kv), slots=self.slots,
                                    slo=self.config.slo_ms, itl=metrics.completed_itl(self.requests, self.recorder))
+        if self.decisions is not None:
+            with atomic_path(out / "decisions.jsonl") as tmp, open(tmp, "w") as f:
+                for r in self.decisions:
+                    f.write(json.dumps(r) + "\n")
+            files.append("decisions.jsonl")
         return files
 
 
@@ -185,6 +197,8 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
                       noise_token=dep.model.dspark_noise_token_id)
     rec = Recorder(env, sched, partitions=dep.partitions, k=dep.k)
     sched.probe = rec
+    if cfg.decision_log:
+        DecisionLog(sched)
     cost = CostModel(dep, slots, device, cfg.routing, cfg.calibration, seed=cfg.seed, fixed_tile=cfg.fixed_tile)
     ex = cfg.executor(cost, slots) if cfg.executor is not None else CostModelExecutor(
         cost, cfg.acceptance, seed=cfg.seed, prefill_hang_probability=cfg.prefill_hang_probability,
@@ -266,5 +280,7 @@ def _result(cfg: SimConfig, slots: int, sched, rec, wall: float, now: float) -> 
                  "sim_s_per_wall_s": now / wall if wall else None, "steps": len(rec.steps),
                  "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
                  "kv_stats": dict(sched.kv.stats), "fidelity": cfg.fidelity})
+    log = getattr(sched, "log", None)
     return SimResult(cfg, slots, sched, rec, wall, now, req_df, steps, metrics.dispatches_frame(rec),
-                     metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ)
+                     metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ,
+                     log.done() if log is not None else None)

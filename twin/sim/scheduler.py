@@ -15,7 +15,7 @@ Stop strings are the engine's job (`check_stop`), as upstream.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from twin.abi.batches import PLACEHOLDER_TOKEN, DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
@@ -24,6 +24,7 @@ from twin.abi.errors import ConfigError
 from .kvcache import KVCacheCapacityError, KvCacheManager, Pin
 from .leases import LeaseManager, LeasesExhausted
 from .request import Finish, Request, Status
+from .worker import dispatch_waves, split_prefill
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,24 @@ class SchedulerConfig:
     async_depth: int = 2
     stop_check: str = "end"          # "end": upstream (text.endswith after all tokens); "token": per token
     max_preemptions: int | None = None   # None: upstream (unbounded); n: a request preempted n times errors out
+    prefill_batch: int = 256             # the executor's packed-prefill limits (dispatch splitting)
+    prefill_requests_per_partition: int = 64
+    livelock_steps: int | None = None    # steps without progress that end a run as a livelock (None: derived)
+
+    @property
+    def livelock_window(self) -> int:
+        """Steps with no token kept and no request finished after which the run is a livelock: four
+        times the chunks of a longest prompt (the oldest running prefill gets its chunk every step
+        unless preempted) plus slack; decisions never depend on it."""
+        if self.livelock_steps is not None:
+            return self.livelock_steps
+        return 4 * -(-self.max_seq_len // max(1, min(self.chunk_limit, self.max_num_batched_tokens))) + 256
 
     @classmethod
     def from_deployment(cls, dep, **kw) -> "SchedulerConfig":
         lim = dep.limits
+        kw.setdefault("prefill_batch", dep.prefill_batch)
+        kw.setdefault("prefill_requests_per_partition", dep.prefill_requests_per_partition)
         return cls(lim.max_num_batched_tokens, lim.max_num_seqs, lim.max_prefill_tokens_per_request,
                    lim.max_model_len, lim.k, lim.enable_prefix_caching,
                    lim.speculative_prefix_cache_replay_tokens, **kw)
@@ -51,6 +66,10 @@ class SchedulerConfig:
             raise ConfigError("async_depth", self.async_depth, "1 (synchronous) or 2 (async scheduling)")
         if self.stop_check not in ("end", "token"):
             raise ConfigError("stop_check", self.stop_check, "'end' (upstream) or 'token'")
+        if self.max_preemptions is not None and self.max_preemptions < 1:
+            raise ConfigError("max_preemptions", self.max_preemptions, "None (upstream: no cap) or >= 1")
+        if self.livelock_steps is not None and self.livelock_steps < 1:
+            raise ConfigError("livelock_steps", self.livelock_steps, "None (derived) or >= 1 steps")
 
 
 class Scheduled:
@@ -95,6 +114,10 @@ class SchedulerProbe:
     def stop_in_chunk(self, req: Request, index: int, n_new: int) -> None: ...
 
 
+def _arrival(r: Request) -> float:
+    return r.arrival
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KvCacheManager, *, leases: LeaseManager | None = None,
                  probe: SchedulerProbe | None = None, noise_token: int = 0):
@@ -102,6 +125,7 @@ class Scheduler:
         self.kv = kv
         self.leases = leases if leases is not None else (LeaseManager(kv.partitions) if cfg.k else None)
         self.probe = probe or SchedulerProbe()
+        self.log = None                      # a DecisionLog when the run keeps one
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -111,6 +135,8 @@ class Scheduler:
         self._pass = 0
         self._noise = (noise_token,) * cfg.k
         self.max_hit_offset = max(1, cfg.replay_tokens)
+        self._progress_step = 0             # the last step whose result kept a token or finished a request
+        self._thrash: list[tuple[str, str, int]] = []   # (victim, by, partition) since then
 
     # ---- admission (`add_request`) -------------------------------------------------------------
     def add_request(self, req: Request) -> bool:
@@ -139,6 +165,15 @@ class Scheduler:
         if not req.finished:
             self._finish(req, Finish.ABORTED, detail)
 
+    def drain_finished(self) -> tuple[str, ...]:
+        """The finished ids no command has carried yet, handed to the worker now (it frees their
+        leases), as when a run ends with nothing left to schedule."""
+        ids, self._finished_ids = tuple(self._finished_ids), []
+        if self.leases is not None:
+            for rid in ids:
+                self.leases.release(rid)
+        return ids
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -156,16 +191,12 @@ class Scheduler:
         max_seq, chunk = cfg.max_seq_len, cfg.chunk_limit
         out: dict[str, Scheduled] = {}
         self._pass += 1
-        if self.leases:
-            for rid in self._finished_ids:
-                self.leases.release(rid)     # the worker frees finished leases before new reservations
-        finished_ids, self._finished_ids = tuple(self._finished_ids), []
+        if self.log is not None:
+            self.log.begin_schedule()
+        finished_ids, self._finished_ids = self._finished_ids, []     # preemptions below queue here
 
-        # phase 1: running requests
-        i = 0
-        while i < len(self.running):
-            req = self.running[i]
-            i += 1
+        # phase 1: running requests, over the list as it stood (a victim later in it is skipped)
+        for req in list(self.running):
             if req.terminal_prefill_in_flight or req.status is not Status.RUNNING:
                 continue
             computed = req.num_computed
@@ -187,8 +218,6 @@ class Scheduler:
                 if victim is None:
                     continue
                 budget += self._preempt(victim, req, out)
-                if self.running.index(req) < i - 1:
-                    i -= 1                       # the victim sat before us in `running`
                 try:
                     self.kv.ensure(req.request_id, computed + cost)
                 except KVCacheCapacityError:
@@ -198,12 +227,16 @@ class Scheduler:
                                             req.incarnation)
             budget -= cost
 
-        # phase 2: waiting requests, FIFO, head-of-line blocking
+        # phase 2: waiting requests, FIFO, head-of-line blocking; a request preempted in this pass
+        # (or with nothing to prefill) is set aside at its place and admission goes on after it
         new_reqs = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_running:
-            req = self.waiting[0]
+        aside: list[Request] = []
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < cfg.max_num_running:
+            req = waiting.popleft()
             if req.preempted_in_pass == self._pass:
-                break
+                aside.append(req)
+                continue
             rid = req.request_id
             hit, part = 0, None
             if self.cfg.prefix_caching:
@@ -221,52 +254,67 @@ class Scheduler:
             if not hit:
                 req.num_computed = 0
                 num_new = self._limit(req, budget)
+                if num_new <= 0:
+                    aside.append(req)
+                    continue
                 try:
                     self.kv.ensure(rid, num_new)
                 except KVCacheCapacityError:
                     self.kv.release(rid)
+                    aside.append(req)
                     break
-            self.waiting.popleft()
             req.status = Status.RUNNING
             req.partition = self.kv.partition_of(rid)
             req.cached_tokens = hit
             self.running.append(req)
             self.probe.admitted(req, hit, fallback)
+            if self.log is not None:
+                self.log.admitted(req, hit, fallback)
             new_reqs.append(req)
             out[rid] = Scheduled(req, num_new, 0, req.num_computed, True,
                                  req.num_computed + num_new >= req.prompt_len, req.incarnation)
             budget -= num_new
+        if aside:
+            waiting.extendleft(reversed(aside))
+        # requests preempted in this pass ride this command, so the worker frees their leases
+        # before this command's reservations
+        finished_ids += self._finished_ids
+        self._finished_ids = []
         if not out:
             self._finished_ids[:0] = finished_ids   # nothing to send: they ride the next command
-            finished_ids = ()
-        return self._command(out, tuple(new_reqs), finished_ids)
+            finished_ids = []
+        return self._command(out, tuple(new_reqs), tuple(finished_ids))
 
     def _victim(self, req: Request) -> Request | None:
-        """Latest arrival among the other running requests, same partition first."""
+        """Latest arrival among the other running requests, same partition first; `max` keeps the
+        first in running order on equal arrival times, as upstream's does."""
         cands = [r for r in self.running if r is not req and r.status is Status.RUNNING]
         if not cands:
             return None
         same = [r for r in cands if r.partition == req.partition]
-        pool = same or cands
-        return max(pool, key=lambda r: (r.arrival, r.request_id))
+        return max(same or cands, key=_arrival)
 
     def _preempt(self, victim: Request, by: Request, out: dict) -> int:
-        """Free everything, reset to computed 0, back to the front of `waiting`; returns the
-        budget handed back if the victim was already scheduled in this pass."""
+        """Free the victim's pages (an in-flight step keeps its pins), reset it to computed 0 and
+        put it at the front of `waiting`; returns the budget handed back if the victim was already
+        scheduled in this pass."""
         back = 0
         s = out.pop(victim.request_id, None)
         if s is not None:
             back = s.num_new + s.spec
         self.probe.preempted(victim, by)
+        if self.log is not None:
+            self.log.preempted(victim, by)
+        self._thrash.append((victim.request_id, by.request_id, victim.partition))
         self.kv.release(victim.request_id)
-        self._finished_ids.append(victim.request_id)   # the worker drops lease and drafter state
         self.running.remove(victim)
         victim.num_preemptions += 1
         if self.cfg.max_preemptions is not None and victim.num_preemptions >= self.cfg.max_preemptions:
-            # upstream would keep thrashing (two partitions preempting each other); end it visibly
+            # an explicit cap: end a thrashing request visibly instead of preempting it again
             victim.status = Status.PREEMPTED
-            self._finish(victim, Finish.ERROR, f"preempted {victim.num_preemptions} times: preemption livelock")
+            self._finish(victim, Finish.ERROR, f"preempted {victim.num_preemptions} times: preemption cap")
             return back
+        self._finished_ids.append(victim.request_id)   # the worker drops lease and drafter state
         victim.num_computed = 0
         victim.num_placeholders = 0
         victim.terminal_prefill_in_flight = False
@@ -280,28 +328,58 @@ class Scheduler:
 
     def _command(self, out: dict[str, Scheduled], new_reqs, finished_ids) -> StepCommand:
         self._step += 1
+        k, max_seq = self.cfg.k, self.cfg.max_seq_len
         pre, dec = [], []
-        error = None
         for s in out.values():
             req = s.req
             s.pin = self.kv.pin(req.request_id)
             blocks = dict(zip(self.kv.names, s.pin.tables))
-            if self.leases is not None and req.lease is None and s.prefill:
+            if s.prefill:
+                pre.append(PrefillItem(req.request_id, tuple(req.prompt[s.start:s.start + s.num_new].tolist()),
+                                       s.start, req.prompt_len, blocks, req.partition))
+            else:
+                # pending drafts whenever K > 0: the runner falls back on its own committed count
+                # (`committed_count + 7 < max_position`), which the scheduler's async anchor overstates
+                last = PLACEHOLDER_TOKEN if req.num_placeholders else req.outputs[-1]
+                dec.append(DecodeItem(req.request_id, last, s.start + s.num_new - 1, blocks, req.partition,
+                                      self._noise, req.lease, req.generation))
+        error = None
+        taken: list = []
+        dispatches = None
+        if (self.leases is not None or self.log is not None) and pre:
+            try:
+                dispatches = split_prefill(pre, self.cfg.prefill_batch, self.cfg.prefill_requests_per_partition)
+            except ValueError:
+                dispatches = None                 # the step fails in the worker anyway
+        if self.leases is not None and out:
+            for rid in finished_ids:
+                self.leases.release(rid)          # the worker frees finished leases before new reservations
+            pre, error, taken = self._reserve_leases(pre, dispatches)
+        cmd = StepCommand(self._step, list(out.values()), PrefillBatch(tuple(pre)),
+                          DecodeBatch(tuple(dec), k), new_reqs, finished_ids, error)
+        if self.log is not None:
+            waves = dispatch_waves(dispatches) if k and dispatches is not None else []
+            self.log.command(cmd, taken, waves)
+        return cmd
+
+    def _reserve_leases(self, pre: list[PrefillItem], dispatches) -> tuple[list[PrefillItem], str | None, list]:
+        """A request's first prefill chunk takes a drafter lease in dispatch order (the runner's
+        tail capture runs dispatch by dispatch), not in scheduled order."""
+        order = pre if dispatches is None else [it for batch in dispatches for it in batch.items]
+        error = None
+        leased, taken = {}, []
+        for it in order:
+            req = self.requests[it.request_id]
+            if req.lease is None:
                 try:
                     req.lease, req.generation = self.leases.reserve(req.request_id, req.partition)
                 except LeasesExhausted as e:
                     error = error or str(e)
-            if s.prefill:
-                pre.append(PrefillItem(req.request_id, tuple(req.prompt[s.start:s.start + s.num_new].tolist()),
-                                       s.start, req.prompt_len, blocks, req.partition, req.lease, req.generation))
-            else:
-                anchor = s.start + s.num_new - 1
-                last = PLACEHOLDER_TOKEN if req.num_placeholders else req.outputs[-1]
-                drafts = self._noise if self.cfg.k and anchor + self.cfg.k < self.cfg.max_seq_len else ()
-                dec.append(DecodeItem(req.request_id, last, anchor, blocks, req.partition, drafts,
-                                      req.lease, req.generation))
-        return StepCommand(self._step, list(out.values()), PrefillBatch(tuple(pre)),
-                           DecodeBatch(tuple(dec), self.cfg.k), new_reqs, finished_ids, error)
+                    continue
+                taken.append((req.request_id, req.lease, req.generation))
+            leased[it.request_id] = (req.lease, req.generation)
+        return [replace(it, lease=leased[it.request_id][0], generation=leased[it.request_id][1])
+                if it.request_id in leased else it for it in pre], error, taken
 
     # ---- async accounting ----------------------------------------------------------------------
     def advance_after_schedule(self, cmd: StepCommand) -> None:
@@ -316,14 +394,23 @@ class Scheduler:
                     req.terminal_prefill_in_flight = True
 
     def update_from_output(self, cmd: StepCommand, tokens: dict[str, list[int]]) -> list[tuple[Request, int]]:
-        """Apply one step's accepted tokens; returns (request, tokens appended) for stop checks."""
+        """Apply one step's accepted tokens; returns (request, tokens appended) for stop checks.
+        Requests that finish here free their pages after the whole update, in running order, after
+        every snapshot release of this step (upstream's order)."""
         touched = []
+        done = False
+        log = self.log
+        if log is not None:
+            log.begin_apply(cmd.step_id)
         for s in cmd.scheduled:
             req = s.req
             rid = req.request_id
             if req.finished or req.incarnation != s.incarnation:
+                if log is not None:
+                    log.discarded(req)
                 req.discarded_tokens += len(tokens.get(rid, ()))
-                continue                          # stale: its pin went with the finish/preemption
+                self.kv.unpin(rid, s.pin)         # a stale result: its snapshot goes now
+                continue
             self.kv.publish(rid, s.pin, s.start + s.num_new, req.hashes)
             self.kv.unpin(rid, s.pin)
             if not s.samples:
@@ -344,15 +431,32 @@ class Scheduler:
                     retained += 1
                     if t == eos or len(out) >= limit:   # per token: later tokens are dropped
                         req.dropped_tokens += len(toks) - retained
-                        self._finish(req, Finish.EOS if t == eos else Finish.LENGTH)
+                        self._end(req, Finish.EOS if t == eos else Finish.LENGTH)
+                        done = True
                         break
+            touched.append((req, retained))
             if req.finished:
-                touched.append((req, retained))
                 continue
             req.num_placeholders -= 1 + s.spec
             req.num_computed += (retained - 1) - s.spec
-            touched.append((req, retained))
+        if done:
+            for req in [r for r in self.running if r.finished]:
+                self._retire(req)
+        if done or any(n for _, n in touched):
+            self._progress_step = cmd.step_id
+            self._thrash.clear()
         return touched
+
+    def livelock(self) -> dict | None:
+        """No progress (no token kept, no request finished) over `livelock_window` steps: upstream
+        would go on forever (two requests preempting each other).  The run's driver stops and
+        reports this; it never changes a decision."""
+        if self._step - self._progress_step <= self.cfg.livelock_window or not self.has_work:
+            return None
+        return {"step": self._step, "since_step": self._progress_step,
+                "requests": sorted({v for v, _, _ in self._thrash} | {b for _, b, _ in self._thrash}),
+                "partitions": sorted({p for _, _, p in self._thrash if p is not None}),
+                "preemptions": len(self._thrash)}
 
     def check_stop(self, touched: Iterable[tuple[Request, int]]) -> None:
         """The engine's stop-string check after `update_from_output` (serving-contract §4.10):
@@ -382,28 +486,41 @@ class Scheduler:
 
     # ---- finishing ---------------------------------------------------------------------------
     def _finish(self, req: Request, reason: Finish, detail: str = "") -> None:
-        was_running = req.status in (Status.RUNNING,)
+        self._end(req, reason, detail)
+        self._retire(req)
+
+    def _end(self, req: Request, reason: Finish, detail: str = "") -> None:
+        """Mark `req` finished; its pages stay until `_retire`."""
         req.status = Status.FINISHED
         req.finish = reason
         req.finish_detail = detail
         req.num_placeholders = 0
         req.terminal_prefill_in_flight = False
+
+    def _retire(self, req: Request) -> None:
+        """Free a finished request's pages and queue its id for the worker."""
         self.kv.release(req.request_id)
-        if was_running and req in self.running:
+        if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._finished_ids.append(req.request_id)
         self.finished.append(req)
         self.probe.finished(req)
+        if self.log is not None:
+            self.log.finished(req)
 
     def fail_inflight(self, cmds: Iterable[StepCommand], detail: str) -> None:
         """A worker error or timeout: every request in the failed and in-flight batches aborts
         with finish reason "error" (serving-contract §4.11)."""
+        cmds = list(cmds)
         for cmd in cmds:
             for s in cmd.scheduled:
                 if not s.req.finished and s.req.incarnation == s.incarnation:
                     self._finish(s.req, Finish.ERROR, detail)
+        for cmd in cmds:                          # the dropped steps' snapshots go with them
+            for s in cmd.scheduled:
+                self.kv.unpin(s.req.request_id, s.pin)
 
     def break_stall(self) -> Request:
         """Nothing in flight and nothing schedulable: upstream would wait forever.  The twin ends

@@ -66,6 +66,11 @@ def split_prefill(items, max_batch: int, per_partition: int,
     return out
 
 
+def dispatch_waves(dispatches) -> list[tuple[PrefillItem, ...]]:
+    """The runner seeds once per prefill dispatch, with that dispatch's completed requests."""
+    return [tuple(w) for d in dispatches for w in seeding_waves([it for it in d.items if it.terminal])]
+
+
 def decode_groups(items, partitions: int, k: int) -> tuple[tuple[tuple[DecodeItem, ...], ...], str | None]:
     """Per TP group, in group ordinal order; at K=7 each request's owner rank is lease % 4 and
     holds at most 16 requests."""
@@ -96,7 +101,7 @@ def plan(cmd, dep) -> StepPlan:
             dispatches = split_prefill(pre, dep.prefill_batch, dep.prefill_requests_per_partition)
         except ValueError as e:
             error = error or str(e)
-    waves = [tuple(w) for w in seeding_waves([it for it in pre if it.terminal])] if dep.k else []
+    waves = dispatch_waves(dispatches) if dep.k else []
     groups, derr = decode_groups(cmd.decode.items, dep.partitions, dep.k)
     return StepPlan(cmd.step_id, tuple(dispatches), tuple(waves), cmd.decode if cmd.decode.items else None,
                     groups, cmd.decode_only, error or derr, {r.request_id: r for r in cmd.new_requests},
