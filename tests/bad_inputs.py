@@ -470,6 +470,13 @@ def _rows():
         add(f"simulate {flag} without prefix_repetition", SIMQ + [flag, "8"], flag, f"{flag}=8",
             "only with --dataset-name prefix_repetition")
 
+    add("simulate --max-preemptions 0", SIMQ + ["--max-preemptions", "0"], "--max-preemptions",
+        "max_preemptions=0", "None (upstream: no cap) or >= 1")
+    add("simulate --max-preemptions word", SIMQ + ["--max-preemptions", "many"], "--max-preemptions",
+        ["--max-preemptions", "'many'"], "an integer")
+    add("simulate --decision-log with fleet", SIMQ + ["--decision-log", "--fidelity", "fleet"], "--decision-log",
+        "decision_log=True", "False with fidelity 'fleet'")
+
     # ---- sweep -----------------------------------------------------------------------------------------
     add("sweep grid missing", ["sweep", "{d}/nope.yaml", "--out", "{d}/sw"], "grid", "GRID='{d}/nope.yaml'",
         "an existing YAML or JSON grid file")

@@ -1,5 +1,6 @@
-"""Exactness guard for the simulator's fast paths: a digest of the decisions of whole runs, pinned
-and asserted unchanged, and the run's simulated times, pinned to a tolerance.
+"""Exactness guard for the whole engine (scheduler, worker, cost model, recorder) beside the
+scheduler's replay of upstream's recorded runs (test_upstream_fixtures): a digest of the decisions
+of whole runs, pinned and asserted unchanged, and the run's simulated times, pinned to a tolerance.
 
 The digest covers everything the engine decides, all of it integers: per step, each dispatched
 request with its chunk/anchor, lease, generation and the exact block ids of every family (page
@@ -121,16 +122,16 @@ def prefix_cfg():
 # the decisions and times of the simulator as it stands: a change meant to keep every decision must
 # leave them as they are; one that changes a decision re-pins them, and says which decision moved
 PINNED = {
-    "saturated": ("300caa0a11a12b14060d8d67843f9088c591fd1fade1e7c2d833851ea0808454",
-                  {"clock": 517.6728666127476, "seconds": 5.861305109058076}),
-    "pressure": ("17028e6895137c1d86b11a81a72f6534ab614266ee343c22e7bdbb5e9d84c0fc",
-                 {"clock": 13174.352002957176, "seconds": 36.38669375216515}),
+    "saturated": ("2862689e6e8074c9fd99880315d659d70f8b565b69e332ead4d6e076693177fa",
+                  {"clock": 235.32232066552484, "seconds": 3.677746449773625}),
+    "pressure": ("b41321557af2a9fd24d15e60209a472c18348c10460b18f32f431f687c5e9ecf",
+                 {"clock": 24600.992271479194, "seconds": 50.54998687465215}),
     "pressure_sync": ("5ca2012705b90d774f55607322d29c55c4ba8cf65f031181f3f25205224580ed",
                       {"clock": 1737.0621821916952, "seconds": 12.222971377951511}),
-    "lease_error": ("aece85a48f88c93d5dcd4f31331c39a229bb986e1ba92e0fff2cdc78549ac9c8",
-                    {"clock": 214.16420457278377, "seconds": 3.48080526188618}),
-    "prefix": ("3053233c364b5eb8c92676bccc3fca1d9f5095e0380ec7f936fd0a5f7ab72116",
-               {"clock": 332.79213904550227, "seconds": 5.4102927976318655}),
+    "lease_error": ("d6588a9d14e8bdeb6b36e017b11d6722ca4cfea461599ef73ead8a89852c878e",
+                    {"clock": 224.28038268218677, "seconds": 3.560356732658266}),
+    "prefix": ("876cb81f8581a526151ef64815cec99bd2b40a15779819c1f425e7137397db39",
+               {"clock": 387.99876966025937, "seconds": 5.9700735271232785}),
 }
 
 
@@ -145,7 +146,7 @@ def test_run_fingerprint_is_unchanged(name, make):
 
 
 # run_sync over the pressure workloads (its clock is the wall clock: decisions only)
-PINNED_SYNC = {2: "fb4b2a7ecb295354ac171b3e36d6b9354087fa21858ab58f4901fd90ee65afcc",
+PINNED_SYNC = {2: "f01c363aeacf8146cbed3d28e8dd7361fda7d49deed9d0062227767abb7a0c8a",
                1: "a5980126ea534f7d5c99b70c94721eee099601648563a56bac16c82d4fceb886"}
 
 
