@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from twin.abi.errors import AbiError
-from twin.abi.outputs import write_text
+from twin.abi.outputs import atomic_path, write_text
 
 
 class ReportWriter:
@@ -124,7 +124,7 @@ def write_tensor_csv(path, entries: list[dict]) -> None:
     shape and dtype, golden and device statistics, and the error metrics with the verdict."""
     import csv
 
-    with open(path, "w", newline="") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(TENSOR_COLUMNS)
         for e in entries:

@@ -432,10 +432,10 @@ def _rows():
     add("simulate --dataset-path wrong shape", SIMQ + ["--dataset-name", "sharegpt", "--dataset-path",
                                                        "{d}/list.json"], "--dataset-path", "{d}/list.json",
         "{'conversations'")
-    add("simulate --dataset-path mooncake line", SIMQ + ["--dataset-name", "mooncake", "--dataset-path",
+    add("simulate --dataset-path mooncake line", SIM + ["--dataset-name", "mooncake", "--dataset-path",
                                                          "{d}/not.json"], "--dataset-path", "{d}/not.json:1",
         "a JSON object per line")
-    add("simulate --dataset-path azure header", SIMQ + ["--dataset-name", "azure", "--dataset-path", "{d}/bad.csv"],
+    add("simulate --dataset-path azure header", SIM + ["--dataset-name", "azure", "--dataset-path", "{d}/bad.csv"],
         "--dataset-path", "{d}/bad.csv:1", "TIMESTAMP,ContextTokens,GeneratedTokens")
     add("simulate --dataset-path with --trace", SIM + ["--trace", "{d}/tr-key.jsonl", "--dataset-name", "azure",
                                                        "--dataset-path", "{d}/bad.csv"], "--dataset-path",
@@ -474,6 +474,13 @@ def _rows():
         "max_preemptions=0", "None (upstream: no cap) or >= 1")
     add("simulate --max-preemptions word", SIMQ + ["--max-preemptions", "many"], "--max-preemptions",
         ["--max-preemptions", "'many'"], "an integer")
+    add("simulate --drafter without golden", SIMQ + ["--drafter", "v4.1"], "--drafter", "--drafter='v4.1'",
+        "'device' unless --executor golden")
+    add("simulate --burstiness with --trace", SIM + ["--trace", "{d}/tr-key.jsonl", "--burstiness", "2"],
+        "--burstiness", "--burstiness=2.0", "no value with --trace")
+    add("simulate --request-rate with a timed dataset", SIM + ["--dataset-name", "azure", "--dataset-path",
+                                                             "{d}/bad.csv", "--request-rate", "5"], "--rate",
+        "--rate=5.0", "no value with --dataset-name azure")
     add("simulate --decision-log with fleet", SIMQ + ["--decision-log", "--fidelity", "fleet"], "--decision-log",
         "decision_log=True", "False with fidelity 'fleet'")
 
@@ -490,8 +497,9 @@ def _rows():
         "{d}/afile/sw", "a directory")
     add("sweep --num-cpus 0", ["sweep", "{d}/grid-ok.json", "--out", "{d}/sw", "--num-cpus", "0"], "--num-cpus",
         "--num-cpus=0", ">= 1")
-    add("sweep --address unreachable", ["sweep", "{d}/grid-ok.json", "--out", "{d}/sw", "--address", "auto"],
-        "--address", "--address='auto'", "a reachable Ray cluster")
+    # --address: a value the suite cannot get wrong without a cluster to miss (a session's Ray may be up)
+    add("sweep --address empty", ["sweep", "{d}/grid-ok.json", "--out", "{d}/sw", "--address", ""],
+        "--address", "--address=''", "a Ray cluster address")
     return R
 
 

@@ -58,16 +58,22 @@ def _accounting(reqs) -> None:
 DIVERGE = {"saturated", "shared_prefix", "tight"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="fleet does not apply upstream's rules 1-8 (serving-contract §4.13)")) if n in DIVERGE else n
-    for n in WORKLOADS])
-def test_fleet_agrees_with_exact(name):
+def _fleet_and_exact(name):
     runs = {}
     for fid in ("exact", "fleet"):
         cfg = dataclasses.replace(WORKLOADS[name](), fidelity=fid)
         runs[fid] = (simulate(cfg), cfg.requests)
         _accounting(cfg.requests)
     (ex, ex_reqs), (fl, fl_reqs) = runs["exact"], runs["fleet"]
+    # what both fidelities must share whatever their decisions: the summary keys and frame columns
+    assert fl.summary["fidelity"] == "fleet" and ex.summary["fidelity"] == "exact"
+    assert set(fl.summary) == set(ex.summary)
+    for frame in ("requests", "steps", "dispatches", "occupancy", "risk_summary"):
+        assert list(getattr(fl, frame).columns) == list(getattr(ex, frame).columns), frame
+    return ex, ex_reqs, fl, fl_reqs
+
+
+def _assert_metrics_agree(name, ex, ex_reqs, fl, fl_reqs):
     a, b = metrics_of(ex.summary), metrics_of(fl.summary)
     assert (a["completed"], a["failed"]) == (b["completed"], b["failed"])
     # the same requests end by EOS or length with the same number of tokens (stop strings may be
@@ -80,10 +86,18 @@ def test_fleet_agrees_with_exact(name):
             (name, key, a[key], b[key])
     for key in ("prefix_hit_rate", "prefix_token_hit_rate"):
         assert abs(b[key] - a[key]) <= HIT_ABS, (name, key, a[key], b[key])
-    assert fl.summary["fidelity"] == "fleet" and ex.summary["fidelity"] == "exact"
-    assert set(fl.summary) == set(ex.summary)
-    for frame in ("requests", "steps", "dispatches", "occupancy", "risk_summary"):
-        assert list(getattr(fl, frame).columns) == list(getattr(ex, frame).columns), frame
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_fleet_agrees_with_exact(name):
+    """Accounting, keys and columns always; the metrics too, except on the workloads where the fleet
+    does not yet follow upstream's rules: there they must still disagree (a fix shows up here)."""
+    runs = _fleet_and_exact(name)
+    if name not in DIVERGE:
+        _assert_metrics_agree(name, *runs)
+    else:
+        with pytest.raises(AssertionError):
+            _assert_metrics_agree(name, *runs)
 
 
 DEP = deployment("flash", ep=16, max_model_len=512, long_prefill_token_threshold=128, max_num_seqs=48,

@@ -1,6 +1,6 @@
 """The twin's scheduler makes upstream's decisions: three of upstream's recorded runs replayed.
 
-Each fixture (`../shared/fixtures/upstream-scheduler/`, next to the repository; see its README)
+Each fixture (`tests/sim/data/upstream-scheduler/`, a copy of the shared fixtures; see its README)
 is upstream pypto-serving's async grouped scheduler and grouped KV cache manager on a seeded
 workload with a fake runner.  The twin runs the same settings, workload, fake runner and async
 depth-2 loop, and every dispatched step's scheduled items (request, prefill/decode, computed

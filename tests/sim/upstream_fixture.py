@@ -1,6 +1,7 @@
 """Drive the twin's scheduler through one of upstream's recorded scheduler runs.
 
-A fixture folder (`../shared/fixtures/upstream-scheduler/<run>/`, next to the repository) holds
+A fixture folder (`tests/sim/data/upstream-scheduler/<run>/`, a copy of the project's shared
+`fixtures/upstream-scheduler/`, so a fresh clone runs it) holds
 upstream's settings, workload and decisions (see its README).  `replay` builds the twin's
 scheduler and block manager with the same settings, feeds the same workload, answers every step
 with the same fake runner and runs the same async depth-2 loop, recording what `config.json`
@@ -19,8 +20,7 @@ from twin.sim.kvcache import FamilySpec, KvCacheManager
 from twin.sim.request import Request, Sampling
 from twin.sim.scheduler import Scheduler, SchedulerConfig, SchedulerProbe
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "upstream-scheduler"
+FIXTURES = Path(__file__).resolve().parent / "data" / "upstream-scheduler"
 RUNS = ("seed20-n200", "burst-seed21-n120", "slots2-seed22-n150")
 
 
@@ -32,7 +32,7 @@ def _lines(path: Path):
 def load(run: str) -> dict:
     d = FIXTURES / run
     if not d.is_dir():
-        raise FileNotFoundError(f"upstream scheduler fixture {d} is missing (it lives next to the repository)")
+        raise FileNotFoundError(f"upstream scheduler fixture {d} is missing (tests/sim/data holds the three runs)")
     return {"config": json.loads((d / "config.json").read_text()), "workload": _lines(d / "workload.jsonl.gz"),
             "decisions": _lines(d / "decisions.jsonl.gz"), "events": _lines(d / "events.jsonl.gz")}
 

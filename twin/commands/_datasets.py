@@ -66,6 +66,7 @@ def dataset_requests(args, dep, spec):
     if args.tokenizer and name != "sharegpt":
         raise ConfigError("--tokenizer", args.tokenizer, "only with --dataset-name sharegpt")
     vocab, n = dep.model.vocab_size, args.requests
+    seed = args.seed if args.seed is not None else spec.seed        # the workload spec's seed, as simulate's
     if name == "sharegpt":
         tok = ds.DirTokenizer(args.tokenizer) if args.tokenizer else None
         if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
@@ -74,19 +75,19 @@ def dataset_requests(args, dep, spec):
     elif name == "random":
         reqs = ds.random_dataset(n or spec.num_requests, input_len=args.random_input_len,
                                  output_len=args.random_output_len, range_ratio=args.random_range_ratio,
-                                 prefix_len=args.random_prefix_len, seed=args.seed, vocab=vocab)
+                                 prefix_len=args.random_prefix_len, seed=seed, vocab=vocab)
     elif name == "prefix_repetition":
         reqs = ds.prefix_repetition(n or spec.num_requests, prefix_len=args.prefix_repetition_prefix_len,
                                     suffix_len=args.prefix_repetition_suffix_len,
                                     num_prefixes=args.prefix_repetition_num_prefixes,
-                                    output_len=args.prefix_repetition_output_len, seed=args.seed, vocab=vocab)
+                                    output_len=args.prefix_repetition_output_len, seed=seed, vocab=vocab)
     else:
-        reqs = getattr(ds, name)(path, num_prompts=n, seed=args.seed, vocab=vocab)
-    record = {"dataset": name, "path": path, "requests": len(reqs)}
+        reqs = getattr(ds, name)(path, num_prompts=n, seed=seed, vocab=vocab)
+    record = {"dataset": name, "path": path, "requests": len(reqs), "seed": seed}
     if name not in ("mooncake", "azure"):          # untimed: the workload's arrival process
         import numpy as np
         timing = spec.replace(num_requests=len(reqs))
-        ds.with_arrivals(reqs, arrivals(timing, np.random.default_rng(args.seed)))
+        ds.with_arrivals(reqs, arrivals(timing, np.random.default_rng(seed)))
         record.update(arrival=timing.arrival, rate=timing.rate, gamma_cv=timing.gamma_cv)
     else:
         record["trace"] = path

@@ -93,7 +93,7 @@ def add_arguments(p) -> None:
 
 
 def _traffic(workload: dict) -> dict:
-    """vLLM's request_rate and burstiness for the result file (a trace: rate not set, None)."""
+    """vLLM's request_rate and burstiness for the result file (a trace: no rate, written "inf" as vLLM's default)."""
     if "trace" in workload:                     # a --trace file, or a timed dataset
         return {"request_rate": None, "burstiness": 1.0}
     burst = workload["arrival"] == "burst"
@@ -118,12 +118,18 @@ def _check_flags(args) -> None:
     """Flags that would otherwise be ignored without a word: each needs the mode that reads it."""
     from twin.abi import ConfigError
 
-    if args.trace:
+    timed = args.dataset_name in ("mooncake", "azure")
+    if args.trace or timed:
+        source = "--trace" if args.trace else f"--dataset-name {args.dataset_name}"
         given = [f for f, v in (("--workload", args.workload), ("--requests", args.requests), ("--rate", args.rate),
-                                ("--arrival", args.arrival)) if v is not None]
+                                ("--arrival", args.arrival), ("--burstiness", args.burstiness))
+                 if v is not None and not (timed and f == "--requests")]
         if given:
-            raise ConfigError(given[0], getattr(args, given[0][2:]), "no value with --trace (the trace sets the "
+            raise ConfigError(given[0], getattr(args, given[0][2:]), f"no value with {source} (its file sets the "
                               "requests, their lengths and arrivals)")
+    if args.drafter != "device" and args.executor != "golden":
+        raise ConfigError("--drafter", args.drafter, "'device' unless --executor golden (the cost model draws "
+                          "acceptance, it runs no drafter)")
     if args.routing_skew is not None and args.routing != "skewed":
         raise ConfigError("--routing-skew", args.routing_skew, f"only with --routing skewed (--routing is "
                           f"{args.routing!r})")

@@ -77,6 +77,11 @@ def _ray(args):
     return ray, True
 
 
+def interrupted(args) -> str:
+    return (f"the points finished so far are kept in {args.out}/points/ (each with its point.json marker); "
+            "rerunning the same command resumes the sweep and runs only the others")
+
+
 def run(args) -> int:
     import pandas as pd
 
@@ -84,11 +89,13 @@ def run(args) -> int:
 
     if args.num_cpus is not None and args.num_cpus < 1:
         raise ConfigError("--num-cpus", args.num_cpus, ">= 1")
+    if args.address is not None and not args.address.strip():
+        raise ConfigError("--address", args.address, "a Ray cluster address (ray://host:10001, host:6379 or auto)")
     grid = sweep.load_grid(args.grid)
-    out = out_dir(args.out, "--out")
     pts = [(sweep.point_id(s, grid["slo"]), s) for s in sweep.points(grid)]
+    _check([(pid, sweep.argv(s, grid["slo"], Path(args.out) / "points" / pid)) for pid, s in pts])
+    out = out_dir(args.out, "--out")          # made only for a grid whose every point is valid
     todo = [(pid, s) for pid, s in pts if not (out / "points" / pid / "point.json").is_file()]
-    _check([(pid, sweep.argv(s, grid["slo"], out / "points" / pid)) for pid, s in pts])
     failed: dict[str, str] = {}
     if todo:
         ray, started = _ray(args)
