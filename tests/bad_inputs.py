@@ -157,9 +157,9 @@ def _rows():
         add(f"{cmd} --measured-free-bytes word", base + ["--measured-free-bytes", "abc"], "--measured-free-bytes",
             "--measured-free-bytes='abc'", "a decimal integer")
         add(f"{cmd} --measured-free-bytes past HBM", base + ["--measured-free-bytes", "99999999999999"],
-            "--measured-free-bytes", "--measured-free-bytes=99999999999999", "0..68,719,476,736")
+            "--measured-free-bytes", "--measured-free-bytes=99999999999999", "1..68,719,476,735")
         add(f"{cmd} --measured-used-bytes 0", base + ["--measured-used-bytes", "0"], "--measured-used-bytes",
-            "--measured-used-bytes=0", "1..68,719,476,735 bytes")
+            "--measured-used-bytes=0", "an integer byte count 1..68,719,476,735")
         add(f"{cmd} --measured-slots 0", base + ["--measured-slots", "0"], "--measured-slots", "--measured-slots=0",
             "1..64")
         add(f"{cmd} --measured-slots 99", base + ["--measured-slots", "99"], "--measured-slots",
@@ -174,9 +174,9 @@ def _rows():
     add("capacity --measured-slots 3.5", ["capacity", "--measured-slots", "3.5"], "--measured-slots",
         "--measured-slots='3.5'", "a decimal integer")
     add("capacity --measured-free-bytes -1", ["capacity", "--measured-free-bytes", "-1"], "--measured-free-bytes",
-        "--measured-free-bytes=-1", "an integer byte count 0..")
+        "--measured-free-bytes=-1", "an integer byte count 1..")
     add("capacity --measured-used-bytes past HBM", ["capacity", "--measured-used-bytes", str(65 << 30)],
-        "--measured-used-bytes", f"--measured-used-bytes={65 << 30}", "an integer byte count 0..")
+        "--measured-used-bytes", f"--measured-used-bytes={65 << 30}", "an integer byte count 1..")
     add("capacity --measured-used-bytes with --measured-free-bytes",
         ["capacity", "--measured-free-bytes", "1", "--measured-used-bytes", "1"], "--measured-used-bytes",
         "--measured-used-bytes='1'", "not together with --measured-free-bytes")

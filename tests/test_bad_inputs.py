@@ -70,12 +70,14 @@ def test_bad_input_is_one_line_naming_it(case, scratch, threads, capsys):
         rc = e.code
     out, err = capsys.readouterr()
     check_line(rc, out, err, expand(named, scratch), expand(allowed, scratch))
+    # a refused run writes no report (simulate's --out is {d}/out in every case that gives one)
+    assert not (scratch / "out" / "summary.json").exists(), id_
 
 
-def test_nothing_half_made_by_a_refused_run(scratch):
-    """A refused simulate writes no report; a refused --out is not created."""
-    assert not (scratch / "out" / "summary.json").exists()
-    assert not Path("/proc/dspark-out").exists()
+def test_a_refused_out_is_not_created(scratch, threads, capsys):
+    rc = main(["simulate", "--requests", "2", "--no-plots", "--out", "/proc/dspark-out"])
+    capsys.readouterr()
+    assert rc == 2 and not Path("/proc/dspark-out").exists()
 
 
 def test_the_corpus_covers_every_command_flag_and_input_file():

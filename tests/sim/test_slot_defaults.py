@@ -9,7 +9,7 @@ from twin.cli import main
 def test_capacity_explains_and_quotes_simulates_slots(tmp_path, capsys):
     assert main(["capacity"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    m = re.search(r"simulate's defaults admit (\d+) slots per partition", out)
+    m = re.search(r"with this command's HBM settings: (\d+) slots per partition", out)
     assert m and "max-model-len 1024, chunk 2048" in out and "max-model-len 8192, chunk 512" in out
     assert main(["simulate", "--requests", "8", "--out", str(tmp_path), "--no-plots"]) == 0
     sim_out = " ".join(capsys.readouterr().out.split())

@@ -43,9 +43,6 @@ class Measurement:
     def used_interval(self, dep: Deployment, hbm_bytes: int) -> tuple[int | None, int]:
         """[lo, hi] of the per-rank bytes in use before KV sizing; lo None when unbounded (64 slots
         is the cap, so any larger budget admits it too)."""
-        if self.kind in (FREE, USED) and not 0 < self.value < hbm_bytes:
-            raise ConfigError(self.kind, self.value, f"1..{hbm_bytes - 1:,} bytes (a part of the {hbm_bytes:,} bytes "
-                                                     "of HBM per rank)")
         if self.kind == FREE:
             return hbm_bytes - self.value, hbm_bytes - self.value
         if self.kind == USED:
@@ -124,6 +121,6 @@ def validate_measurement(m: Measurement, hbm_bytes: int) -> None:
             raise ConfigError(m.kind, m.value, f"an integer 1..{C.DECODE_BATCH} (slots per partition a boot "
                                              "admitted)")
         return
-    if not 0 <= m.value <= hbm_bytes:
-        raise ConfigError(m.kind, m.value, f"an integer byte count 0..{hbm_bytes:,} (the per-rank HBM, "
-                                         "--hbm-gib)")
+    if not 0 < m.value < hbm_bytes:
+        raise ConfigError(m.kind, m.value, f"an integer byte count 1..{hbm_bytes - 1:,} (a part of the per-rank "
+                                         f"HBM, {hbm_bytes:,} bytes: --hbm-gib)")

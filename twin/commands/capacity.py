@@ -41,16 +41,17 @@ def _defaults_note(con, args) -> None:
         sim = hbm_account(deployment_from_args(argparse.Namespace(**{**vars(args), "max_model_len": theirs["max_model_len"],
                                                                       "chunk": theirs["chunk"]})),
                           hbm_bytes=int(args.hbm_gib * GIB), env=os.environ, ring_heap=args.ring_heap)
-        con.print(f"note: {note} (simulate's defaults admit {sim.slots_per_partition} slots per partition here)")
+        con.print(f"note: {note} (at simulate's max-model-len {theirs['max_model_len']} and chunk {theirs['chunk']}, "
+                  f"with this command's HBM settings: {sim.slots_per_partition} slots per partition)")
 
 
 def run(args) -> int:
     import os
 
-    from twin.abi.inputs import number
+    from twin.abi.inputs import number as check_number
 
     dep = deployment_from_args(args)
-    number(args.hbm_gib, "--hbm-gib", lo=0.0, lo_open=True, unit="(GiB of HBM per rank)")
+    check_number(args.hbm_gib, "--hbm-gib", lo=0.0, lo_open=True, unit="(GiB of HBM per rank)")
     measured, pages = budget_from_args(args)
     with flag_names():
         acct = hbm_account(dep, hbm_bytes=int(args.hbm_gib * GIB), env=os.environ, ring_heap=args.ring_heap,

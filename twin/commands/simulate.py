@@ -70,7 +70,8 @@ def add_arguments(p) -> None:
     add_budget_args(p)
     m.add_argument("--sync", action="store_true", help="synchronous scheduling (batch queue depth 1)")
     m.add_argument("--max-preemptions", type=integer,
-                   help="end a request at its n-th preemption (default: no cap, as upstream)")
+                   help="end a request at its n-th preemption (default: no cap, as upstream; the fleet "
+                        "fidelity caps at 100)")
     m.add_argument("--stop-check", default="end", choices=("end", "token"),
                    help="stop strings: 'end' as upstream (may miss one inside a multi-token step) or 'token'")
     m.add_argument("--prefill-hang-prob", type=number, default=0.0,
@@ -116,7 +117,6 @@ def _slo(args) -> dict:
 
 def _check_flags(args) -> None:
     """Flags that would otherwise be ignored without a word: each needs the mode that reads it."""
-    from twin.abi import ConfigError
 
     timed = args.dataset_name in ("mooncake", "azure")
     if args.trace or timed:
@@ -149,7 +149,6 @@ def _check_flags(args) -> None:
 
 
 def _requests(args, dep):
-    from twin.abi import ConfigError
     from twin.abi.inputs import located, read_json
     from twin.sim.workload import WorkloadSpec, default_spec, generate, load_jsonl
 
@@ -198,7 +197,6 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn
     from rich.table import Table
 
-    from twin.abi import ConfigError
     from twin.sim.acceptance import parse_acceptance
     from twin.sim.costmodel import Calibration, CostModel, DeviceLimits, Routing
     from twin.sim.run import SimConfig, simulate, startup_slots
@@ -243,10 +241,10 @@ def run(args) -> int:
     if args.executor == "golden":
         from twin.functional import cli as functional
         golden = functional.attach(cfg, drafter=args.drafter)
-    if args.profile:
-        cfg.calibration = Calibration.from_profile(args.profile, CostModel(dep, startup_slots(cfg, device), device, routing))
     with flag_names():
-        startup_slots(cfg, device)             # bad budget values fail before the run, under their flags
+        slots = startup_slots(cfg, device)     # bad budget values fail before the run, under their flags
+    if args.profile:
+        cfg.calibration = Calibration.from_profile(args.profile, CostModel(dep, slots, device, routing))
     out = out_dir(args.out, "--out")
     con = Console(stderr=True)
     if args.json or not con.is_terminal:      # a progress bar is for a person watching a terminal

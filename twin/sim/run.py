@@ -42,7 +42,6 @@ from .scheduler import Scheduler, SchedulerConfig
 
 
 FIDELITIES = ("exact", "fleet")
-SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
 @dataclass
@@ -85,15 +84,19 @@ class SimConfig:
         if self.fidelity == "fleet" and (self.executor is not None or self.scheduler is not Scheduler):
             raise ConfigError("fidelity", self.fidelity,
                               "'exact' when an executor or a scheduler subclass is injected (fleet runs its own)")
+        if self.max_preemptions is not None and (isinstance(self.max_preemptions, bool) or
+                                                 not isinstance(self.max_preemptions, int) or self.max_preemptions < 1):
+            raise ConfigError("max_preemptions", self.max_preemptions, "None (upstream: no cap) or >= 1")
         if self.decision_log and self.fidelity != "exact":
             raise ConfigError("decision_log", self.decision_log, "False with fidelity 'fleet' (exact only)")
         if not 0.0 <= self.prefill_hang_probability <= 1.0:
             raise ConfigError("prefill_hang_probability", self.prefill_hang_probability, "in [0, 1]")
         number(self.step_timeout, "step_timeout", lo=0.0, lo_open=True, unit="(seconds: what a hang costs)")
         for key, ms in (self.slo_ms or {}).items():
-            if key not in SLO_KEYS:
-                raise ConfigError("slo_ms key", key, f"one of {SLO_KEYS}")
-            number(ms, f"slo_{key}", lo=0.0, lo_open=True, unit="(milliseconds)")
+            if key not in vllm_result.SLO_METRICS:
+                raise ConfigError("slo_ms key", key, f"one of {vllm_result.SLO_METRICS}")
+            if not vllm_result.slo_ok(ms):
+                raise ConfigError(f"slo_{key}", ms, vllm_result.SLO_RULE)
         if self.max_concurrency is not None:
             if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) \
                     or self.max_concurrency < 1:

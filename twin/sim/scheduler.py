@@ -328,7 +328,7 @@ class Scheduler:
 
     def _command(self, out: dict[str, Scheduled], new_reqs, finished_ids) -> StepCommand:
         self._step += 1
-        k, max_seq = self.cfg.k, self.cfg.max_seq_len
+        k = self.cfg.k
         pre, dec = [], []
         for s in out.values():
             req = s.req

@@ -22,6 +22,8 @@ import pandas as pd
 from twin.abi.errors import ConfigError
 from twin.abi.outputs import atomic_path
 
+from .vllm_result import SLO_METRICS, SLO_RULE, slo_ok
+
 KEYS = ("base", "grid", "slo")
 UNITS = {"request-rate": " (requests/s)", "rate": " (requests/s)", "max-concurrency": " (requests)"}
 PERCENTILES = "50,90,99"
@@ -66,9 +68,8 @@ def load_grid(path: str | Path) -> dict:
     if set(base) & set(g):
         raise ConfigError(f"{path}: base", sorted(set(base) & set(g)), "settings not also in grid")
     slo = grid.get("slo") or {}
-    if not isinstance(slo, dict) or set(slo) - {"ttft", "tpot", "e2el"} or \
-            not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in slo.values()):
-        raise ConfigError(f"{path}: slo", slo, "a mapping of ttft / tpot / e2el -> milliseconds >= 0")
+    if not isinstance(slo, dict) or set(slo) - set(SLO_METRICS) or not all(slo_ok(v) for v in slo.values()):
+        raise ConfigError(f"{path}: slo", slo, f"a mapping of {' / '.join(SLO_METRICS)} -> {SLO_RULE}")
     for k in (*base, *g):
         if not isinstance(k, str) or k.startswith("-") or k in ("out", "json", "no-plots", "goodput"):
             raise ConfigError(f"{path}: setting", k, "a simulate flag without dashes (not out / json / "

@@ -32,6 +32,12 @@ import pandas as pd
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_METRICS = ("ttft", "tpot", "e2el")
+SLO_RULE = "a finite number of milliseconds > 0"
+
+
+def slo_ok(ms) -> bool:
+    """The one rule for an SLO value, wherever it comes from (--slo-*, --goodput, a sweep grid)."""
+    return isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0 and not math.isinf(ms)
 DEFAULT_PERCENTILES = (99.0,)          # vLLM's --metric-percentiles default "99"
 
 
@@ -161,8 +167,8 @@ def parse_goodput(pairs) -> dict[str, float]:
             ms = float(val) if sep else None
         except ValueError:
             ms = None
-        if name not in SLO_METRICS or ms is None or not ms >= 0 or math.isinf(ms):
-            raise ConfigError("--goodput", pair, f"KEY:MS pairs, KEY one of {SLO_METRICS}, MS a finite number >= 0")
+        if name not in SLO_METRICS or not slo_ok(ms):
+            raise ConfigError("--goodput", pair, f"KEY:MS pairs, KEY one of {SLO_METRICS}, MS {SLO_RULE}")
         if name in out:
             raise ConfigError("--goodput", pair, f"each of {SLO_METRICS} at most once")
         out[name] = ms
