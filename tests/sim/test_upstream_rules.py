@@ -1,5 +1,5 @@
-"""Upstream's scheduling rules (serving-contract §4.13), each on the small case where it decides
-differently from the rule it replaced: the decision asserted is upstream's.
+"""Upstream's scheduling rules (serving-contract §4.13), each on the small case that tells it apart
+from the plausible alternative rule: the decision asserted is upstream's.
 
 Most cases run on a miniature block manager (one full-history family of 4-token pages, one
 rolling family of 2-token pages with a 4-token window) so that a few short prompts fill a
@@ -209,7 +209,7 @@ def test_rule9_the_scheduler_anchor_does_not_decide_the_fallback():
     s.advance_after_schedule(n1)
     n2 = s.schedule()                          # built before n1's result: its anchor counts n1's 7 reserved
     (it,) = n2.decode.items
-    assert it.anchor + 7 >= 1024               # the old rule fell back here
+    assert it.anchor + 7 >= 1024               # an anchor-based rule would fall back here
     committed = s.requests["a"].prompt_len + 1 + 1   # after n1 the runner has committed at most 1 more
     assert committed + 7 < 1024 and len(it.pending_drafts) == 7
 
