@@ -232,8 +232,6 @@ def _rows():
     add("simulate --routing word", SIM + ["--routing", "zipf"], "--routing", ["--routing", "'zipf'"],
         "choose from 'balanced'")
     add("simulate --device unknown", SIMQ + ["--device", "h100"], "--device", "device='h100'", "ascend-a3-die")
-    add("simulate --fidelity word", SIM + ["--fidelity", "rough"], "--fidelity", ["--fidelity", "'rough'"],
-        "choose from 'exact'")
     add("simulate --stop-check word", SIM + ["--stop-check", "never"], "--stop-check", ["--stop-check", "'never'"],
         "choose from 'end'")
 
@@ -414,8 +412,6 @@ def _rows():
         "--burstiness", "--burstiness=2.0", "only with --arrival gamma")
     add("simulate --max-concurrency 0", SIMQ + ["--max-concurrency", "0"], "--max-concurrency",
         "--max-concurrency=0", "an integer >= 1")
-    add("simulate --max-concurrency fleet", SIMQ + ["--max-concurrency", "2", "--fidelity", "fleet"],
-        "--max-concurrency", "max_concurrency=2", "None with fidelity 'fleet'")
     add("simulate --goodput pair", SIMQ + ["--goodput", "ttft500"], "--goodput", "--goodput='ttft500'", "KEY:MS pairs")
     add("simulate --goodput key", SIMQ + ["--goodput", "foo:5"], "--goodput", "--goodput='foo:5'",
         "KEY one of ('ttft', 'tpot', 'e2el')")
@@ -481,8 +477,6 @@ def _rows():
     add("simulate --request-rate with a timed dataset", SIM + ["--dataset-name", "azure", "--dataset-path",
                                                              "{d}/bad.csv", "--request-rate", "5"], "--rate",
         "--rate=5.0", "no value with --dataset-name azure")
-    add("simulate --decision-log with fleet", SIMQ + ["--decision-log", "--fidelity", "fleet"], "--decision-log",
-        "decision_log=True", "False with fidelity 'fleet'")
 
     # ---- sweep -----------------------------------------------------------------------------------------
     add("sweep grid missing", ["sweep", "{d}/nope.yaml", "--out", "{d}/sw"], "grid", "GRID='{d}/nope.yaml'",

@@ -10,8 +10,10 @@ import json
 import pytest
 
 import upstream_fixture as U
-from fleet_workloads import WORKLOADS
+from simtest import make_dep
+from twin.sim.acceptance import ForcedAcceptance
 from twin.sim.run import SimConfig, simulate
+from twin.sim.workload import LengthDist, WorkloadSpec, generate
 
 
 @pytest.mark.parametrize("run", ["burst-seed21-n120"])
@@ -44,12 +46,21 @@ def test_log_matches_upstream_and_its_pages_add_up(run):
     assert sum(net.values()) == sum(used.values())
 
 
+def tight():
+    """Three slots per partition: constant preemption, prefix groups, stop strings, forced acceptance."""
+    reqs = generate(WorkloadSpec(num_requests=160, arrival="poisson", rate=300,
+                                 prompt=LengthDist("uniform", 300, 200, 16, 700),
+                                 output=LengthDist("uniform", 120, 100, 4, 300), prefix_groups=3, prefix_len=384,
+                                 prefix_fraction=0.5, eos_fraction=0.2, stop_fraction=0.1, seed=11))
+    return SimConfig(make_dep(), reqs, slots=3, acceptance=ForcedAcceptance(5))
+
+
 def test_off_by_default_and_written_when_on(tmp_path):
-    cfg = WORKLOADS["tight"]()
+    cfg = tight()
     assert SimConfig(cfg.dep).decision_log is False
     off = simulate(cfg)
     assert off.decisions is None
-    on_cfg = dataclasses.replace(WORKLOADS["tight"](), decision_log=True)
+    on_cfg = dataclasses.replace(tight(), decision_log=True)
     on = simulate(on_cfg)
     files = on.write(tmp_path, plots=False, trace=False)
     assert "decisions.jsonl" in files
@@ -62,7 +73,3 @@ def test_off_by_default_and_written_when_on(tmp_path):
     assert any(r["preempted"] for r in sched) and any(r["waves"] for r in sched) and any(r["leases"] for r in sched)
     assert any(r["finished"] for r in lines if r["kind"] == "apply")
 
-
-def test_fleet_has_no_decision_log():
-    with pytest.raises(ValueError, match="decision_log"):
-        SimConfig(WORKLOADS["tight"]().dep, fidelity="fleet", decision_log=True)

@@ -166,3 +166,30 @@ def test_documented_run_workload():
     reqs = generate(spec)
     assert len(reqs) == 32 and all(33 <= r.prompt_len <= 512 for r in reqs)
     assert lim["long_prefill_token_threshold"] == 128 and lim["num_speculative_tokens"] == 7
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), fixed=st.booleans())
+def test_cost_model_list_forms_flatten_into_the_array_forms(seed, fixed):
+    """decode / prefill flatten their per-group lists into decode_arrays / prefill_arrays; integer
+    contexts read a per-context table that must equal the float formula; a few prefill rows are
+    priced in Python, many by numpy, with the same bits (bincount adds its weights in input order,
+    as the loop does)."""
+    dep = make_dep(max_model_len=512, max_num_seqs=48, max_num_batched_tokens=1024)
+    rng = np.random.default_rng(seed)
+    a, b = CostModel(dep, 3, fixed_tile=fixed), CostModel(dep, 3, fixed_tile=fixed)
+    n = int(rng.integers(1, 64))
+    ctx, g, o = rng.integers(1, 512, n).astype(float), rng.integers(0, 4, n), rng.integers(0, 4, n)
+    want = a.decode([list(ctx[g == k]) for k in range(4)], [list(o[g == k]) for k in range(4)])
+    got = b.decode_arrays(ctx, g, o)
+    # the flattening reorders the per-group rows: a reordered float sum, so a relative tolerance
+    assert got[0] == pytest.approx(want[0], rel=1e-12) and got[1].keys() == want[1].keys()
+    # the table holds the float formula's values at each integer context: same operations, same bits
+    assert b.decode_arrays(ctx.astype(np.int64), g, o)[0] == got[0]
+    tok, start = rng.integers(1, 129, n), rng.integers(0, 400, n)
+    want = a.prefill([[(int(x), int(y)) for x, y, k in zip(tok, start, g) if k == q] for q in range(4)])
+    got = b.prefill_arrays(tok, start.astype(float), g)
+    assert got[0] == pytest.approx(want[0], rel=1e-12)
+    per, attn = b._prefill_rows(tok.tolist(), start.astype(float).tolist(), g.tolist())
+    assert attn == b._prefill_attention(tok, start.astype(float), g)
+    assert per == np.bincount(g, weights=tok, minlength=4).tolist()

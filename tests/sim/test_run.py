@@ -191,13 +191,26 @@ def test_cli_bad_input_names_the_argument(tmp_path):
     assert r.returncode == 2 and "forced acceptance length" in r.stderr
 
 
-@pytest.mark.parametrize("fidelity", ["exact", "fleet"])
-def test_a_capped_request_is_flagged_in_its_row_and_counted(fidelity):
+def test_the_simulator_has_one_fidelity(capsys):
+    """One rule set: no fidelity to choose, so a `--fidelity` left in a script is refused as any
+    unknown flag is (exit status 2, one line naming it), never silently ignored."""
+    import dataclasses
+
+    from twin.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--fidelity", "fleet", "--requests", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "unrecognized arguments: --fidelity fleet" in err
+    assert "fidelity" not in {f.name for f in dataclasses.fields(SimConfig)}
+
+
+def test_a_capped_request_is_flagged_in_its_row_and_counted():
     """max_model_len 1024: 1000 + 100 asks for 76 more than the context holds, 1000 + 24 fits exactly."""
     from simtest import req
 
     reqs = [req("over", plen=1000, out=100), req("exact", plen=1000, out=24), req("short", plen=100, out=10)]
-    res = simulate(SimConfig(make_dep(), reqs, fidelity=fidelity, acceptance=ForcedAcceptance(8)))
+    res = simulate(SimConfig(make_dep(), reqs, acceptance=ForcedAcceptance(8)))
     rows = res.requests.set_index("request_id")
     assert rows.loc["over", "capped"] and rows.loc["over", "max_new_tokens"] == 24
     assert rows.loc["over", "requested_max_new_tokens"] == 100 and rows.loc["over", "output_len"] == 24

@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
                         "(sets --arrival gamma with CV 1/sqrt(burstiness))")
     w.add_argument("--max-concurrency", type=integer,
                    help="closed loop, as vllm bench serve: at most this many requests unfinished; "
-                        "a request is sent when one finishes (exact fidelity)")
+                        "a request is sent when one finishes")
     w.add_argument("--arrival", choices=("poisson", "gamma", "burst"), help="arrival process")
     w.add_argument("--seed", type=seed, default=None,
                    help="workload, routing and acceptance seed (default: the workload spec's seed, 0 with --trace)")
@@ -63,15 +63,11 @@ def add_arguments(p) -> None:
     m.add_argument("--routing-trace", help="JSON per-layer expert histograms for --routing trace")
     m.add_argument("--device", default="ascend-a3-die", help="device limits row (twin/sim/data/devices.json)")
     m.add_argument("--profile", help="measured profile JSON to calibrate the cost model")
-    m.add_argument("--fidelity", default="exact", choices=("exact", "fleet"),
-                   help="exact (page ids, the default) or fleet (page counts, ~10x+ faster, for sweeps; "
-                        "docs/simulation.md#fidelity)")
     m.add_argument("--slots", type=integer, help="override slots per partition (default: startup admission)")
     add_budget_args(p)
     m.add_argument("--sync", action="store_true", help="synchronous scheduling (batch queue depth 1)")
     m.add_argument("--max-preemptions", type=integer,
-                   help="end a request at its n-th preemption (default: no cap, as upstream; the fleet "
-                        "fidelity caps at 100)")
+                   help="end a request at its n-th preemption (default: no cap, as upstream)")
     m.add_argument("--stop-check", default="end", choices=("end", "token"),
                    help="stop strings: 'end' as upstream (may miss one inside a multi-token step) or 'token'")
     m.add_argument("--prefill-hang-prob", type=number, default=0.0,
@@ -90,7 +86,7 @@ def add_arguments(p) -> None:
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--json", action="store_true", help="print the summary as JSON (no progress display)")
     o.add_argument("--decision-log", action="store_true",
-                   help="write every scheduling decision to decisions.jsonl (exact fidelity; docs/simulation.md)")
+                   help="write every scheduling decision to decisions.jsonl (docs/simulation.md#decision-log)")
 
 
 def _traffic(workload: dict) -> dict:
@@ -232,7 +228,7 @@ def run(args) -> int:
                     slots=args.slots, measured=measured, total_kv_pages=pages, async_depth=1 if args.sync else 2,
                     stop_check=args.stop_check, slo_ms=slo or None, seed=seed_,
                     prefill_hang_probability=args.prefill_hang_prob,
-                    step_timeout=args.step_timeout, fidelity=args.fidelity, max_concurrency=args.max_concurrency,
+                    step_timeout=args.step_timeout, max_concurrency=args.max_concurrency,
                     decision_log=args.decision_log, max_preemptions=args.max_preemptions)
     if args.recompute == "replay":
         from twin.functional.replay import ReplayScheduler

@@ -14,7 +14,6 @@ A window that does not fit under the position ceiling falls back to one token (Â
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -57,21 +56,6 @@ class ConditionalAcceptance(AcceptanceModel):
         ok = rng.random((n, K)) < np.asarray(self.rates)
         run = np.cumprod(ok, axis=1).sum(axis=1)
         return np.where(fits, 1 + run, 1).astype(np.int64)
-
-    def counts_inverse(self, n, fits, rng):
-        """The same distribution as `counts` from one uniform per request (the accepted run is the
-        number of positions whose survival probability prod(a_1..a_i) exceeds it): the fleet
-        fidelity's sampler, 7x fewer draws; `counts` keeps the exact mode's random stream."""
-        rising = self._rising
-        run = len(rising) - rising.searchsorted(rng.random(n), side="right")
-        run *= fits                            # no drafts: the bonus token only
-        run += 1
-        return run
-
-    @cached_property
-    def _rising(self) -> np.ndarray:
-        """prod(a_1..a_i) for i = 7..1 (ascending), computed once per model."""
-        return np.cumprod(self.rates)[::-1].copy()
 
     def expected_length(self) -> float:
         return 1.0 + float(np.cumprod(self.rates).sum())

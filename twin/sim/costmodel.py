@@ -218,9 +218,7 @@ class CostModel:
         self._decode_static: dict[tuple, dict] = {}     # decode_arrays: the parts set by the batch shape
         self._prefill_static: dict[tuple, tuple] = {}   # prefill_arrays: the same, by (rows per rank, requests)
         self._prefill_row: dict[tuple, tuple] = {}      # one prefill row's (bytes, flops) by (tokens, start)
-        self.vector_routing = False                      # fleet: draw all MoE layers' routing at once
-        self.moe_bucket = 64                             # token rows per routing draw (fleet: coarser)
-        self._probs_rows: dict[int, np.ndarray] = {}
+        self.moe_bucket = 64                             # token rows per routing draw
         self._row_time: np.ndarray | None = None
         d = self.device
         self.bw = d.hbm_bw * d.hbm_efficiency
@@ -282,9 +280,6 @@ class CostModel:
             ebytes = w["expert_bytes"][key]
             pairs = bucket * self.m.num_experts_per_tok
             E, R = self.m.n_routed_experts, self.R
-            if self.vector_routing:
-                self._moe_cache[ck] = self._moe_layers(n_layers, pairs, ebytes)
-                return self._moe_cache[ck]
             total = 0.0
             for layer in range(n_layers):
                 if self.routing.policy == "balanced" and layer >= self.m.num_hash_layers:
@@ -297,20 +292,6 @@ class CostModel:
                 total += float(t.max())
             self._moe_cache[ck] = total
         return self._moe_cache[ck]
-
-    def _moe_layers(self, n_layers: int, pairs: int, ebytes: float) -> float:
-        """`moe_time`'s sum with every layer's routing drawn in one call (the fleet fidelity: the
-        same distribution, a different draw order than the exact mode's layer loop)."""
-        E, R = self.m.n_routed_experts, self.R
-        probs = self._probs_rows.get(n_layers)
-        if probs is None:
-            probs = self._probs_rows[n_layers] = np.stack([self._probs(layer) for layer in range(n_layers)])
-        per = self._rng.multinomial(pairs, probs).astype(float)
-        if self.routing.policy == "balanced":
-            per[self.m.num_hash_layers:] = pairs / E
-        by_rank = per.reshape(n_layers, R, E // R)
-        t = np.maximum((by_rank > 0).sum(axis=2) * ebytes / self.bw, by_rank.sum(axis=2) * self.expert_flops / self.f8)
-        return float(t.max(axis=1).sum())
 
     # ---- pieces -----------------------------------------------------------------------------------
     def _dense(self, w: dict, rows: int, logit_rows: int) -> float:

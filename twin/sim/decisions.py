@@ -14,7 +14,7 @@ happened:
   finished and the stale results discarded when that step's result was applied (stop strings
   included), and the pages moved meanwhile.
 
-Integers and strings only, so two runs (or two fidelities) compare with ``==``.
+Integers and strings only, so two runs compare with ``==``.
 """
 from __future__ import annotations
 

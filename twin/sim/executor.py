@@ -62,13 +62,13 @@ def prefill_timing(cost: CostModel | None, batch, partitions: int) -> DispatchTi
 
 def seed_rows(longest_prompt: int) -> int:
     """A seeding wave's bootstrap drafter context bucket: the band of its longest 128-token tail
-    (the prompt's last SLIDING_WINDOW tokens) per TP rank (both fidelities price a wave by it)."""
+    (the prompt's last SLIDING_WINDOW tokens) per TP rank."""
     return context_bucket(BOOTSTRAP, -(-min(C.SLIDING_WINDOW, longest_prompt) // C.TP_SIZE))
 
 
 # pypto-lib#1213 fault model: an EP16 prefill dispatch hangs with a given probability, drawn from
 # its own stream (seed + 1213) so the acceptance draws do not move; the worker step then times out
-# (SERVING_WORKER_STEP_TIMEOUT, 1200 s) and the batch aborts.  Both fidelities use these.
+# (SERVING_WORKER_STEP_TIMEOUT, 1200 s) and the batch aborts.
 HANG_ERROR = "TENSOR_WAIT_TIMEOUT: l3_prefill_fwd hang at EP16 (pypto-lib#1213 fault model)"
 
 

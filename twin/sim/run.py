@@ -41,8 +41,6 @@ from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
 
 
-FIDELITIES = ("exact", "fleet")
-
 
 @dataclass
 class SimConfig:
@@ -70,25 +68,14 @@ class SimConfig:
     # variants: executor(cost_model, slots) -> Executor; scheduler: a Scheduler subclass
     executor: Callable | None = None
     scheduler: type = Scheduler
-    # "exact": page identities, every request an object, upstream's decisions (the default, proven on
-    # upstream's recorded runs by tests/sim/test_upstream_fixtures.py);
-    # "fleet": struct-of-arrays requests and page counts, for sweeps (docs/simulation.md, "Fidelity")
-    fidelity: str = "exact"
-    # `--max-concurrency`: at most this many unfinished requests sent (a closed loop; exact fidelity)
+    # `--max-concurrency`: at most this many unfinished requests sent (a closed loop)
     max_concurrency: int | None = None
-    decision_log: bool = False                    # keep every decision (twin/sim/decisions.py); exact only
+    decision_log: bool = False                    # keep every decision (twin/sim/decisions.py)
 
     def __post_init__(self):
-        if self.fidelity not in FIDELITIES:
-            raise ConfigError("fidelity", self.fidelity, f"one of {FIDELITIES}")
-        if self.fidelity == "fleet" and (self.executor is not None or self.scheduler is not Scheduler):
-            raise ConfigError("fidelity", self.fidelity,
-                              "'exact' when an executor or a scheduler subclass is injected (fleet runs its own)")
         if self.max_preemptions is not None and (isinstance(self.max_preemptions, bool) or
                                                  not isinstance(self.max_preemptions, int) or self.max_preemptions < 1):
             raise ConfigError("max_preemptions", self.max_preemptions, "None (upstream: no cap) or >= 1")
-        if self.decision_log and self.fidelity != "exact":
-            raise ConfigError("decision_log", self.decision_log, "False with fidelity 'fleet' (exact only)")
         if not 0.0 <= self.prefill_hang_probability <= 1.0:
             raise ConfigError("prefill_hang_probability", self.prefill_hang_probability, "in [0, 1]")
         number(self.step_timeout, "step_timeout", lo=0.0, lo_open=True, unit="(seconds: what a hang costs)")
@@ -101,9 +88,6 @@ class SimConfig:
             if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) \
                     or self.max_concurrency < 1:
                 raise ConfigError("max_concurrency", self.max_concurrency, "an integer >= 1 (or None: open loop)")
-            if self.fidelity == "fleet":
-                raise ConfigError("max_concurrency", self.max_concurrency,
-                                  "None with fidelity 'fleet' (the closed loop runs in the exact engine)")
 
 
 @dataclass
@@ -212,8 +196,6 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
 
 def simulate(cfg: SimConfig, progress: Callable[[float, int, int], None] | None = None,
              progress_every: float = 1.0) -> SimResult:
-    if cfg.fidelity == "fleet":
-        return _simulate_fleet(cfg, progress)
     env, eng, sched, rec, slots = build(cfg)
     eng.submit(cfg.requests)
     total = len(cfg.requests)
@@ -234,34 +216,6 @@ def simulate(cfg: SimConfig, progress: Callable[[float, int, int], None] | None 
     return _result(cfg, slots, sched, rec, wall, env.now)
 
 
-def _simulate_fleet(cfg: SimConfig, progress=None) -> SimResult:
-    """The fleet fidelity (twin/sim/fleet.py): same inputs, same result frames and summary."""
-    from .fleet import FleetSim
-    from .fleet_record import FleetRecorder
-
-    if cfg.executor is not None or cfg.scheduler is not Scheduler:
-        raise ConfigError("fidelity", cfg.fidelity, "'exact' when an executor or a scheduler subclass is injected")
-    dep = cfg.dep
-    device = cfg.device or DeviceLimits.load()
-    slots = startup_slots(cfg, device)
-    cost = CostModel(dep, slots, device, cfg.routing, cfg.calibration, seed=cfg.seed, fixed_tile=cfg.fixed_tile)
-    # one routing draw per 512 token rows instead of 64: MoE time is memory bound at these sizes
-    # (it moves ~0.2% of a step per 512 rows), and a sweep then pays for ~16 draws, not ~130
-    cost.vector_routing, cost.moe_bucket = True, 512
-    sim = FleetSim(cfg, slots, cost, device, None)
-    sim.rec = rec = FleetRecorder(partitions=dep.partitions, k=dep.k, families=sim.kv.names)
-    rec.sim = sim
-    t0 = time.perf_counter()
-    with _gc_paused():                 # as the exact engine: no generational passes mid-run
-        sim.run(cfg.until)
-    wall = time.perf_counter() - t0
-    if progress:
-        progress(sim.now, sim.finished, sim.N)
-    sim.write_back()
-    rec.finalize(sim)
-    return _result(cfg, slots, sim, rec, wall, sim.now)
-
-
 @contextmanager
 def _gc_paused():
     gc_on = gc.isenabled()
@@ -274,7 +228,7 @@ def _gc_paused():
 
 
 def _result(cfg: SimConfig, slots: int, sched, rec, wall: float, now: float) -> SimResult:
-    """Frames, risk flags and summary of a finished run (either fidelity's scheduler and recorder)."""
+    """Frames, risk flags and summary of a finished run."""
     req_df = metrics.requests_frame(cfg.requests, rec)
     steps = metrics.steps_frame(rec)
     flags = risk.scan(rec, cfg.dep.topology.ep)
@@ -282,7 +236,7 @@ def _result(cfg: SimConfig, slots: int, sched, rec, wall: float, now: float) -> 
     summ.update({"slots_per_partition": slots, "kv_budget_source": budget_source(cfg), "simulated_s": now, "wall_s": wall,
                  "sim_s_per_wall_s": now / wall if wall else None, "steps": len(rec.steps),
                  "risks": {k: int(v) for k, v in flags["risk"].value_counts().items()} if len(flags) else {},
-                 "kv_stats": dict(sched.kv.stats), "fidelity": cfg.fidelity})
+                 "kv_stats": dict(sched.kv.stats)})
     log = getattr(sched, "log", None)
     return SimResult(cfg, slots, sched, rec, wall, now, req_df, steps, metrics.dispatches_frame(rec),
                      metrics.occupancy_frame(rec), flags, risk.summarize(flags), summ,

@@ -2,7 +2,7 @@
 
 The grid file (YAML or JSON) names `simulate` flags without their dashes:
 
-    base:  {requests: 256, fidelity: fleet}          # every point
+    base:  {requests: 256, max-model-len: 2048}     # every point
     grid:  {request-rate: [8, 16, 32], num-speculative-tokens: [0, 7]}   # the cartesian product
     slo:   {ttft: 2000, tpot: 50}                    # goodput and SLO attainment (ms)
 

@@ -5,8 +5,7 @@ Tracks, each named by metadata events:
   group (the slice of a dispatch on the groups that had requests in it, with their counts);
 - process "engine (host)": the host lanes the engine models, schedule, prepare and reclaim;
 - process "requests": one async slice per request (queued -> finish) holding its queued time,
-  each prefill chunk (the prefill dispatches that carried it; one span from admission to first
-  token where the fidelity records no per-request prefill) and its decode;
+  each prefill chunk (the prefill dispatches that carried it) and its decode;
 - counters: used pages per cache family (all partitions, against the family's capacity) and
   live requests per partition;
 - flow arrows from the prefill dispatch that produced a request's first token to the decode
@@ -61,7 +60,7 @@ def perfetto_trace(rec, steps: pd.DataFrame, req_df: pd.DataFrame, capacity: dic
                                                            **({"tokens": tk} if tk is not None else {})}})
         for rid in meta.get("requests", ()) if kind == "prefill" else ():
             carried.setdefault(rid, []).append((ts, ts + dur, step))
-    for lane, step, start, end in getattr(rec, "host_lanes", ()):
+    for lane, step, start, end in rec.host_lanes:
         ev.append({"name": lane, "cat": "host", "ph": "X", "ts": start * US, "dur": (end - start) * US,
                    "pid": HOST, "tid": LANES.index(lane), "args": {"step": step}})
     ev += _requests(rec, req_df, carried, by_step)
@@ -87,12 +86,10 @@ def _requests(rec, req_df, carried, by_step) -> list[dict]:
         first = r.first_token if pd.notna(r.first_token) else None
         if adm is not None and clip(adm * US) > lo:
             kids += _span("queued", r.request_id, lo, clip(adm * US))
-        chunks = carried.get(r.request_id)
-        if chunks is None and adm is not None and first is not None:
-            chunks = [(adm * US, first * US, None)]      # one span where no dispatch names its requests
+        chunks = carried.get(r.request_id, ())
         last = clip(adm * US) if adm is not None else lo
         decode = (clip(first * US), hi) if first is not None else None
-        for a, b, _ in chunks or ():
+        for a, b, _ in chunks:
             a, b = max(clip(a), last), clip(b)
             if decode and a < decode[0] < b:           # a chunk crossing the first token: end it there
                 b = decode[0]
@@ -142,5 +139,5 @@ def _counters(rec, steps: pd.DataFrame, capacity: dict[str, int]) -> list[dict]:
 
 
 def family_capacity(kv) -> dict[str, int]:
-    """Pages per family over all partitions, from either fidelity's pools."""
+    """Pages per family over all partitions, from the run's pools."""
     return {f.name: int(f.blocks_per_partition) * kv.partitions for f in kv.families}
