@@ -151,11 +151,11 @@ def _rows():
     # the KV budget's sources (capacity and simulate share them)
     for cmd, base in (("capacity", ["capacity"]), ("simulate", SIMQ)):
         add(f"{cmd} --total-kv-pages -3", base + ["--total-kv-pages", "-3"], "--total-kv-pages",
-            "--total-kv-pages='-3'", "a positive page count")
+            "--total-kv-pages=-3", "a positive page count")
         add(f"{cmd} --total-kv-pages word", base + ["--total-kv-pages", "many"], "--total-kv-pages",
-            "--total-kv-pages='many'", "a decimal integer")
+            ["--total-kv-pages", "'many'"], "an integer")
         add(f"{cmd} --measured-free-bytes word", base + ["--measured-free-bytes", "abc"], "--measured-free-bytes",
-            "--measured-free-bytes='abc'", "a decimal integer")
+            ["--measured-free-bytes", "'abc'"], "an integer")
         add(f"{cmd} --measured-free-bytes past HBM", base + ["--measured-free-bytes", "99999999999999"],
             "--measured-free-bytes", "--measured-free-bytes=99999999999999", "1..68,719,476,735")
         add(f"{cmd} --measured-used-bytes 0", base + ["--measured-used-bytes", "0"], "--measured-used-bytes",
@@ -165,21 +165,21 @@ def _rows():
         add(f"{cmd} --measured-slots 99", base + ["--measured-slots", "99"], "--measured-slots",
             "--measured-slots=99", "1..64")
         add(f"{cmd} --measured-slots with --total-kv-pages", base + ["--total-kv-pages", "100", "--measured-slots", "3"],
-            "--measured-slots", "--measured-slots='3'", "not together with --total-kv-pages")
+            "--measured-slots", "--measured-slots=3", "not together with --total-kv-pages")
     boot = ["--max-model-len", "1024", "--chunk", "128"]          # 9 ori blocks per request
     add("capacity --total-kv-pages below one request", ["capacity", *boot, "--total-kv-pages", "8"],
         "--total-kv-pages", "--total-kv-pages=8", "an integer >= ori blocks per request = 9")
     add("simulate --total-kv-pages below one request", SIMQ + [*boot, "--total-kv-pages", "5"],
         "--total-kv-pages", "--total-kv-pages=5", "an integer >= ori blocks per request = 9")
     add("capacity --measured-slots 3.5", ["capacity", "--measured-slots", "3.5"], "--measured-slots",
-        "--measured-slots='3.5'", "a decimal integer")
+        ["--measured-slots", "'3.5'"], "an integer")
     add("capacity --measured-free-bytes -1", ["capacity", "--measured-free-bytes", "-1"], "--measured-free-bytes",
         "--measured-free-bytes=-1", "an integer byte count 1..")
     add("capacity --measured-used-bytes past HBM", ["capacity", "--measured-used-bytes", str(65 << 30)],
         "--measured-used-bytes", f"--measured-used-bytes={65 << 30}", "an integer byte count 1..")
     add("capacity --measured-used-bytes with --measured-free-bytes",
         ["capacity", "--measured-free-bytes", "1", "--measured-used-bytes", "1"], "--measured-used-bytes",
-        "--measured-used-bytes='1'", "not together with --measured-free-bytes")
+        "--measured-used-bytes=1", "not together with --measured-free-bytes")
     add("simulate --total-kv-pages with --slots", SIMQ + ["--slots", "4", "--total-kv-pages", "100"], "--slots",
         "--slots=4", "not together with a KV budget flag")
     add("simulate --drafter v5", SIMQ + ["--drafter", "v5"], "--drafter", ["--drafter", "'v5'"], "'device', 'v4.1'")
@@ -411,7 +411,7 @@ def _rows():
     add("simulate --burstiness with burst arrivals", SIMQ + ["--arrival", "burst", "--burstiness", "2"],
         "--burstiness", "--burstiness=2.0", "only with --arrival gamma")
     add("simulate --max-concurrency 0", SIMQ + ["--max-concurrency", "0"], "--max-concurrency",
-        "--max-concurrency=0", "an integer >= 1")
+        "max_concurrency=0", "an integer >= 1")
     add("simulate --goodput pair", SIMQ + ["--goodput", "ttft500"], "--goodput", "--goodput='ttft500'", "KEY:MS pairs")
     add("simulate --goodput key", SIMQ + ["--goodput", "foo:5"], "--goodput", "--goodput='foo:5'",
         "KEY one of ('ttft', 'tpot', 'e2el')")

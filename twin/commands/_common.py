@@ -113,13 +113,13 @@ BUDGET_FLAGS = {"--total-kv-pages": "total_kv_pages", "--measured-free-bytes": "
 def add_budget_args(p: argparse.ArgumentParser) -> None:
     """Where the KV budget comes from (docs/capacity.md#calibration); at most one of these."""
     g = p.add_argument_group("KV budget (default: the HBM account with the measured boot's unexplained line)")
-    g.add_argument("--total-kv-pages", metavar="N",
+    g.add_argument("--total-kv-pages", metavar="N", type=integer,
                    help="upstream's knob: slots = N // ori blocks per request (capped at 64), no budget")
-    g.add_argument("--measured-free-bytes", metavar="BYTES",
+    g.add_argument("--measured-free-bytes", metavar="BYTES", type=integer,
                    help="per-rank free HBM in bytes when init_kv_cache read it (the boot log's minimum over ranks)")
-    g.add_argument("--measured-used-bytes", metavar="BYTES",
+    g.add_argument("--measured-used-bytes", metavar="BYTES", type=integer,
                    help="per-rank used HBM (total - free) in bytes at that moment (the maximum over ranks)")
-    g.add_argument("--measured-slots", metavar="N",
+    g.add_argument("--measured-slots", metavar="N", type=integer,
                    help="slots per partition a boot at these settings admitted (its init_kv_cache log line)")
 
 
@@ -129,7 +129,8 @@ def budget_given(args) -> bool:
 
 
 def budget_from_args(args):
-    """(measurement or None, total_kv_pages or None) from the budget flags, validated."""
+    """(measurement or None, total_kv_pages or None) from the budget flags (integers by their
+    type), validated: at most one source, a positive page count; a measurement's range is the ABI's."""
     from twin.abi import ConfigError, Measurement
 
     given = [(f, getattr(args, d)) for f, d in BUDGET_FLAGS.items() if getattr(args, d, None) is not None]
@@ -138,14 +139,10 @@ def budget_from_args(args):
         raise ConfigError(f1, v1, f"not together with {f0}: the budget has one source")
     if not given:
         return None, None
-    flag, raw = given[0]
-    try:
-        value = int(str(raw).strip(), 10)
-    except ValueError:
-        raise ConfigError(flag, raw, "a decimal integer") from None
+    flag, value = given[0]
     if flag == "--total-kv-pages":
         if value < 1:
-            raise ConfigError(flag, raw, "a positive page count")
+            raise ConfigError(flag, value, "a positive page count")
         return None, value
     return Measurement(BUDGET_FLAGS[flag], value), None
 

@@ -4,11 +4,9 @@ With no arguments it runs the embedded default; every knob is a flag (docs/simul
 """
 from __future__ import annotations
 
-import json
 import sys
 
 from twin.abi.errors import ConfigError
-from twin.abi.outputs import write_text
 
 from ._common import (add_budget_args, add_deployment_args, budget_from_args, deployment_from_args, flag_names, integer,
                       number, out_dir, print_json, seed)
@@ -212,8 +210,6 @@ def run(args) -> int:
     percentiles = parse_percentiles(args.metric_percentiles)
     if args.burstiness is not None and not (args.burstiness > 0 and args.burstiness != float("inf")):
         raise ConfigError("--burstiness", args.burstiness, "a finite number > 0")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ConfigError("--max-concurrency", args.max_concurrency, "an integer >= 1")
     reqs, workload = _requests(args, dep)
     if args.acceptance_from:
         from twin.functional.acceptance import load_acceptance
@@ -250,10 +246,7 @@ def run(args) -> int:
                       TextColumn("t={task.fields[t]:.1f}s simulated"), console=con, transient=True) as prog:
             task = prog.add_task("sim", total=len(reqs), t=0.0)
             res = simulate(cfg, lambda t, done, total: prog.update(task, completed=done, t=t))
-    files = res.write(out, plots=not args.no_plots, percentiles=percentiles, traffic=_traffic(workload))
-    if golden is not None:
-        files += functional.write(out, cfg, golden, res.scheduler)
-    s = res.summary
+    s = res.summary                            # what the run was given, in the summary `write` puts out
     s["workload"] = workload
     s["deployment"] = {"preset": dep.model.name, "ep": dep.topology.ep, "k": dep.k,
                        "max_model_len": dep.limits.max_model_len, "chunk": dep.limits.max_prefill_tokens_per_request,
@@ -261,7 +254,9 @@ def run(args) -> int:
                        "max_num_batched_tokens": dep.limits.max_num_batched_tokens, "device": device.name,
                        "executor": args.executor, "recompute": args.recompute,
                        "drafter": args.drafter if args.executor == "golden" else None}
-    write_text(out / "summary.json", json.dumps(s, indent=2, default=str))
+    files = res.write(out, plots=not args.no_plots, percentiles=percentiles, traffic=_traffic(workload))
+    if golden is not None:
+        files += functional.write(out, cfg, golden, res.scheduler)
     capped = capped_line(s, dep)
     if args.json:
         print_json(s)

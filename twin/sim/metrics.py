@@ -19,7 +19,7 @@ import pandas as pd
 from twin.abi.outputs import atomic_path, write_text
 
 from .request import Finish
-from .vllm_result import latency_stats
+from .vllm_result import latency_stats, slo_met
 
 COMPLETED = {Finish.EOS, Finish.LENGTH, Finish.STOP}
 PERCENTILES = (50, 90, 95, 99)
@@ -106,11 +106,8 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
     dur = max(end - start, 1e-12)
     out_tok = int(done["output_len"].sum())
     in_tok = int(done["prompt_len"].sum())
-    good = done
-    for key in ("ttft", "tpot", "e2el"):
-        if slo and slo.get(key) is not None:
-            lim = slo[key] / 1e3
-            good = good[good[key].isna() | (good[key] <= lim)] if key == "tpot" else good[good[key] <= lim]
+    good = int(slo_met(req_df["completed"], req_df["ttft"], req_df["e2el"], req_df["output_len"], slo).sum()) \
+        if slo else 0
     p = rec.prefix
     live = np.array([st[7] for st in rec.steps], dtype=float).reshape(len(rec.steps), rec.partitions)
     occ = {"mean_live_per_group": live.mean(axis=0).tolist() if len(live) else [],
@@ -121,7 +118,7 @@ def summary(req_df: pd.DataFrame, rec, slo: dict | None = None) -> dict:
         "duration_s": dur, "total_input_tokens": in_tok, "total_output_tokens": out_tok,
         "request_throughput": len(done) / dur, "output_token_throughput": out_tok / dur,
         "total_token_throughput": (in_tok + out_tok) / dur,
-        "request_goodput": (len(good) / dur) if slo else None, "slo_ms": slo or {},
+        "request_goodput": good / dur if slo else None, "slo_ms": slo or {},
         "ttft": _stats(done["ttft"]), "tpot": _stats(done["tpot"]), "itl": _stats(completed_itl(req_df, rec)),
         "e2el": _stats(done["e2el"]),
         "acceptance": acceptance(rec),

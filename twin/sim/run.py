@@ -24,7 +24,7 @@ from twin.abi.account import hbm_account
 from twin.abi.capacity import admit_slots, allocate_with_retry
 from twin.abi.programs import check_slots
 from twin.abi.errors import ConfigError
-from twin.abi.inputs import number
+from twin.abi.inputs import integer, number
 from twin.abi.outputs import atomic_path
 
 from . import metrics, risk, vllm_result
@@ -38,7 +38,7 @@ from .kvcache import KvCacheManager
 from .leases import LeaseManager
 from .probes import Recorder
 from .request import Request
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, check_max_preemptions
 
 
 
@@ -73,9 +73,7 @@ class SimConfig:
     decision_log: bool = False                    # keep every decision (twin/sim/decisions.py)
 
     def __post_init__(self):
-        if self.max_preemptions is not None and (isinstance(self.max_preemptions, bool) or
-                                                 not isinstance(self.max_preemptions, int) or self.max_preemptions < 1):
-            raise ConfigError("max_preemptions", self.max_preemptions, "None (upstream: no cap) or >= 1")
+        check_max_preemptions(self.max_preemptions)
         if not 0.0 <= self.prefill_hang_probability <= 1.0:
             raise ConfigError("prefill_hang_probability", self.prefill_hang_probability, "in [0, 1]")
         number(self.step_timeout, "step_timeout", lo=0.0, lo_open=True, unit="(seconds: what a hang costs)")
@@ -84,10 +82,8 @@ class SimConfig:
                 raise ConfigError("slo_ms key", key, f"one of {vllm_result.SLO_METRICS}")
             if not vllm_result.slo_ok(ms):
                 raise ConfigError(f"slo_{key}", ms, vllm_result.SLO_RULE)
-        if self.max_concurrency is not None:
-            if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) \
-                    or self.max_concurrency < 1:
-                raise ConfigError("max_concurrency", self.max_concurrency, "an integer >= 1 (or None: open loop)")
+        if self.max_concurrency is not None:                 # None: an open loop
+            integer(self.max_concurrency, "max_concurrency", lo=1)
 
 
 @dataclass

@@ -27,6 +27,12 @@ from .request import Finish, Request, Status
 from .worker import dispatch_waves, split_prefill
 
 
+def check_max_preemptions(n) -> None:
+    """The preemption cap's rule, for SchedulerConfig and for SimConfig before any work."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ConfigError("max_preemptions", n, "None (upstream: no cap) or >= 1")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int
@@ -66,8 +72,7 @@ class SchedulerConfig:
             raise ConfigError("async_depth", self.async_depth, "1 (synchronous) or 2 (async scheduling)")
         if self.stop_check not in ("end", "token"):
             raise ConfigError("stop_check", self.stop_check, "'end' (upstream) or 'token'")
-        if self.max_preemptions is not None and self.max_preemptions < 1:
-            raise ConfigError("max_preemptions", self.max_preemptions, "None (upstream: no cap) or >= 1")
+        check_max_preemptions(self.max_preemptions)
         if self.livelock_steps is not None and self.livelock_steps < 1:
             raise ConfigError("livelock_steps", self.livelock_steps, "None (derived) or >= 1 steps")
 

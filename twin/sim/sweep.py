@@ -22,7 +22,7 @@ import pandas as pd
 from twin.abi.errors import ConfigError
 from twin.abi.outputs import atomic_path
 
-from .vllm_result import SLO_METRICS, SLO_RULE, slo_ok
+from .vllm_result import SLO_METRICS, SLO_RULE, slo_met, slo_ok
 
 KEYS = ("base", "grid", "slo")
 UNITS = {"request-rate": " (requests/s)", "rate": " (requests/s)", "max-concurrency": " (requests)"}
@@ -112,14 +112,7 @@ def row(pid: str, settings: dict, slo: dict, point_dir: Path) -> dict:
     r = {"point": pid, **settings, **{c: v.get(c) for c in VLLM_COLUMNS}}
     if slo:
         ok = [e == "" for e in v["errors"]]
-        met = 0
-        for i, o in enumerate(ok):
-            if not o:
-                continue
-            n = v["output_lens"][i]
-            tpot = (v["latencies"][i] - v["ttfts"][i]) / (n - 1) if n > 1 else 0.0
-            vals = {"ttft": v["ttfts"][i], "tpot": tpot, "e2el": v["latencies"][i]}
-            met += all(vals[k] <= ms / 1000 for k, ms in slo.items())
+        met = int(slo_met(ok, v["ttfts"], v["latencies"], v["output_lens"], slo).sum())
         r["slo_attainment"] = met / len(ok) if ok else None      # failed requests miss every SLO
     r.update({"prefix_token_hit_rate": s["prefix_cache"]["token_hit_rate"], "preemptions": s["preemptions"],
               "slots_per_partition": s["slots_per_partition"]})

@@ -38,6 +38,27 @@ SLO_RULE = "a finite number of milliseconds > 0"
 def slo_ok(ms) -> bool:
     """The one rule for an SLO value, wherever it comes from (--slo-*, --goodput, a sweep grid)."""
     return isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0 and not math.isinf(ms)
+
+
+def tpot_s(ttft, e2el, output_lens) -> np.ndarray:
+    """Per request, (E2EL - TTFT) / (output tokens - 1) in seconds; 0 for a one-token request."""
+    n = np.asarray(output_lens, dtype=float)
+    return np.divide(np.asarray(e2el, dtype=float) - np.asarray(ttft, dtype=float), n - 1,
+                     out=np.zeros(len(n)), where=n > 1)
+
+
+def slo_met(ok, ttft, e2el, output_lens, slo: dict) -> np.ndarray:
+    """Per request (seconds; `ok`: it completed): whether it completed within every SLO of `slo`
+    (ms), a one-token request's TPOT counted as 0, as vLLM's goodput does.  The one goodput rule:
+    the summary, vllm_result.json and a sweep's SLO attainment all count with it."""
+    ttft, e2el = np.asarray(ttft, dtype=float), np.asarray(e2el, dtype=float)
+    vals = {"ttft": ttft, "tpot": tpot_s(ttft, e2el, output_lens), "e2el": e2el}
+    met = np.asarray(ok, dtype=bool).copy()
+    for key, ms in slo.items():
+        met &= vals[key] <= ms / 1000
+    return met
+
+
 DEFAULT_PERCENTILES = (99.0,)          # vLLM's --metric-percentiles default "99"
 
 
@@ -124,16 +145,11 @@ def result(req_df: pd.DataFrame, rec, *, duration: float, num_prompts: int, requ
     e2el = np.asarray(arr["latencies"])[ok]
     n_ok = out_lens[ok]
     multi = n_ok > 1
-    tpot_all = np.zeros(len(n_ok))
-    tpot_all[multi] = (e2el[multi] - ttft[multi]) / (n_ok[multi] - 1)
+    tpot_all = tpot_s(ttft, e2el, n_ok)
     itl = [g for o, gaps in zip(ok, arr["itls"]) if o for g in gaps]
     good = None
     if goodput:
-        vals = {"ttft": ttft, "tpot": tpot_all, "e2el": e2el}
-        met = np.ones(len(n_ok), bool)
-        for key, ms in goodput.items():
-            met &= vals[key] <= ms / 1000
-        good = int(met.sum()) / duration
+        good = int(slo_met(ok, arr["ttfts"], arr["latencies"], out_lens, goodput).sum()) / duration
     start = np.asarray(arr["start_times"])[ok]
     max_tok, max_conc = peaks(start.tolist(), e2el.tolist(),
                               [t for o, t in zip(ok, arr.pop("_times")) if o],
