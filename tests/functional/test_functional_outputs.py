@@ -1,6 +1,7 @@
 """The functional twin's must-show: the simulator's scheduler drives golden with real tokens, and
 every request's output equals an independent sequential greedy generation of its prompt; upstream's
 prompt-only re-prefill after a preemption diverges exactly as predicted, the corrected replay does not."""
+import json
 
 from twin.functional import first_difference
 
@@ -89,3 +90,13 @@ def test_k0_split_decode_equals_the_oracle_with_corrected_replay(golden, oracle)
     res = functional_simulate(dep, make_requests(), golden, slots=SLOTS, recompute="replay")
     assert res.sim.summary["preemptions"] > 0
     assert not _differ(res.tokens, oracle), _differ(res.tokens, oracle)
+
+
+def test_a_functional_result_writes_the_tokens_it_holds(upstream_run, tmp_path):
+    """The report's tokens.jsonl is the scheduler's committed outputs, the run's `tokens`; its
+    acceptance.json is the run's acceptance vector."""
+    files = upstream_run.write(tmp_path, plots=False)
+    assert {"summary.json", "tokens.jsonl", "acceptance.json"} <= set(files)
+    rows = [json.loads(x) for x in (tmp_path / "tokens.jsonl").read_text().splitlines()]
+    assert {r["id"]: r["tokens"] for r in rows} == upstream_run.tokens
+    assert json.loads((tmp_path / "acceptance.json").read_text()) == upstream_run.acceptance

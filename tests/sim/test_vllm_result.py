@@ -140,8 +140,9 @@ def test_the_file_agrees_with_summary_json(run):
     # one goodput rule (vllm_result.slo_met) counts both: the same count over the same duration
     assert v["request_goodput"] == s["request_goodput"]
     acc = s["acceptance"]
-    assert v["spec_decode_acceptance_length"] == pytest.approx(acc["mean_accepted_length"], rel=1e-12)
-    assert v["spec_decode_per_position_acceptance_rates"] == pytest.approx(acc["acceptance_per_position"], rel=1e-12)
+    # the summary's acceptance is vllm_result.spec_decode of the same histogram: the same figures
+    assert v["spec_decode_acceptance_length"] == acc["mean_accepted_length"]
+    assert v["spec_decode_per_position_acceptance_rates"] == acc["acceptance_per_position"]
     assert v["spec_decode_num_drafts"] == acc["verifies"] and v["spec_decode_draft_tokens"] == 7 * acc["verifies"]
 
 

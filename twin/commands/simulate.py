@@ -256,7 +256,8 @@ def run(args) -> int:
                        "drafter": args.drafter if args.executor == "golden" else None}
     files = res.write(out, plots=not args.no_plots, percentiles=percentiles, traffic=_traffic(workload))
     if golden is not None:
-        files += functional.write(out, cfg, golden, res.scheduler)
+        from twin.functional.run import write_outputs
+        files += write_outputs(out, cfg.requests, res.scheduler, golden["executor"])
     capped = capped_line(s, dep)
     if args.json:
         print_json(s)

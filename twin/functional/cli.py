@@ -1,17 +1,13 @@
 """The golden path of `dspark-twin simulate --executor golden` (twin/commands/simulate.py).
 
 The run is the cost-model run's (same scheduler, engine, report files, virtual time from the cost
-model) with golden's tokens; it adds `tokens.jsonl` (one request per line: id, prompt_len, finish,
-tokens) and `acceptance.json` (golden's per-position acceptance, for `--acceptance-from`).
+model) with golden's tokens; it adds `tokens.jsonl` and `acceptance.json` (`run.write_outputs`).
 """
 from __future__ import annotations
 
-import json
 from importlib import resources
-from pathlib import Path
 
 from twin.abi.errors import ConfigError
-from twin.abi.outputs import write_text
 
 WORKLOAD = "functional_workload.json"
 
@@ -35,18 +31,3 @@ def attach(cfg, *, weights_seed: int = 0, drafter: str = "device") -> dict:
     cfg.executor = golden_factory(dep, golden, holder)
     return holder
 
-
-def write(out, cfg, holder, sched) -> list[str]:
-    from .acceptance import acceptance_vector
-
-    out = Path(out)
-    lines = []
-    for r in cfg.requests:
-        req = sched.requests.get(r.request_id, r)
-        lines.append(json.dumps({"id": r.request_id, "prompt_len": req.prompt_len,
-                                 "finish": req.finish.value if req.finish else None,
-                                 "tokens": [int(t) for t in req.outputs]}) + "\n")
-    write_text(out / "tokens.jsonl", "".join(lines))
-    acc = acceptance_vector(holder["executor"].speculation())
-    write_text(out / "acceptance.json", json.dumps(acc, indent=2))
-    return ["tokens.jsonl", "acceptance.json"]

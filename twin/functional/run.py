@@ -74,16 +74,24 @@ class FunctionalResult:
         return acceptance_vector(self.executor.speculation())
 
     def write(self, out, *, plots: bool = True) -> list[str]:
-        out = Path(out)
         files = self.sim.write(out, plots=plots)
-        lines = []
-        for rid, toks in self.tokens.items():
-            req = self.sim.scheduler.requests[rid]
-            lines.append(json.dumps({"id": rid, "prompt_len": req.prompt_len, "finish": req.finish.value
-                                     if req.finish else None, "tokens": toks}) + "\n")
-        write_text(out / "tokens.jsonl", "".join(lines))
-        write_text(out / "acceptance.json", json.dumps(self.acceptance, indent=2))
-        return files + ["tokens.jsonl", "acceptance.json"]
+        return files + write_outputs(out, self.sim.config.requests, self.sim.scheduler, self.executor)
+
+
+def write_outputs(out, requests, sched, executor: GoldenExecutor) -> list[str]:
+    """What a golden run adds to the simulator's report: `tokens.jsonl` (one request per line: id,
+    prompt_len, finish, the tokens the scheduler committed) and `acceptance.json` (golden's
+    per-position acceptance, for `simulate --acceptance-from`)."""
+    out = Path(out)
+    lines = []
+    for r in requests:
+        req = sched.requests.get(r.request_id, r)
+        lines.append(json.dumps({"id": r.request_id, "prompt_len": req.prompt_len,
+                                 "finish": req.finish.value if req.finish else None,
+                                 "tokens": [int(t) for t in req.outputs]}) + "\n")
+    write_text(out / "tokens.jsonl", "".join(lines))
+    write_text(out / "acceptance.json", json.dumps(acceptance_vector(executor.speculation()), indent=2))
+    return ["tokens.jsonl", "acceptance.json"]
 
 
 def functional_config(dep, requests, golden: S.Golden, *, recompute: str = "prompt", draft_policy=None,

@@ -19,7 +19,7 @@ import pandas as pd
 from twin.abi.outputs import atomic_path, write_text
 
 from .request import Finish
-from .vllm_result import latency_stats, slo_met
+from .vllm_result import latency_stats, slo_met, spec_decode
 
 COMPLETED = {Finish.EOS, Finish.LENGTH, Finish.STOP}
 PERCENTILES = (50, 90, 95, 99)
@@ -71,14 +71,13 @@ def occupancy_frame(rec) -> pd.DataFrame:
 
 def acceptance(rec) -> dict:
     h = rec.accept_hist
-    verifies = int(h.sum())
     if not rec.k:
         return {"verifies": 0, "fallback_steps": rec.fallbacks}
-    at_least = np.cumsum(h[::-1])[::-1]            # at_least[c] = verifies with count >= c
-    per_pos = [float(at_least[i + 2] / verifies) if verifies else None for i in range(rec.k)]
-    mean_len = float((np.arange(len(h)) * h).sum() / verifies) if verifies else None
-    return {"verifies": verifies, "fallback_steps": rec.fallbacks, "mean_accepted_length": mean_len,
-            "acceptance_per_position": per_pos, "histogram": {int(c): int(h[c]) for c in range(1, len(h))}}
+    sd = spec_decode(h, rec.k)                     # vLLM's figures of the same histogram ({}: no verify)
+    return {"verifies": int(h.sum()), "fallback_steps": rec.fallbacks,
+            "mean_accepted_length": sd.get("spec_decode_acceptance_length"),
+            "acceptance_per_position": sd.get("spec_decode_per_position_acceptance_rates", [None] * rec.k),
+            "histogram": {int(c): int(h[c]) for c in range(1, len(h))}}
 
 
 def _stats(x) -> dict:
