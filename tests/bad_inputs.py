@@ -480,7 +480,7 @@ def _rows():
 
     # ---- sweep -----------------------------------------------------------------------------------------
     add("sweep grid missing", ["sweep", "{d}/nope.yaml", "--out", "{d}/sw"], "grid", "GRID='{d}/nope.yaml'",
-        "an existing YAML or JSON grid file")
+        "an existing file holding a YAML or JSON grid")
     add("sweep grid not YAML", ["sweep", "{d}/bad.yaml", "--out", "{d}/sw"], "grid", "{d}/bad.yaml:2",
         "a YAML mapping with base / grid / slo")
     add("sweep grid wrong shape", ["sweep", "{d}/list.json", "--out", "{d}/sw"], "grid", "{d}/list.json",

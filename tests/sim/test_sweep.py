@@ -93,6 +93,21 @@ def test_bad_grids_exit_2_with_one_line(tmp_path, capsys, text, name, where):
     assert not (tmp_path / "s").exists()                 # nothing ran
 
 
+@pytest.mark.parametrize("name", ["grid.json", "grid.yaml"])
+def test_unreadable_grids_exit_2_with_one_line(tmp_path, capsys, name):
+    """A grid file is read by the inputs' one file rule: not UTF-8, a directory, or empty JSON is a
+    one-line refusal naming GRID, never an internal error."""
+    (tmp_path / name).write_bytes(b"\xff\xfe grid")
+    (tmp_path / "dir.json").mkdir()
+    (tmp_path / "empty.json").write_text("  \n")
+    for path, why in ((tmp_path / name, "UTF-8"), (tmp_path / "dir.json", "directory"),
+                      (tmp_path / "empty.json", "empty")):
+        assert main(["sweep", str(path), "--out", str(tmp_path / "s")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"GRID='{path}'" in err and why in err and "Traceback" not in err
+    assert not (tmp_path / "s").exists()
+
+
 def test_grid_points_and_ids():
     pts = sweep.points({"base": {"requests": 8}, "grid": {"a": [1, 2], "b": ["x", "y", "z"]}, "slo": {}})
     assert len(pts) == 6 and all(p["requests"] == 8 for p in pts)

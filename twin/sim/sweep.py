@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from twin.abi.errors import ConfigError
+from twin.abi.inputs import read_json, read_text
 from twin.abi.outputs import atomic_path
 
 from .vllm_result import SLO_METRICS, SLO_RULE, slo_met, slo_ok
@@ -36,11 +37,9 @@ VLLM_COLUMNS = ("completed", "failed", "request_throughput", "request_goodput", 
 
 def load_grid(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except (FileNotFoundError, IsADirectoryError):
-        raise ConfigError("GRID", str(path), "an existing YAML or JSON grid file") from None
+    what = "a YAML or JSON grid: a mapping with 'grid' and optionally 'base', 'slo'"
     if path.suffix in (".yaml", ".yml"):
+        text = read_text(path, "GRID", what)
         try:
             import yaml
         except ImportError:
@@ -52,10 +51,7 @@ def load_grid(path: str | Path) -> dict:
             raise ConfigError(f"{path}:{line + 1}" if line is not None else str(path), "",
                               "a YAML mapping with base / grid / slo") from None
     else:
-        try:
-            grid = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{e.lineno}", e.msg, "a JSON object with base / grid / slo") from None
+        grid = read_json(path, "GRID", what)
     if not isinstance(grid, dict) or set(grid) - set(KEYS) or "grid" not in grid:
         raise ConfigError(str(path), sorted(grid) if isinstance(grid, dict) else type(grid).__name__,
                           f"a mapping with 'grid' and optionally 'base', 'slo' (keys {KEYS})")
