@@ -25,7 +25,7 @@ from twin.sim.acceptance import ConditionalAcceptance, ForcedAcceptance
 from twin.sim.costmodel import CostModel, DeviceLimits
 from twin.sim.fleet import FleetSim
 from twin.sim.fleet_record import FleetRecorder
-from twin.sim.request import Finish
+from twin.abi.batches import Finish
 from twin.sim.run import SimConfig, simulate, startup_slots
 from twin.sim.workload import LengthDist, WorkloadSpec, generate
 

@@ -30,6 +30,7 @@ from collections import deque
 import numpy as np
 
 from twin.abi import constants as C
+from twin.abi.batches import Status
 from twin.abi.errors import ConfigError
 
 from .executor import fault_rng, hang_probability
@@ -40,7 +41,6 @@ from .fleet_pool import PagePools
 from .fleet_schedule import FleetSchedule
 from .kvcache import chained_hashes
 from .leases import LeaseManager
-from .request import Status
 from .scheduler import SchedulerConfig
 
 

@@ -2,7 +2,7 @@
 request arrays hold for status and finish reason (`FleetSim.write_back` turns them into enums)."""
 from __future__ import annotations
 
-from .request import Finish
+from twin.abi.batches import Finish
 
 WAITING, RUNNING, FINISHED = 1, 2, 3
 FINISH_CODES = (None, Finish.EOS, Finish.LENGTH, Finish.STOP, Finish.ABORTED, Finish.ERROR, Finish.REJECTED)
