@@ -1,12 +1,8 @@
 """Lockstep overhead: lockstep time / device-only time over the same dispatch stream, side by side
 in one process, printed as JSON.  Target on CPU: <= 2.5x.
 
-Two goldens, each against its own device side:
-
-  reference  (`hw.runs`, `--golden reference`)  device-only = the torch backend running every
-             dispatch and the scheduler consuming its outputs
-  real       (`hw.real`, the CLI's default)      device-only = the device side (golden's compositions
-             with every GEMM on torch) running every dispatch of the stream, which it drives
+Device-only = the device side (golden's compositions with every GEMM on torch, `hw.real`) running
+every dispatch of the stream, which it drives.
 
 Lockstep = the same, plus the golden re-synced from the device, every comparison, and the
 content-addressed dispatch records and the JSONL report (what a real parity run pays).
@@ -14,7 +10,7 @@ Each side runs `--repeats` times, alternating, and the fastest run of each is ke
 shared machine penalizes neither.  Both wall and process CPU time are reported; `ratio` is the CPU
 ratio (the work each side does), since wall time on a shared runner also measures the neighbours.
 
-    python benchmarks/lockstep_overhead.py --preset tiny --dispatches 60 --real-dispatches 40
+    python benchmarks/lockstep_overhead.py --preset tiny --dispatches 60
 """
 from __future__ import annotations
 
@@ -27,43 +23,9 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import shutil
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-
-
-def device_only(preset: str, n: int, seed: int) -> tuple[float, float]:
-    from hw.backend import TorchBackend
-    from hw.model.spec import Geometry
-    from hw.model.weights import synthetic_weights
-    from hw.model.workload import Workload, initial_pools
-    from twin.abi import get_preset
-
-    cfg = get_preset(preset)
-    geo = Geometry(cfg)
-    w = synthetic_weights(cfg, seed)
-    dev = TorchBackend(geo, w)
-    wl, state = Workload(geo, seed=seed), initial_pools(geo, seed)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        d = wl.next_dispatch()
-        r = dev.run(d, state)
-        state.update(r.state)
-        wl.observe(d, r.outputs)
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
-def lockstep(preset: str, n: int, seed: int, record: bool) -> tuple[tuple[float, float], dict]:
-    from hw.runs import build_run
-
-    tmp = tempfile.mkdtemp(prefix="lockstep-bench-")
-    try:
-        lr = build_run(tmp, preset=preset, seed=seed, record=record)
-        t0, c0 = time.perf_counter(), time.process_time()
-        s = lr.run(n)
-        return (time.perf_counter() - t0, time.process_time() - c0), s
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def real_device_only(preset: str, n: int, seed: int) -> tuple[float, float]:
@@ -115,39 +77,23 @@ def main(argv=None) -> int:
     p.add_argument("--dispatches", type=int, default=60)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--real-dispatches", type=int, default=None,
-                   help="dispatches of the real-golden path (default: --dispatches; 0 skips it)")
     a = p.parse_args(argv)
-    n_real = a.dispatches if a.real_dispatches is None else a.real_dispatches
     import torch
 
     torch.set_num_threads(1)
-    device_only(a.preset, 4, a.seed)                        # warm-up: imports, allocator, kernels
-    if n_real:
-        real_device_only(a.preset, 2, a.seed)
+    real_device_only(a.preset, 2, a.seed)                   # warm-up: imports, allocator, kernels
     dev_t, ls_t, ls_norec_t, summary = [], [], [], None
-    rdev_t, rls_t, rls_norec_t, rsummary = [], [], [], None
     for _ in range(a.repeats):
-        dev_t.append(device_only(a.preset, a.dispatches, a.seed))
-        t, summary = lockstep(a.preset, a.dispatches, a.seed, record=True)
+        dev_t.append(real_device_only(a.preset, a.dispatches, a.seed))
+        t, summary = real_lockstep(a.preset, a.dispatches, a.seed, record=True)
         ls_t.append(t)
-        ls_norec_t.append(lockstep(a.preset, a.dispatches, a.seed, record=False)[0])
-        if n_real:
-            rdev_t.append(real_device_only(a.preset, n_real, a.seed))
-            t, rsummary = real_lockstep(a.preset, n_real, a.seed, record=True)
-            rls_t.append(t)
-            rls_norec_t.append(real_lockstep(a.preset, n_real, a.seed, record=False)[0])
+        ls_norec_t.append(real_lockstep(a.preset, a.dispatches, a.seed, record=False)[0])
 
-    out = {"benchmark": "lockstep_overhead", "preset": a.preset, "device": "cpu", "dispatches": a.dispatches,
+    out = {"benchmark": "lockstep_overhead", "preset": a.preset, "device": "cpu", "dispatches": summary["dispatches"],
            "repeats": a.repeats, "verdict": summary["verdict"], "target_ratio": 2.5,
+           "programs": {k: v["dispatches"] for k, v in summary["programs"].items()},
            **_timings(dev_t, ls_t, ls_norec_t)}
     out["meets_target"] = out["ratio"] <= out["target_ratio"]
-    if n_real:
-        r = {"golden": "real (hw.real)", "dispatches": rsummary["dispatches"], "verdict": rsummary["verdict"],
-             "programs": {k: v["dispatches"] for k, v in rsummary["programs"].items()},
-             **_timings(rdev_t, rls_t, rls_norec_t)}
-        r["meets_target"] = r["ratio"] <= out["target_ratio"]
-        out["real"] = r
     print(json.dumps(out, indent=2))
     return 0
 

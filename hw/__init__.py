@@ -2,41 +2,38 @@
 
 Public API (see docs/lockstep.md):
 
-    Backend, StepResult, TorchBackend          hw.backend      the protocol over ABI dispatches; torch cpu/cuda/npu
-    PyptoBackend, ProgramRunner                hw.pypto        positional binding to compiled PyPTO programs
-    GoldenExecutor                             hw.golden_adapter  the golden side, re-synced from the device
-    Lockstep, LockstepRun, replay              hw.lockstep     compare, localize, re-sync; resume; offline replay
+    Backend, check_device                      hw.backend      the protocol over lowered dispatches; torch device names
+    PyptoBackend, PyptoProgram, load_compiled  hw.pypto        positional binding to compiled PyPTO programs
     Policy, Tolerance, DEFAULT_TABLE           hw.tolerance    the policy as data: (op class, dtype, quant) -> gates
     compare_tensor, compare_pool, Finding      hw.compare      comparators (mapped rows numeric, unmapped bit-identical)
+    compose_kind, first_divergent_tap          hw.localize     the policy kind of a golden.compose tap; the first
+                                                               divergent tap in dependency order
+    MODES, split_fault                         hw.options      strict | continuous; the --inject spec grammar
     RecordStore, Record, content_hash          hw.records      content-addressed dispatch records
-    Fault, FaultBackend, KINDS                 hw.faults       fault injection
-    build_run, parse_fault                     hw.runs         assembling a run (CLI, benchmark, tests)
-    spawn_local, worker                        hw.distributed  multi-rank CP/TP/EP with torch.distributed
-    compose_kind                               hw.golden_adapter  the policy kind of a golden.compose tap site
+    check_run_dir                              hw.run_format   refuses a run directory of another format
     limit_cpu_threads                          hw.threads      one BLAS / torch thread where golden and device share a CPU
-    RealLockstep, build_real, TorchNumerics    hw.real         lockstep against golden's real compositions through
-                                                               the real lowering (TINY; `--golden real`)
+    RealLockstep, build_real, TorchNumerics    hw.real         the lockstep against golden's compositions through the
+                                                               real lowering (small presets)
 
-Two golden sides exist: `hw.model` (the reference model the records, resume and all nine fault
-kinds run on) and `hw.real` (golden.compose / golden.dspark from lowered, validated dispatches).
+The golden side is golden's own compositions (`golden.compose`, `golden.dspark`) run from
+dispatches that `twin.abi.lowering` lowers and validates (`hw.real`).
 
-Imports only twin.abi and golden (DESIGN.md); torch is imported when a torch backend is built,
-torch_npu only for device "npu", a PyPTO runtime only by `PyptoBackend.from_runtime`.  Nothing here
-is imported by `import hw`: the names above are `hw`'s own as well (`from hw import RecordStore`),
-each importing its module on first use; hw.real's come from `hw.real` the same way.
+Imports only twin.abi and golden (DESIGN.md); torch is imported when a torch device computes,
+torch_npu only for device "npu", the PyPTO runtime only when a `PyptoBackend` is built on it.
+Nothing here is imported by `import hw`: the names above are `hw`'s own as well
+(`from hw import RecordStore`), each importing its module on first use; hw.real's come from
+`hw.real` the same way.
 """
 from .lazy import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
-    "backend": ("Backend", "StepResult", "TorchBackend"),
-    "pypto": ("PyptoBackend", "ProgramRunner"),
-    "golden_adapter": ("GoldenExecutor", "compose_kind"),
-    "lockstep": ("Lockstep", "LockstepRun", "replay"),
+    "backend": ("Backend", "check_device"),
+    "pypto": ("PyptoBackend", "PyptoProgram", "load_compiled"),
     "tolerance": ("Policy", "Tolerance", "DEFAULT_TABLE"),
     "compare": ("compare_tensor", "compare_pool", "Finding"),
+    "localize": ("compose_kind", "first_divergent_tap"),
+    "options": ("MODES", "split_fault"),
     "records": ("RecordStore", "Record", "content_hash"),
-    "faults": ("Fault", "FaultBackend", "KINDS"),
-    "runs": ("build_run", "parse_fault"),
-    "distributed": ("spawn_local", "worker"),
+    "run_format": ("check_run_dir",),
     "threads": ("limit_cpu_threads",),
 })

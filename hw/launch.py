@@ -1,4 +1,4 @@
-"""Launching ranks, shared by the multi-rank checks (hw.distributed, hw.real.ranks): spawned local
+"""Launching ranks for the multi-rank check (hw.real.ranks): spawned local
 ranks on gloo, torchrun's rank and world size, and rank 0's verdict.  Torch is imported only when
 ranks are spawned."""
 from __future__ import annotations

@@ -30,6 +30,8 @@ import numpy as np
 from twin.abi.errors import AbiError
 from twin.abi.inputs import read_json
 
+from .run_format import check_run_dir
+
 
 def content_hash(a: np.ndarray) -> str:
     a = np.ascontiguousarray(a)
@@ -178,7 +180,9 @@ class RecordStore:
             fh.flush()      # a killed process loses nothing flushed (fsync would only guard a machine crash)
 
     def records(self) -> list[Record]:
-        """Complete manifest lines in order (a torn last line from a killed writer is ignored)."""
+        """Complete manifest lines in order (a torn last line from a killed writer is ignored); the
+        records of a run directory of another format are refused (`hw.run_format`)."""
+        check_run_dir(self.root.parent)
         if not self.manifest.exists():
             return []
         out = []

@@ -14,6 +14,8 @@ from pathlib import Path
 from twin.abi.errors import AbiError
 from twin.abi.outputs import atomic_path, write_text
 
+from .run_format import check_run_dir
+
 
 class ReportWriter:
     def __init__(self, run_dir):
@@ -27,7 +29,9 @@ class ReportWriter:
     def entries(self) -> list[dict]:
         """The complete lines (those whose newline was written) in order; a torn tail (a killed
         writer) is cut from the file.  A bad complete line is corruption, refused naming the line:
-        dropping it would silently drop every later dispatch too."""
+        dropping it would silently drop every later dispatch too.  A run directory of another format
+        is refused (`hw.run_format`)."""
+        check_run_dir(self.path.parent)
         if not self.path.exists():
             return []
         raw = self.path.read_bytes()

@@ -89,11 +89,17 @@ FILES = {
     "run-keys/report.jsonl": REPORT,
     "run-keys/records/config.json": '{"preset": "tiny"}',
     "run-report/report.jsonl": REPORT + "garbage\n" + REPORT,
+    # recorded by the NumPy reference step: a finished run (its run.json) and a killed one (its records)
+    "run-ref/report.jsonl": REPORT,
+    "run-ref/run.json": '{"config": {"golden": "golden:numpy", "preset": "tiny"}}',
+    "run-ref-killed/report.jsonl": REPORT,
+    "run-ref-killed/records/manifest.jsonl": '{"index": 0, "program": "l3_prefill_fwd", "weights": '
+                                             '"04ed74e3ce2a4eca17355c0e"}\n',
 }
 
 SIM = ["simulate", "--no-plots", "--json", "--out", "{d}/out"]
 SIMQ = SIM + ["--requests", "4", "--rate", "inf"]      # a generated workload, small: validation comes first
-REF = ["lockstep", "--golden", "reference", "--steps", "2", "--no-records"]
+LS = ["lockstep", "--steps", "2", "--no-records"]
 
 
 def trace(name: str) -> list:
@@ -350,30 +356,22 @@ def _rows():
     # ---- lockstep -----------------------------------------------------------------------------------------
     add("lockstep --preset flash", ["lockstep", "--preset", "flash", "--steps", "2", "--run-dir", "{d}/ls-flash"],
         "--preset", "preset='flash'", "tiny")
-    add("lockstep --preset flash (reference)", REF + ["--preset", "flash", "--run-dir", "{d}/ls-flash-ref"],
-        "--preset", "preset='flash'", "tiny")
-    add("lockstep --device tpu", REF + ["--device", "tpu", "--run-dir", "{d}/ls-tpu"], "--device", "device='tpu'",
+    add("lockstep --device tpu", LS + ["--device", "tpu", "--run-dir", "{d}/ls-tpu"], "--device", "device='tpu'",
         "'cpu', 'cuda[:n]' or 'npu[:n]'")
     # a device whose runtime is missing here (skipped where it is installed: `NEEDS_ABSENT`)
-    add("lockstep --device npu:0", REF + ["--device", "npu:0", "--run-dir", "{d}/ls-npu"], "--device",
+    add("lockstep --device npu:0", LS + ["--device", "npu:0", "--run-dir", "{d}/ls-npu"], "--device",
         "device='npu:0'", "torch_npu is not installed")
-    add("lockstep --device npu:0 (real)", ["lockstep", "--steps", "2", "--device", "npu:0", "--run-dir",
-                                           "{d}/ls-npu-real"], "--device", "device='npu:0'", "torch_npu is not installed")
-    add("lockstep --device cuda", REF + ["--device", "cuda", "--run-dir", "{d}/ls-cuda"], "--device",
+    add("lockstep --device cuda", LS + ["--device", "cuda", "--run-dir", "{d}/ls-cuda"], "--device",
         "device='cuda'", "torch.cuda.is_available() is False")
-    add("lockstep --steps 0", REF + ["--steps", "0", "--run-dir", "{d}/ls-steps"], "--steps", "steps=0", ">= 1")
-    add("lockstep --steps word", REF + ["--steps", "many"], "--steps", ["--steps", "'many'"], "an integer")
-    add("lockstep --seed -1", REF + ["--seed", "-1"], "--seed", ["--seed", "'-1'"], "an integer >= 0")
-    add("lockstep --mode word", REF + ["--mode", "lax"], "--mode", ["--mode", "'lax'"], "choose from 'strict'")
-    add("lockstep --golden word", ["lockstep", "--golden", "fake"], "--golden", ["--golden", "'fake'"],
-        "choose from 'real'")
-    add("lockstep --inject kind", REF + ["--inject", "melted@2", "--run-dir", "{d}/ls-inj"], "--inject",
-        "fault='melted'", "one of (")
-    add("lockstep --inject kind (real)", ["lockstep", "--steps", "2", "--inject", "melted@2", "--run-dir",
-                                          "{d}/ls-inj-real"], "--inject", "kind='melted'", "one of (")
-    add("lockstep --inject position", REF + ["--inject", "ring_alias@x", "--run-dir", "{d}/ls-inj2"], "--inject",
+    add("lockstep --steps 0", LS + ["--steps", "0", "--run-dir", "{d}/ls-steps"], "--steps", "steps=0", ">= 1")
+    add("lockstep --steps word", LS + ["--steps", "many"], "--steps", ["--steps", "'many'"], "an integer")
+    add("lockstep --seed -1", LS + ["--seed", "-1"], "--seed", ["--seed", "'-1'"], "an integer >= 0")
+    add("lockstep --mode word", LS + ["--mode", "lax"], "--mode", ["--mode", "'lax'"], "choose from 'strict'")
+    add("lockstep --inject kind", LS + ["--inject", "melted@2", "--run-dir", "{d}/ls-inj"], "--inject",
+        "kind='melted'", "one of (")
+    add("lockstep --inject position", LS + ["--inject", "ring_alias@x", "--run-dir", "{d}/ls-inj2"], "--inject",
         "--inject='ring_alias@x'", "integers AT >= 0")
-    add("lockstep --run-dir under a file", REF + ["--run-dir", "{d}/afile/run"], "--run-dir",
+    add("lockstep --run-dir under a file", LS + ["--run-dir", "{d}/afile/run"], "--run-dir",
         "--run-dir='{d}/afile/run'", "a directory that can be created and written (a parent is a file)")
     add("lockstep --run-dir missing", ["lockstep", "--replay", "--run-dir", "{d}/nope-run"], "--run-dir",
         "run_dir='{d}/nope-run'", "a real-golden run directory with records/config.json")
@@ -385,15 +383,18 @@ def _rows():
         "--run-dir", "{d}/run-config/records/config.json:2", "not JSON")
     add("lockstep --run-dir wrong shape", ["lockstep", "--replay", "--run-dir", "{d}/run-keys"], "--run-dir",
         ["{d}/run-keys/records/config.json", "keys=['preset']"], "exactly ['carry'")
-    add("lockstep --run-dir corrupt report", REF + ["--run-dir", "{d}/run-report"], "--run-dir",
+    add("lockstep --run-dir corrupt report", LS + ["--run-dir", "{d}/run-report"], "--run-dir",
         ["{d}/run-report/report.jsonl:2", "line='garbage'"], "a report entry written by lockstep")
+    add("lockstep --run-dir of the reference step", LS + ["--run-dir", "{d}/run-ref"], "--run-dir",
+        ["--run-dir='{d}/run-ref'", "{d}/run-ref/run.json: golden='golden:numpy'"], "recorded by the NumPy reference step")
+    add("lockstep --run-dir of the reference step (replay)", ["lockstep", "--replay", "--run-dir", "{d}/run-ref-killed"],
+        "--run-dir", ["--run-dir='{d}/run-ref-killed'", "weights='04ed74e3ce2a4eca17355c0e'"],
+        "recorded by the NumPy reference step")
     add("lockstep --replay with --inject", ["lockstep", "--replay", "--inject", "kv_row@2", "--run-dir", "{d}/run-keys"],
         "--inject", "--inject='kv_row@2'", "no value with --replay")
     add("lockstep --replay with --steps", ["lockstep", "--replay", "--steps", "5", "--run-dir", "{d}/run-keys"],
         "--steps", "--steps=5", "no value with --replay")
-    add("lockstep --replay with --golden reference", ["lockstep", "--replay", "--golden", "reference", "--run-dir",
-                                                     "{d}/run-keys"], "--golden", "golden='reference'", "real")
-    L = REF + ["--run-dir", "{d}/ls-pol", "--policy"]
+    L = LS + ["--run-dir", "{d}/ls-pol", "--policy"]
     json_file("lockstep", "--policy", L, "{d}/list.json", "--policy='{d}/list.json'", "not a JSON object")
     add("lockstep --policy key", L + ["{d}/pol-key.json"], "--policy", ["{d}/pol-key.json", "key='matmul'"],
         "'op/dtype/quant'")

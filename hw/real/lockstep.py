@@ -32,8 +32,8 @@ from twin.abi.errors import AbiError
 from twin.abi.outputs import write_text
 
 from ..compare import Finding, compare_pool, compare_tensor
-from ..golden_adapter import compose_kind
-from ..lockstep import MODES, first_divergent_tap
+from ..localize import compose_kind, first_divergent_tap
+from ..options import MODES
 from ..report import ReportWriter, write_summary
 from ..tolerance import Policy
 from .stream import mapped_rows
@@ -319,7 +319,7 @@ def _rows_ne(a, b):
 
 def parse_real_fault(spec: str):
     """'KIND', 'KIND@AT' or 'KIND@AT:LAYER' (AT a dispatch index, LAYER a layer index)."""
-    from ..faults import split_fault
+    from ..options import split_fault
     from .faults import RealFault
 
     kind, at, layer = split_fault(spec)

@@ -84,8 +84,7 @@ def rank_forward(rank: int, world: int, *, preset: str = "tiny", seed: int = 0, 
     from golden.ranks.target import forward_ranks
 
     from ..compare import compare_pool, compare_tensor
-    from ..golden_adapter import compose_kind
-    from ..lockstep import first_divergent_tap
+    from ..localize import compose_kind, first_divergent_tap
     from ..tolerance import Policy
     from .lockstep import POOL_KIND
 

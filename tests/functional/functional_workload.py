@@ -18,7 +18,7 @@ import numpy as np
 from golden.dspark.oracle_drafts import continuation_drafts
 
 from twin.abi import deployment
-from twin.sim.request import Request, Sampling
+from twin.abi.batches import Request, Sampling
 
 SPEC = [("p", 30, 20, 0.0), (None, 170, 20, 0.0), ("p", 90, 20, 0.005), (None, 60, 20, 0.005),
         (None, 220, 16, 0.01), ("p", 10, 20, 0.01)]

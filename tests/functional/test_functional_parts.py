@@ -163,7 +163,7 @@ def test_functional_imports_only_abi_sim_and_golden():
 def test_an_executor_error_inside_the_simulation_keeps_its_message(golden):
     """SimPy re-raises a process's exception as type(e)(*e.args): the ABI errors survive that."""
     from twin.functional import functional_simulate
-    from twin.sim.request import Request, Sampling
+    from twin.abi.batches import Request, Sampling
     dep = make_dep()
     bad = Request("r0", np.full(20, dep.model.vocab_size + 5), Sampling(2))      # token ids past the vocabulary
     with pytest.raises(AbiError, match="input_ids|token"):

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from twin.abi import deployment
 from twin.functional import ReplayScheduler, conditional_rates
 from twin.sim import ForcedAcceptance, SimConfig, simulate
-from twin.sim.request import Finish, Request, Sampling
+from twin.abi.batches import Finish, Request, Sampling
 
 
 @settings(max_examples=12, deadline=None)

@@ -5,8 +5,7 @@ import pytest
 
 from golden.checkpoint import SyntheticCheckpoint
 from golden.compose import Session, Taps
-from hw.golden_adapter import COMPOSE_STAGE_KIND, compose_kind
-from hw.lockstep import first_divergent_tap
+from hw.localize import COMPOSE_STAGE_KIND, compose_kind, first_divergent_tap
 from hw.tolerance import Policy
 from twin.abi import TINY
 from twin.abi.errors import AbiError

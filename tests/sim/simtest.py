@@ -5,7 +5,7 @@ import numpy as np
 from twin.abi import deployment
 from twin.sim.kvcache import KvCacheManager
 from twin.sim.leases import LeaseManager
-from twin.sim.request import Request, Sampling
+from twin.abi.batches import Request, Sampling
 from twin.sim.scheduler import Scheduler, SchedulerConfig
 
 

@@ -11,7 +11,7 @@ import pytest
 from simtest import make_dep
 from twin.abi import MEASURED_BOOT, deployment, hbm_account
 from twin.sim.acceptance import ForcedAcceptance
-from twin.sim.executor import StepResult
+from twin.abi.batches import StepResult
 from twin.sim.run import SimConfig, build, simulate, startup_slots
 from twin.sim.costmodel import DeviceLimits
 from twin.sim.workload import LengthDist, WorkloadSpec, documented_run, generate

@@ -6,7 +6,7 @@ import pytest
 
 from simtest import apply, make_sched, req, step
 from twin.abi.batches import PLACEHOLDER_TOKEN
-from twin.sim.request import Finish, Status
+from twin.abi.batches import Finish, Status
 from twin.sim.scheduler import SchedulerConfig, SchedulerProbe
 
 

@@ -24,7 +24,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from twin.abi import deployment
 from twin.sim.kvcache import KvCacheManager
 from twin.sim.leases import LeaseManager
-from twin.sim.request import Finish, Request, Sampling, Status
+from twin.abi.batches import Finish, Request, Sampling, Status
 from twin.sim.scheduler import Scheduler, SchedulerConfig
 
 OPS = [0]

@@ -15,7 +15,7 @@ from twin.abi.batches import PrefillBatch, PrefillItem
 from twin.sim.kvcache import FamilySpec, KvCacheManager
 from twin.sim.leases import LeaseManager
 from twin.sim.loop import run_sync
-from twin.sim.request import Request, Sampling
+from twin.abi.batches import Request, Sampling
 from twin.sim.run import SimConfig
 from twin.sim.scheduler import Scheduler, SchedulerConfig, SchedulerProbe
 from twin.sim.worker import plan
@@ -233,7 +233,7 @@ def _decisions(s, steps, decode_tokens=True):
 
     class Exec:
         def execute(self, p):
-            from twin.sim.executor import StepResult
+            from twin.abi.batches import StepResult
             toks = {it.request_id: [5] for b in p.prefill for it in b.items if it.terminal}
             if p.decode is not None and decode_tokens:
                 toks |= {it.request_id: [5] for it in p.decode.items}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from twin.sim.decisions import DecisionLog
 from twin.sim.kvcache import FamilySpec, KvCacheManager
-from twin.sim.request import Request, Sampling
+from twin.abi.batches import Request, Sampling
 from twin.sim.scheduler import Scheduler, SchedulerConfig, SchedulerProbe
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "upstream-scheduler"

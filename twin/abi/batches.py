@@ -1,13 +1,21 @@
-"""What the scheduler hands to lowering, and what lowering hands to an executor.
+"""The types every mode shares: requests, what the scheduler hands to lowering, what lowering hands
+to an executor, and what comes back.
 
-Batches are the scheduler's view (requests, chunks, anchors, block ids by family, partitions);
-a `Dispatch` is one program's arguments ready for a device.  Both are plain frozen data, so every
-executor (cost model, golden, device, lockstep) receives exactly the same thing.
+A `Request` is a serving request with its scheduler-visible run state (upstream `Request`,
+scheduler.py).  Batches are the scheduler's view (requests, chunks, anchors, block ids by family,
+partitions); a `Dispatch` is one program's arguments ready for a device.  Both are plain frozen
+data, so every executor (cost model, golden, device, lockstep) receives exactly the same thing.
+A backend answers one dispatch with a `DispatchResult`; an executor answers one scheduler step
+(its dispatches) with a `StepResult`.  Living here, in the package everything may import, these
+types let the simulator, golden and hw share them without importing each other (DESIGN.md).
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import numpy as np
 
 PLACEHOLDER_TOKEN = -1      # async decode: last token not yet known at schedule time
 
@@ -105,3 +113,128 @@ class Dispatch:
     program: str
     args: Mapping[str, Any]
     meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DispatchResult:
+    """What a backend returns for one dispatch: the program's outputs (by ABI output name), the pools
+    it touched (new values, by pool name; the state it was given is never written) and the tagged
+    intermediates it can dump (golden.compose's (layer, stage) -> array), which localize a divergence."""
+
+    outputs: dict
+    state: dict
+    taps: dict = field(default_factory=dict)
+
+
+# ---- one scheduler step's result (the executor interface: twin.sim.executor) ----------------------
+@dataclass
+class DispatchTiming:
+    kind: str                         # "prefill", "seed", "decode"
+    seconds: float
+    parts: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)     # decode: count before scheduler truncation
+    drafts: dict[str, int] = field(default_factory=dict)       # num_draft_tokens: 7, or 0 on fallback
+    dispatches: list[DispatchTiming] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return sum(d.seconds for d in self.dispatches)
+
+
+# ---- requests --------------------------------------------------------------------------------------
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Finish(str, enum.Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    STOP = "stop"
+    ABORTED = "aborted"
+    ERROR = "error"            # a worker error aborted the batch (serving-contract §4.11)
+    REJECTED = "rejected"      # refused at admission (prompt too long, nothing left to generate)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy sampling parameters (DSpark serving has no temperature ABI)."""
+
+    max_new_tokens: int
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+    stop: tuple[tuple[int, ...], ...] = ()      # stop strings, as token sequences (no tokenizer here)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: np.ndarray                  # int32 token ids
+    sampling: Sampling
+    arrival: float = 0.0
+    # the cost model writes synthetic outputs; `script` plants chosen tokens at output indices
+    # (e.g. an EOS or a stop sequence) so a workload can drive every finish path
+    script: dict[int, int] = field(default_factory=dict)
+    tag: str = ""                       # shared-prefix group or trace label
+
+    # ---- run state -------------------------------------------------------------------------
+    status: Status = Status.WAITING
+    outputs: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_placeholders: int = 0
+    partition: int | None = None
+    terminal_prefill_in_flight: bool = False
+    incarnation: int = 0                # bumped by preemption: stale results are discarded
+    finish: Finish | None = None
+    finish_detail: str = ""
+    max_new_tokens: int = 0             # capped at admission to max_seq_len - prompt_len
+    lease: int | None = None
+    generation: int | None = None
+    hashes: dict | None = None          # per page size: chained prompt page hashes
+    cached_tokens: int = 0              # prefix hit of the current incarnation
+    num_preemptions: int = 0
+    dropped_tokens: int = 0             # accepted by the device but truncated by a finish
+    discarded_tokens: int = 0           # in a result that arrived after the finish or a preemption
+    preempted_in_pass: int = -1
+
+    def __post_init__(self):
+        self.prompt = np.asarray(self.prompt, dtype=np.int32)
+        self.prompt_len = int(self.prompt.shape[0])
+        if not self.max_new_tokens:
+            self.max_new_tokens = self.sampling.max_new_tokens
+
+    @property
+    def capped(self) -> bool:
+        """Admission lowered max_new_tokens to the context left under max_seq_len."""
+        return self.max_new_tokens < self.sampling.max_new_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.outputs) + self.num_placeholders
+
+    @property
+    def num_new_tokens_needed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.prompt_len}, out={len(self.outputs)}/"
+                f"{self.max_new_tokens}, computed={self.num_computed}, ph={self.num_placeholders}, "
+                f"{self.status.value}{'/' + self.finish.value if self.finish else ''})")

@@ -3,10 +3,9 @@
 Every dispatch (packed prefill, K=0 decode, fused K=7 verify+redraft, drafter seeding) runs on the
 device backend, then on the golden re-synced from the device's decisions; outputs, routing and
 touched pools are compared under the tolerance policy and the first divergence is localized to
-(dispatch, layer, stage).  The golden is golden's real compositions (`hw.real`, default) or the
-compact reference step (`--golden reference`, `hw.model`).  Records, report.jsonl and
-summary.{md,html} go to --run-dir; running again on the same directory resumes where a killed run
-stopped.
+(dispatch, layer, stage).  The golden is golden's own compositions (`hw.real`).  Records,
+report.jsonl and summary.{md,html} go to --run-dir; running again on the same directory resumes
+where a killed run stopped.
 """
 from __future__ import annotations
 
@@ -35,11 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=seed, default=d["seed"], help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
     p.add_argument("--replay", action="store_true",
-                   help="no device: re-judge the records in --run-dir against the golden offline (real golden) and "
+                   help="no device: re-judge the records in --run-dir against the golden offline and "
                         "compare with its report")
-    p.add_argument("--golden", default="real", choices=("real", "reference"),
-                   help="real: golden.compose/golden.dspark through twin.abi.lowering (hw.real, default); "
-                        "reference: hw.model's compact reference step")
 
 
 def run(args) -> int:
@@ -51,7 +47,7 @@ def run(args) -> int:
 
     from golden.heap import retain_heap
     from hw.report import ReportWriter
-    from hw.runs import build_run, parse_fault
+    from hw.run_format import check_run_dir
     from hw.threads import limit_cpu_threads
     from hw.tolerance import Policy
 
@@ -73,28 +69,23 @@ def run(args) -> int:
     out_dir(run_dir, "--run-dir")
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
+    check_run_dir(run_dir)
     resumed = (run_dir / "report.jsonl").exists()
-    if args.golden == "real":
-        from hw.real.lockstep import build_real, parse_real_fault
-        from hw.real.records import read_config
+    from hw.real.lockstep import build_real, parse_real_fault
+    from hw.real.records import read_config
 
-        fault = parse_real_fault(args.inject) if args.inject else None
-        # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions);
-        # a resumed run keeps the token budget it started with
-        max_new = min(400, max(8, args.steps))
-        if resumed:
-            try:
-                max_new = read_config(run_dir).get("max_new", max_new)
-            except AbiError:            # a run that kept no records starts its budget afresh
-                pass
-        lr = build_real(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
-                        policy=policy, run_dir=run_dir, max_new=max_new, record=not args.no_records)
-        done = len(ReportWriter(run_dir).entries())
-    else:
-        fault = parse_fault(args.inject) if args.inject else None
-        lr = build_run(run_dir, preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
-                       policy=policy, record=not args.no_records)
-        done = len(lr.report.entries())
+    fault = parse_real_fault(args.inject) if args.inject else None
+    # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions);
+    # a resumed run keeps the token budget it started with
+    max_new = min(400, max(8, args.steps))
+    if resumed:
+        try:
+            max_new = read_config(run_dir).get("max_new", max_new)
+        except AbiError:            # a run that kept no records starts its budget afresh
+            pass
+    lr = build_real(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
+                    policy=policy, run_dir=run_dir, max_new=max_new, record=not args.no_records)
+    done = len(ReportWriter(run_dir).entries())
     if resumed:
         con.print(f"resuming {run_dir}: {done} dispatches already checked")
     with Progress(TextColumn("[bold]lockstep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -137,10 +128,9 @@ def _replay(args, run_dir, con, policy) -> int:
 
     from hw.real.replay import replay
     from hw.report import ReportWriter
+    from hw.run_format import check_run_dir
 
-    if args.golden != "real":
-        raise AbiError("golden", args.golden, "real (--replay re-judges hw.real records; for the reference golden "
-                       "use hw.lockstep.replay)", where="lockstep --replay")
+    check_run_dir(run_dir)
     entries = replay(run_dir, policy=policy)
     report = ReportWriter(run_dir).entries()
     differ = [e["index"] for e, r in zip(entries, report)

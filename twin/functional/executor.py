@@ -25,7 +25,8 @@ from twin.abi import constants as C
 from twin.abi.batches import PLACEHOLDER_TOKEN, DrafterBatch, DrafterItem
 from twin.abi.errors import AbiError
 from twin.abi.lowering import LoweringContext, lower, lower_bootstrap, validate
-from twin.sim.executor import DispatchTiming, StepResult, decode_timing, prefill_timing, seed_timing
+from twin.abi.batches import DispatchTiming, StepResult
+from twin.sim.executor import decode_timing, prefill_timing, seed_timing
 from twin.sim.worker import StepPlan
 
 from .agreement import check_decode, check_prefill

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twin.sim.request import Status
+from twin.abi.batches import Status
 from twin.sim.scheduler import Scheduler
 
 RECOMPUTE = ("prompt", "replay")

@@ -7,12 +7,13 @@ It imports only `twin.abi`; executors are injected, never imported (DESIGN.md).
 from .acceptance import AcceptanceModel, ConditionalAcceptance, ExecutorTokens, ForcedAcceptance, parse_acceptance
 from .costmodel import Calibration, CostModel, DeviceLimits, Routing
 from .engine import Engine
-from .executor import CostModelExecutor, DispatchTiming, Executor, StepResult
+from twin.abi.batches import DispatchTiming, Finish, Request, Sampling, Status, StepResult
+
+from .executor import CostModelExecutor, Executor
 from .kvcache import KVCacheCapacityError, KvCacheManager
 from .leases import LeaseManager, LeasesExhausted
 from .loop import run_sync
 from .probes import Recorder
-from .request import Finish, Request, Sampling, Status
 from .run import SimConfig, SimResult, build, simulate, startup_slots
 from .scheduler import Scheduler, SchedulerConfig, SchedulerProbe, StepCommand
 from .worker import StepPlan, plan

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from twin.abi.batches import Request, Sampling
 from twin.abi.errors import ConfigError
 
-from .request import Request, Sampling
 
 CHARS_PER_TOKEN = 4.0            # English text under a BPE vocabulary: about 4 characters a token
 SHAREGPT_MIN_LEN = 4             # vLLM's is_valid_sequence minimum, prompt and completion

@@ -14,34 +14,13 @@ from typing import Protocol
 import numpy as np
 
 from twin.abi import constants as C
+from twin.abi.batches import DispatchTiming, StepResult
 from twin.abi.errors import ConfigError
 from twin.abi.lowering.drafter import BOOTSTRAP, context_bucket
 
 from .acceptance import AcceptanceModel, ConditionalAcceptance
 from .costmodel import CostModel
 from .worker import StepPlan
-
-
-@dataclass
-class DispatchTiming:
-    kind: str                         # "prefill", "seed", "decode"
-    seconds: float
-    parts: dict = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
-
-
-@dataclass
-class StepResult:
-    step_id: int
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    accepted: dict[str, int] = field(default_factory=dict)     # decode: count before scheduler truncation
-    drafts: dict[str, int] = field(default_factory=dict)       # num_draft_tokens: 7, or 0 on fallback
-    dispatches: list[DispatchTiming] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def seconds(self) -> float:
-        return sum(d.seconds for d in self.dispatches)
 
 
 class Executor(Protocol):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterable
 
-from .request import Request
+from twin.abi.batches import Request
+
 from .scheduler import Scheduler, StepCommand
 from .worker import plan
 

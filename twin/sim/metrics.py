@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from twin.abi.batches import Finish
 from twin.abi.outputs import atomic_path, write_text
 
-from .request import Finish
 from .vllm_result import latency_stats, slo_met, spec_decode
 
 COMPLETED = {Finish.EOS, Finish.LENGTH, Finish.STOP}

@@ -21,6 +21,7 @@ import pandas as pd
 import simpy
 
 from twin.abi.account import hbm_account
+from twin.abi.batches import Request
 from twin.abi.capacity import admit_slots, allocate_with_retry
 from twin.abi.programs import check_slots
 from twin.abi.errors import ConfigError
@@ -37,7 +38,6 @@ from .executor import CostModelExecutor
 from .kvcache import KvCacheManager
 from .leases import LeaseManager
 from .probes import Recorder
-from .request import Request
 from .scheduler import Scheduler, SchedulerConfig, check_max_preemptions
 
 

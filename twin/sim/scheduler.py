@@ -18,12 +18,12 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from twin.abi.batches import PLACEHOLDER_TOKEN, DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
+from twin.abi.batches import (PLACEHOLDER_TOKEN, DecodeBatch, DecodeItem, Finish, PrefillBatch, PrefillItem, Request,
+                              Status)
 from twin.abi.errors import ConfigError
 
 from .kvcache import KVCacheCapacityError, KvCacheManager, Pin
 from .leases import LeaseManager, LeasesExhausted
-from .request import Finish, Request, Status
 from .worker import dispatch_waves, split_prefill
 
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from twin.abi.batches import Request, Sampling
 from twin.abi.errors import ConfigError
 from twin.abi.inputs import integer, known_keys, number, read_jsonl, token_ids
-
-from .request import Request, Sampling
 
 ARRIVALS = ("poisson", "gamma", "burst")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal", "normal")
