@@ -47,7 +47,8 @@ def ratio_reldiff(actual, expected, diff_thd, pct_thd):
 
 
 def load(kernel):
-    """-> (inputs, outputs); BF16 arrays (stored as 16-bit patterns, `<name>.bf16`) as float32."""
+    """-> (inputs, outputs); BF16 arrays (stored as 16-bit patterns, `<name>.bf16`) as float32, an
+    input stored once for N equal ranks (`<name>.rep<N>`) as its [N, ...] stack."""
     z = np.load(os.path.join(DATA, f"{kernel}.npz"))
     out = ({}, {})
     for k in z.files:
@@ -57,6 +58,9 @@ def load(kernel):
         v = z[k]
         if name.endswith(".bf16"):
             name, v = name[:-5], v.view(ml_dtypes.bfloat16).astype(np.float32)
+        name, _, rep = name.partition(".rep")            # one copy of an input equal on every rank
+        if rep:
+            v = np.repeat(v[None], int(rep), axis=0)
         out[side == "out"][name] = v
     return out
 
@@ -169,6 +173,16 @@ FIXTURE_TOLERANCES = {
     "prefill_compressor_ratio128": {"compress_state": (1e-3, 1e-3, 0.0), "cmp_kv": (1e-4, 1 / 128, 0.0)},
     "decode_indexer": {"score": (1e-4, 1 / 128, 0.005), "topk_idxs": "ties", "idx_kv_cache": (1, 0, 0.01),
                        "idx_kv_scale": (1e-4, 1 / 128, 0.01)},
+    "prefill_indexer_compressor": {"compress_state": (1e-3, 1e-3, 0.0), "idx_kv_cache": (1, 0, 0.01),
+                                   "idx_kv_scale": (1e-4, 1 / 128, 0.01)},
+    # topk_idxs: pypto-lib checks that the selected scores are the optimal prefix (torch.topk's tie
+    # order is not specified); here the project's tie rule on golden's scores
+    "prefill_indexer": {"score": (1e-4, 1 / 128, 0.005), "topk_idxs": "ties", "idx_kv_cache": (1, 0, 0.01),
+                        "idx_kv_scale": (1e-4, 1 / 128, 0.01), "inner_compress_state": (1e-4, 1 / 128, 0.01)},
+    "prefill_sparse_attn": {"attn_out": (1e-4, 1 / 128, 0.005)},
+    "moe": {"x_next": ("reldiff", 3e-3, 0.05)},
+    # pure data movement and sums of small integers (exact in f32): bit equality
+    "decode_o_proj_collectives": {"kv_group": "exact", "attention_local_groups": "exact", "o_local": "exact"},
 }
 
 
@@ -263,7 +277,128 @@ def run_fixture_golden(kernel, t):
         full = np.concatenate([W[r] for r in range(tp)]).astype(BF)     # the vocabulary in shard order
         return {"logits": np.stack([lm_head(t["hidden_states"][r].astype(BF), full, t["logit_row_indices"][r], nm=DEVICE)
                                     for r in range(W.shape[0])])}
+    if kernel == "prefill_indexer_compressor":
+        cache, scale, state = _prefill_indexer_compressor(t, "")
+        return {"compress_state": state, "idx_kv_cache": cache, "idx_kv_scale": scale}
+    if kernel == "prefill_indexer":
+        return _prefill_indexer(t)
+    if kernel == "prefill_sparse_attn":
+        return {"attn_out": _prefill_sparse_attn(t)}
+    if kernel == "moe":
+        return {"x_next": _moe(t)[0]}
+    if kernel == "decode_o_proj_collectives":
+        return _o_proj_collectives(t)
     raise KeyError(kernel)
+
+
+def _prefill_indexer_compressor(t, prefix):
+    """One request's prefill chunk through the indexer compressor: every boundary pooled (serving's
+    eager-publish contract, which the prefill kernel computes: its state scatter precedes pooling,
+    per 512-row tile, and no row of the chunk aliases its window), old state rows through the
+    request's state table; RoPE at each window start p - 3."""
+    pos = t["position_ids"].astype(np.int64)
+    start = np.maximum(pos - 3, 0)
+    bf = lambda k: t[k].astype(BF)
+    state = t[prefix + "compress_state"]
+    cache, scale, state, _ = indexer_compressor(
+        bf("x"), pos, np.zeros(pos.size, np.int64), pos[:1], state, t["inner_compress_state_block_table"][None],
+        t["inner_state_slot_mapping"], t["idx_kv_cache"], t["idx_kv_scale"], t["idx_slot_mapping"],
+        bf(prefix + "wkv"), bf(prefix + "wgate"), t[prefix + "ape"], bf(prefix + "norm_w"), bf("hadamard"),
+        bf("freqs_cos")[start], bf("freqs_sin")[start], cfg=CFG, nm=DEVICE)
+    return cache, scale, state
+
+
+def _prefill_indexer(t):
+    """The prefill indexer kernel = the indexer compressor writing the chunk's INT8 rows, then the
+    lightning indexer scoring every token causally against the whole cache ((p + 1) // 4 visible
+    rows), the kernel's per-token q RoPE rows (the fixture's cos / sin [T, R/2])."""
+    from golden.kernels.indexer import lightning_indexer
+    cache, scale, state = _prefill_indexer_compressor(t, "inner_")
+    pos = t["position_ids"].astype(np.int64)
+    req = np.zeros(pos.size, np.int64)
+    full = lambda k: np.concatenate([t[k], t[k]], -1)
+    C = t["score"].shape[1]
+    score, topk = lightning_indexer(t["x"].astype(BF), t["qr"], t["qr_scale"], t["wq_b"], t["wq_b_scale"],
+                                    t["weights_proj"].astype(BF), t["hadamard"].astype(BF), full("cos"), full("sin"),
+                                    cache, scale, t["idx_block_table"][None], req, pos, np.array([C * 4]),
+                                    cfg=CFG.replace(q_lora_rank=t["qr"].shape[1]), nm=DEVICE, cap=C, n_candidates=C)
+    return {"score": score, "topk_idxs": topk, "idx_kv_cache": cache, "idx_kv_scale": scale,
+            "inner_compress_state": state, "_golden_score": score, "_offset": 0}
+
+
+def _prefill_sparse_attn(t):
+    """Sparse attention over each token's window rows (physical ori-KV rows) and compressed rows
+    (logical, through the block table), the sink, inverse RoPE at the token's row, then the grouped
+    o_proj of all output groups (one rank holds them all here)."""
+    from golden.kernels.o_proj import o_proj, pack_groups
+    from golden.kernels.sparse_attention import sparse_attention
+    bf = lambda k: t[k].astype(BF)
+    swa = t["swa_indices"].astype(np.int64)
+    T = swa.shape[0]
+    o = sparse_attention(bf("q"), bf("ori_kv"), swa, np.full(T, swa.shape[1]), t["attn_sink"], bf("freqs_cos"),
+                         bf("freqs_sin"), cmp_kv=bf("cmp_kv"), cmp_rows=t["cmp_indices"].astype(np.int64),
+                         cmp_block_table=t["cmp_block_table"][None], req=np.zeros(T, np.int64), cfg=CFG, nm=DEVICE)
+    G, OL = t["wo_a"].shape[:2]
+    wo_b = t["wo_b"].reshape(-1, G, OL).transpose(1, 0, 2)             # [D, G*OL] -> [G, D, OL]
+    return o_proj(pack_groups(np.asarray(o), cfg=CFG), bf("wo_a"), wo_b, t["wo_b_scale"], cfg=CFG, nm=DEVICE)
+
+
+def _moe(t):
+    """pypto-lib's MoE layer program on its EP ranks -> (x_next [R, T, HC, D] under golden's EP
+    emulation, the same rows with each rank's MoE run alone on one rank).  Replicated weights are
+    rank 0's (the fixture's are equal on every rank); routed expert e sits on rank e // N_LOCAL."""
+    from golden.compose import moe_sublayer
+    from golden.ranks import RankEmulation
+    from golden.ranks.layout import RankLayout
+    from golden.ranks.target import moe_sublayer_ranks
+    from twin.abi.topology import Topology
+    R, T, HC, D = t["x_hc"].shape
+    n_local = t["routed_w1"].shape[1]
+    cfg = CFG.replace(hidden_size=D, moe_intermediate_size=t["shared_w1"].shape[1], n_routed_experts=R * n_local,
+                      vocab_size=t["tid2eid"].shape[1], dspark_noise_token_id=0)
+    names = ("hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base", "norm_w", "gate_w", "gate_bias", "tid2eid", "shared_w1",
+             "shared_w1_scale", "shared_w3", "shared_w3_scale", "shared_w2", "shared_w2_scale")
+    w = {k: t[k][0] for k in names}
+    w["norm_w"] = w["norm_w"].astype(BF)
+    routed = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
+    expert = lambda e: {k: t[k][e // n_local, e % n_local] for k in routed}          # noqa: E731
+    layer = int(t["layer_id"])
+    par = RankEmulation(RankLayout(cfg, Topology(tp=4, ep=R)))
+    ep = moe_sublayer_ranks(t["x_hc"].reshape(R * T, HC, D), layer, w, expert, t["input_ids"].reshape(-1),
+                            np.repeat(np.arange(R), T), par, cfg=cfg, nm=DEVICE)
+    alone = [moe_sublayer(t["x_hc"][r], layer, w, expert, t["input_ids"][r], cfg=cfg, nm=DEVICE) for r in range(R)]
+    return np.asarray(ep).reshape(R, T, HC, D), np.stack([np.asarray(a) for a in alone]), par
+
+
+def _o_proj_collectives(t):
+    """One TP group's decode collectives as golden's rank emulation lays them out: the KV all-gather
+    (rank-major), the all-to-all that hands rank r its o_proj groups (`RankLayout.o_groups_of`) for
+    every row of the group, and the reduce-scatter (`golden.ranks.tp.fold`, partial_sums: the f32
+    partials summed in rank order, rounded to bf16 once) that returns each owner its band of rows.
+    Rows the kernel leaves unwritten keep the fixture's sentinel."""
+    from golden.ranks.collectives import all_gather, rank_bands
+    from golden.ranks.layout import RankLayout
+    from golden.ranks.tp import fold
+    from twin.abi.topology import Topology
+    tp, lt = t["kv_local"].shape[0], int(t["local_t"])
+    layout = RankLayout(CFG, Topology(tp=tp, ep=4))
+    sentinel = t["kv_group"].flat[0]                     # the fixture's outputs start as its sentinel
+    kv = np.array(t["kv_group"])
+    kv[:, :tp * lt] = all_gather([t["kv_local"][r, :lt] for r in range(tp)])
+    G = CFG.o_groups
+    per_src = [t["attention_grouped"][r].reshape(G, -1, CFG.o_group_in)[:, :lt] for r in range(tp)]
+    o_packed = np.concatenate(per_src, axis=1)                        # [G, group rows, GI], rank-major
+    att = np.array(t["attention_local_groups"]).reshape(tp, G // tp, -1, CFG.o_group_in)
+    for r in range(tp):
+        att[r, :, :tp * lt] = o_packed[list(layout.o_groups_of(r))]
+    reduced = np.asarray(fold([[t["o_partial"][r, :tp * lt]] for r in range(tp)], np.ones(CFG.hidden_size),
+                              nm=DEVICE, reduction="partial_sums"))
+    o_local = np.array(t["o_local"])
+    for r, band in enumerate(rank_bands(tp * lt, tp)):
+        o_local[r, :lt] = reduced[band]
+    assert (t["kv_group"] == sentinel).all() and (t["o_local"] == sentinel).all()
+    return {"kv_group": kv, "attention_local_groups": att.reshape(t["attention_local_groups"].shape),
+            "o_local": o_local}
 
 
 def _decode_indexer(t):
@@ -295,6 +430,8 @@ def _decode_indexer(t):
 
 
 def _compare(kernel, name, tol, got, want):
+    if tol == "exact":
+        return np.array_equal(np.asarray(got[name], np.float64), want[name].astype(np.float64))
     if tol == "ties":       # same count, same sorted golden scores per row (golden.ties)
         from golden.ties import equivalent_rows
         off, k = got["_offset"], CFG.index_topk
@@ -326,3 +463,47 @@ def test_kernel_data_stays_small_and_names_its_source():
     for f in files:
         meta = str(np.load(os.path.join(DATA, f))["meta"][0])
         assert meta.startswith("pypto-lib ") and "sha256 " in meta and "models/deepseek_v4_flash_dspark/" in meta
+
+
+def test_multi_rank_and_prefill_data_exercise_what_they_are_for():
+    """The new fixtures are not met by the nearest wrong rule: the group's rows interleaved by
+    source rank (not rank-major) miss the all-to-all; the MoE routes cross ranks and choose among the
+    experts; the prefill indexer selects among more candidates than top-k, history rows included;
+    the prefill attention without its compressed rows misses the kernel's output."""
+    from golden.kernels.moe import gate
+    from golden.ranks.layout import RankLayout
+    from twin.abi.topology import Topology
+    t, want = load("decode_o_proj_collectives")
+    tp, lt, G = t["kv_local"].shape[0], int(t["local_t"]), CFG.o_groups
+    per_src = [t["attention_grouped"][r].reshape(G, -1, CFG.o_group_in)[:, :lt] for r in range(tp)]
+    interleaved = np.stack(per_src, axis=2).reshape(G, tp * lt, CFG.o_group_in)     # row j from source j % tp
+    got = want["attention_local_groups"].reshape(tp, G // tp, -1, CFG.o_group_in)[:, :, :tp * lt]
+    groups = list(RankLayout(CFG, Topology(tp=4, ep=4)).o_groups_of(1))
+    assert np.array_equal(got[1], np.concatenate(per_src, axis=1)[groups])
+    assert not np.array_equal(got[1], interleaved[groups])
+
+    t, _ = load("moe")
+    ep, alone, par = _moe(t)
+    assert np.array_equal(ep, alone)                  # the EP split changes no bit (device numerics)
+    R, n_local = t["x_hc"].shape[0], t["routed_w1"].shape[1]
+    picked = []
+    for r in range(R):
+        from golden.kernels.hyper_connections import hc_pre
+        xm, _, _ = hc_pre(t["x_hc"][r], t["hc_ffn_fn"][r], t["hc_ffn_scale"][r], t["hc_ffn_base"][r], cfg=CFG, nm=DEVICE)
+        cfg = CFG.replace(hidden_size=xm.shape[1], n_routed_experts=R * n_local)
+        idx = np.asarray(gate(xm, t["norm_w"][r].astype(BF), t["gate_w"][r], t["gate_bias"][r], None, None,
+                              layer=int(t["layer_id"]), cfg=cfg, nm=DEVICE)[2])
+        assert (idx // n_local != r).any()           # routes leave their source rank
+        picked.append(idx)
+    assert len(np.unique(np.concatenate(picked))) == R * n_local > cfg.num_experts_per_tok
+
+    t, want = load("prefill_indexer")
+    visible = (t["position_ids"] + 1) // 4
+    assert (visible > CFG.index_topk).any()
+    top = want["topk_idxs"]
+    assert ((top >= 0) & (top < int(t["position_ids"][0]) // 4)).any()      # rows written before the chunk
+
+    t, want = load("prefill_sparse_attn")
+    assert ((t["swa_indices"] >= 0).sum(1) == t["swa_indices"].shape[1]).any() and (t["cmp_indices"] >= 0).any()
+    no_cmp = dict(t, cmp_indices=np.full_like(t["cmp_indices"], -1))
+    assert not ratio_allclose(_prefill_sparse_attn(no_cmp), want["attn_out"], *FIXTURE_TOLERANCES["prefill_sparse_attn"]["attn_out"])

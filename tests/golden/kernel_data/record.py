@@ -202,6 +202,29 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
                                {"KV_ORI_BLOCK_NUM": 64, "KV_CMP_BLOCK_NUM": 32}),
     "decode_sparse_attn_hca": ("decode_sparse_attn_hca.py", "golden_sparse_attn", (),
                                {"KV_ORI_BLOCK_NUM": 64, "KV_CMP_BLOCK_NUM": 64}),
+    # a 48-token prefill chunk continuing at position 77: state rows of 69..76 and 19 compressed
+    # index rows from before the chunk; pools and position tables cut to 256 positions
+    "prefill_indexer_compressor": ("prefill_indexer_compressor.py", "golden_prefill_indexer_compressor", (77, 48),
+                                   {"model": {"max_position_embeddings": 256}, "CSA_INNER_STATE_PHYSICAL_BLOCKS": 37,
+                                    "IDX_CACHE_BLOCK_NUM": 8}),
+    # its wq_b generator simulates FP8 in 128 x 128 blocks: q_lora_rank 128
+    "prefill_indexer": ("prefill_indexer.py", "golden_prefill_indexer", (77, 48),
+                        {"model": {"max_position_embeddings": 256, "q_lora_rank": 128}, "CSA_INNER_STATE_PHYSICAL_BLOCKS": 37,
+                         "IDX_CACHE_BLOCK_NUM": 8}),
+    # 136 tokens of a CSA layer: the window slides past 128 rows; up to 16 compressed rows
+    "prefill_sparse_attn": ("prefill_sparse_attn.py", "golden_prefill_sparse_attn", (4, 136, 5, 2),
+                            {"model": {"max_position_embeddings": 1024}}),
+    # the MoE layer program (hc_pre, gate, shared expert, EP dispatch, routed experts, combine,
+    # hc_post) on 4 EP ranks of 8 tokens, 4 routed experts (1 per rank), a score-routed layer; its
+    # shared-expert generator simulates FP8 in 128 x 128 blocks: D and the intermediate size 128
+    "moe": ("moe.py", "golden_moe", (10,), {"model": {"n_routed_experts": 16, "vocab_size": 256, "hidden_size": 128,
+                                                      "moe_intermediate_size": 128},
+                                            "MOE_TOKENS": 8, "argv": ["--ep", "4"]}),
+    # one TP group of 4 ranks: the KV all-gather, the o_proj groups' all-to-all and the o_proj
+    # reduce-scatter, 15 live rows per rank of 16 (the last a poisoned capacity row)
+    "decode_o_proj_collectives": ("decode_o_proj.py", "golden_decode_attention_collectives_fixture", (),
+                                  {"DECODE_TOKENS": 64, "argv": ["--tp", "4"],
+                                   "build": "build_collective_tensor_specs"}),
 }
 RUNTIME = ("pypto", "pypto.language", "pypto.language.distributed", "pypto.ir",
            "pypto.ir.distributed_compiled_program")
@@ -228,6 +251,7 @@ def pypto_module(repo, rev, name, overrides=None):
     import types
     saved = {k: sys.modules.get(k) for k in RUNTIME + ("config", "golden", "utils", "rope_interleave",
                                                         "pypto_" + name[:-3])}
+    saved_argv = sys.argv
     try:
         for n in RUNTIME:
             m = types.ModuleType(n)
@@ -236,6 +260,8 @@ def pypto_module(repo, rev, name, overrides=None):
         cfg = read_source(repo, rev, f"{MODELS}/config.py").replace(
             "\nPRESETS = ", "\nFLASH = __import__('dataclasses').replace(FLASH, **_SMALL)\nPRESETS = ", 1)
         overrides = {k: v for k, v in (overrides or {}).items() if k != "build"}
+        # a module that reads its rank count from the command line (moe.py --ep, decode_o_proj.py --tp)
+        sys.argv = [name] + list(overrides.pop("argv", []))
         c = types.ModuleType("config")
         c._SMALL = {**SMALL, **overrides.pop("model", {})}
         sys.modules["config"] = c
@@ -264,15 +290,18 @@ def pypto_module(repo, rev, name, overrides=None):
             """A module of models/deepseek_v4_flash_dspark, its own sibling imports first."""
             source = read_source(repo, rev, f"{MODELS}/{mod_name}.py")
             tree = ast.parse(source)
-            tree.body = [n for n in tree.body if not isinstance(n, ast.Assert) and not _raises_only(n)]
+            mod = types.ModuleType(as_name)
+            sys.modules[as_name] = mod
+            # statement by statement, a sibling imported where its import stands (moe.py edits the
+            # config before it imports the kernels that read it)
             for n in tree.body:
+                if isinstance(n, ast.Assert) or _raises_only(n):
+                    continue
                 if isinstance(n, ast.ImportFrom) and n.module not in sys.modules and n.module != "config" \
                         and not (n.module or "").startswith(("pypto", "__future__")):
                     saved.setdefault(n.module, sys.modules.get(n.module))
                     sibling(n.module, n.module)
-            mod = types.ModuleType(as_name)
-            sys.modules[as_name] = mod
-            exec(compile(tree, mod_name + ".py", "exec"), mod.__dict__)
+                exec(compile(ast.Module([n], []), mod_name + ".py", "exec"), mod.__dict__)
             return mod, source
         for dep in ("utils", "rope_interleave"):
             sibling(dep, dep)
@@ -281,6 +310,8 @@ def pypto_module(repo, rev, name, overrides=None):
     except BaseException:
         _restore(saved)
         raise
+    finally:
+        sys.argv = saved_argv
 
 
 def _raises_only(node):
@@ -303,7 +334,8 @@ def run_fixture(repo, rev, kernel):
     try:
         torch.manual_seed(0)
         specs = getattr(mod, (overrides[0] if overrides else {}).get("build", "build_tensor_specs"))(*args)
-        t = {sp.name: (sp.init_value() if sp.init_value is not None else torch.zeros(sp.shape, dtype=sp.dtype))
+        t = {sp.name: (sp.init_value() if callable(sp.init_value) else torch.zeros(sp.shape, dtype=sp.dtype)
+                       if sp.init_value is None else torch.full(sp.shape, float(sp.init_value), dtype=sp.dtype))
              for sp in specs}
         t = {k: v.to(sp.dtype) for (k, v), sp in zip(t.items(), specs)}
         inputs = {k: v.clone() for k, v in t.items()}
@@ -313,13 +345,20 @@ def run_fixture(repo, rev, kernel):
     np_ = lambda v: v.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else v.numpy()
     outs = [sp.name for sp in specs if sp.is_output]
     return ({k: np_(v) for k, v in inputs.items()}, {k: np_(t[k]) for k in outs}, source,
-            {"file": file, "golden": fn, "build_tensor_specs": args, "small": SMALL, "config": overrides})
+            {"file": file, "golden": fn, "build_tensor_specs": args, "small": SMALL, "config": overrides,
+             "ranks": int(getattr(mod, "N_RANKS", 0) or getattr(mod, "TP_SIZE", 0))})
 
 
 def save(kernel, rev, file, source, inputs, outputs, meta):
-    """<kernel>.npz: in.<name>, out.<name>; BF16 arrays as their 16-bit patterns, named <name>.bf16."""
+    """<kernel>.npz: in.<name>, out.<name>; BF16 arrays as their 16-bit patterns, named <name>.bf16;
+    an input of a multi-rank fixture whose N rank copies ([N, ...]) are equal stored once, named
+    <name>.rep<N>."""
+    ranks = meta.get("ranks")
+
     def entries(prefix, d):
         for k, v in d.items():
+            if prefix == "in" and ranks and v.ndim and v.shape[0] == ranks and (v == v[:1]).all():
+                k, v = f"{k}.rep{ranks}", v[0]
             if v.dtype == ml_dtypes.bfloat16:
                 yield f"{prefix}.{k}.bf16", v.view(np.uint16)
             else:
@@ -337,14 +376,22 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pypto_lib", help="a pypto-lib checkout or bare git directory")
     ap.add_argument("--rev", default="HEAD")
+    ap.add_argument("--only", nargs="+", metavar="KERNEL", help="record these kernels only")
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.only or ()) - set(KERNELS) - set(FIXTURES))
+    if unknown:
+        ap.error(f"--only: {unknown[0]!r} is not a recorded kernel (one of {sorted({**KERNELS, **FIXTURES})})")
     sys.path.insert(0, ROOT)
     rev = revision(a.pypto_lib, a.rev)
     for kernel, (file, *_rest) in KERNELS.items():
+        if a.only and kernel not in a.only:
+            continue
         src = read_source(a.pypto_lib, a.rev, f"{MODELS}/{file}")
         inputs, outputs, meta = run(kernel, src)
         save(kernel, rev, file, src, inputs, outputs, meta)
     for kernel, (file, *_rest) in FIXTURES.items():
+        if a.only and kernel not in a.only:
+            continue
         inputs, outputs, src, meta = run_fixture(a.pypto_lib, a.rev, kernel)
         save(kernel, rev, file, src, inputs, outputs, meta)
 
