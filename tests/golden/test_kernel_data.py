@@ -183,6 +183,10 @@ FIXTURE_TOLERANCES = {
     "moe": {"x_next": ("reldiff", 3e-3, 0.05)},
     # pure data movement and sums of small integers (exact in f32): bit equality
     "decode_o_proj_collectives": {"kv_group": "exact", "attention_local_groups": "exact", "o_local": "exact"},
+    # the drafter program's test compares at run_jit's allclose (1e-3); kv_caches: the rows the
+    # program writes (context and block rows of every request and draft layer)
+    "dspark_drafter": {"initial_hidden": (1e-3, 1e-3, 0.0), "intermediate_hidden": (1e-3, 1e-3, 0.0),
+                       "head_hidden": (1e-3, 1e-3, 0.0), "kv_caches": (1e-3, 1e-3, 0.0)},
 }
 
 
@@ -288,7 +292,88 @@ def run_fixture_golden(kernel, t):
         return {"x_next": _moe(t)[0]}
     if kernel == "decode_o_proj_collectives":
         return _o_proj_collectives(t)
+    if kernel == "dspark_drafter":
+        return _dspark_drafter(t)
     raise KeyError(kernel)
+
+
+def _dspark_drafter(t, rope=True, context_row=-1):
+    """pypto-lib's whole drafter program (dspark_proj, context KV, the anchor-first query block
+    embedded, three draft layers, hc_head) through golden.dspark.drafter_forward, rank by rank:
+    each EP rank's fixture inputs differ (its own hidden, embedding and cache fill) and its MoE
+    adds nothing (zero expert weights).  Request b is lease b with one context row, its anchor
+    position (the program takes the last of the request's 8 target rows); the fixture's RoPE table
+    (cos 1, sin 0) is the program's argument.  Compared where golden computes them: the streams of
+    the request rows (not the padding rows the kernel also fills) and the cache rows at each
+    request's block-table slots."""
+    import types
+    from golden.compose import Taps
+    from golden.dspark.drafter import QW, DraftRow, drafter_forward
+    from golden.dspark.ring import new_pools, ring_slots
+    R, DL = t["kv_caches"].shape[:2]
+    cfg = CFG.replace(n_routed_experts=t["gate_w"].shape[1] // DL)
+    D, HD, n_exp = cfg.hidden_size, cfg.head_dim, cfg.n_routed_experts
+    B = t["anchor_positions"].shape[1]
+    seq = t["target_hidden"].shape[1] // B                       # target rows per request (1 + 7 drafts)
+    n = B * QW
+    out = {"initial_hidden": np.zeros((R, n) + t["initial_hidden"].shape[2:]),
+           "intermediate_hidden": np.zeros((R, DL, n) + t["initial_hidden"].shape[2:]),
+           "head_hidden": np.zeros(t["head_hidden"].shape), "kv_caches": np.zeros((R, DL, B * (QW + 1), HD))}
+    slots = np.zeros((R, DL, B * (QW + 1)), np.int64)           # the program's slot of each kv row compared
+    per_layer = lambda k, r, l, n: t[k][r][l * n:(l + 1) * n]     # noqa: E731  the [DL * n, ...] stacks
+    for r in range(R):
+        layers = []
+        for l in range(DL):
+            lw = {k: per_layer(k, r, l, n) for k, n in (
+                ("hc_attn_fn", cfg.mix_hc), ("hc_attn_base", cfg.mix_hc), ("hc_ffn_fn", cfg.mix_hc),
+                ("hc_ffn_base", cfg.mix_hc), ("hc_attn_scale", 3), ("hc_ffn_scale", 3), ("attn_norm_w", D),
+                ("wq_a", D), ("wq_b", cfg.q_lora_rank), ("wq_b_scale", cfg.num_attention_heads * HD), ("wkv", D),
+                ("gamma_cq", cfg.q_lora_rank), ("gamma_ckv", HD), ("attn_sink", cfg.num_attention_heads),
+                ("wo_a", cfg.o_groups), ("wo_b_scale", D), ("gate_w", n_exp), ("gate_bias", n_exp),
+                ("shared_w1", cfg.moe_intermediate_size), ("shared_w1_scale", cfg.moe_intermediate_size),
+                ("shared_w3", cfg.moe_intermediate_size), ("shared_w3_scale", cfg.moe_intermediate_size),
+                ("shared_w2", D), ("shared_w2_scale", D))}
+            lw["norm_w"] = per_layer("ffn_norm_w", r, l, D)
+            lw["wo_b"] = per_layer("wo_b", r, l, D).reshape(D, cfg.o_groups, -1).transpose(1, 0, 2)
+            for k in ("attn_norm_w", "norm_w", "wq_a", "wkv", "gamma_cq", "gamma_ckv", "wo_a"):
+                lw[k] = lw[k].astype(BF)
+            layers.append(lw)
+        n_local = t["routed_w1"].shape[1] // DL
+        routed = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
+        # every rank's experts are zero: expert e of layer l is rank e // n_local's local expert
+        expert = lambda l, e: {k: t[k][e // n_local][l * n_local + e % n_local] for k in routed}  # noqa: E731
+        model = {"main_proj_weight": t["main_proj_weight"][r].astype(BF),
+                 "main_norm_weight": t["main_norm_weight"][r].astype(BF),
+                 "hc_head_fn": t["hc_head_fn"][r], "hc_head_scale": t["hc_head_scale"][r],
+                 "hc_head_base": t["hc_head_base"][r]}
+        dckpt = types.SimpleNamespace(cfg=cfg, model=lambda m=model: m, layer=lambda l, L=layers: L[l], expert=expert)
+        anchors = t["anchor_positions"][r].astype(np.int64)
+        rows = [DraftRow(b, int(a), int(t["anchor_token_ids"][r, b]), (int(a),)) for b, a in enumerate(anchors)]
+        taps = Taps()
+        table = (t["freqs_cos"][r].astype(BF), t["freqs_sin"][r].astype(BF)) if rope else None
+        pool = new_pools(cfg, 1, DEVICE)[0]
+        main_hidden = t["target_hidden"][r].reshape(B, seq, -1)[:, context_row].astype(BF)
+        head, pool = drafter_forward(pool, main_hidden, rows, dckpt, {"embed_weight": t["embedding_weight"][r].astype(BF)},
+                                     cfg=cfg, nm=DEVICE, rope=table, taps=taps)
+        out["head_hidden"][r] = np.asarray(head)
+        out["initial_hidden"][r] = np.asarray(taps[("input", "draft_x_hc")])
+        pool = np.asarray(pool)
+        for l in range(DL):
+            out["intermediate_hidden"][r, l] = np.asarray(taps[(l, "draft_x_hc")])
+            for b, a in enumerate(anchors):
+                p = np.arange(a, a + QW + 1)                        # the context row and the block rows
+                j = slice(b * (QW + 1), (b + 1) * (QW + 1))
+                slots[r, l, j] = t["block_tables"][r, l, b][p // 32].astype(np.int64) * 32 + p % 32
+                out["kv_caches"][r, l, j] = pool[l].reshape(-1, HD)[ring_slots(b, p, l)]
+
+    def view(name, want):
+        """The recorded output where golden computes it: the request rows, the written cache rows."""
+        if name == "kv_caches":
+            flat = want.reshape(R, DL, -1, HD)
+            return np.stack([np.stack([flat[r, l, slots[r, l]] for l in range(DL)]) for r in range(R)])
+        return want[:, :n] if name == "initial_hidden" else want[:, :, :n] if name == "intermediate_hidden" else want
+    out["_view"] = view
+    return out
 
 
 def _prefill_indexer_compressor(t, prefix):
@@ -430,6 +515,8 @@ def _decode_indexer(t):
 
 
 def _compare(kernel, name, tol, got, want):
+    if "_view" in got:
+        want = dict(want, **{name: got["_view"](name, want[name])})
     if tol == "exact":
         return np.array_equal(np.asarray(got[name], np.float64), want[name].astype(np.float64))
     if tol == "ties":       # same count, same sorted golden scores per row (golden.ties)
@@ -507,3 +594,13 @@ def test_multi_rank_and_prefill_data_exercise_what_they_are_for():
     assert ((t["swa_indices"] >= 0).sum(1) == t["swa_indices"].shape[1]).any() and (t["cmp_indices"] >= 0).any()
     no_cmp = dict(t, cmp_indices=np.full_like(t["cmp_indices"], -1))
     assert not ratio_allclose(_prefill_sparse_attn(no_cmp), want["attn_out"], *FIXTURE_TOLERANCES["prefill_sparse_attn"]["attn_out"])
+
+
+def test_drafter_data_distinguish_the_program_inputs():
+    """The drafter program's recorded cache rows are missed by golden's own RoPE table in place of
+    the program's argument, and by a context row other than the request's last target row."""
+    t, want = load("dspark_drafter")
+    tol = FIXTURE_TOLERANCES["dspark_drafter"]["kv_caches"]
+    for kw in (dict(rope=False), dict(context_row=0)):
+        got = _dspark_drafter(t, **kw)
+        assert not _compare("dspark_drafter", "kv_caches", tol, got, want), kw

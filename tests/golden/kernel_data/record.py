@@ -174,7 +174,8 @@ SMALL = dict(hidden_size=64, num_attention_heads=8, head_dim=32, qk_rope_head_di
              num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_topk=16,
              max_position_embeddings=16384)
 FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[, config overrides
-               # ("model": fields of SMALL to change for this kernel; "build": another builder)])
+               # ("model": fields of SMALL to change for this kernel; "build": another builder; "argv": the
+               # module's command line; "patch": module constants set after it is loaded)])
     "rmsnorm": ("rmsnorm.py", "golden_rms_norm_test", (16, 8)),
     "hc_pre": ("hc_pre.py", "golden_hc_pre", (16, 8)),
     "hc_post": ("hc_post.py", "golden_hc_post", (16, 8)),
@@ -225,6 +226,12 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
     "decode_o_proj_collectives": ("decode_o_proj.py", "golden_decode_attention_collectives_fixture", (),
                                   {"DECODE_TOKENS": 64, "argv": ["--tp", "4"],
                                    "build": "build_collective_tensor_specs"}),
+    # the whole drafter program (pypto-lib's golden composes it on its fixture's weights: identity
+    # main_proj and wkv, zero hc / attention / expert weights) for 4 requests on 2 EP ranks; a
+    # 256-position ring per request; the noise token is TINY's (pypto-lib's 128799 is past its vocab)
+    "dspark_drafter": ("dspark_drafter.py", "golden_dspark_drafter", (4,),
+                       {"model": {"max_position_embeddings": 1024}, "KV_ORI_BLOCK_NUM": 128, "argv": ["--ep", "2"],
+                        "patch": {"DSPARK_NOISE_TOKEN_ID": 1135}}),
 }
 RUNTIME = ("pypto", "pypto.language", "pypto.language.distributed", "pypto.ir",
            "pypto.ir.distributed_compiled_program")
@@ -259,7 +266,7 @@ def pypto_module(repo, rev, name, overrides=None):
             sys.modules[n] = m
         cfg = read_source(repo, rev, f"{MODELS}/config.py").replace(
             "\nPRESETS = ", "\nFLASH = __import__('dataclasses').replace(FLASH, **_SMALL)\nPRESETS = ", 1)
-        overrides = {k: v for k, v in (overrides or {}).items() if k != "build"}
+        overrides = {k: v for k, v in (overrides or {}).items() if k not in ("build", "patch")}
         # a module that reads its rank count from the command line (moe.py --ep, decode_o_proj.py --tp)
         sys.argv = [name] + list(overrides.pop("argv", []))
         c = types.ModuleType("config")
@@ -331,6 +338,8 @@ def run_fixture(repo, rev, kernel):
     import torch
     file, fn, args, *overrides = FIXTURES[kernel]
     mod, source, saved = pypto_module(repo, rev, file, *overrides)
+    for k, v in (overrides[0] if overrides else {}).get("patch", {}).items():   # module constants
+        setattr(mod, k, v)
     try:
         torch.manual_seed(0)
         specs = getattr(mod, (overrides[0] if overrides else {}).get("build", "build_tensor_specs"))(*args)
