@@ -183,6 +183,7 @@ FIXTURE_TOLERANCES = {
     "moe": {"x_next": ("reldiff", 3e-3, 0.05)},
     # pure data movement and sums of small integers (exact in f32): bit equality
     "decode_o_proj_collectives": {"kv_group": "exact", "attention_local_groups": "exact", "o_local": "exact"},
+    "prefill_kv_allgather": {"group_out": "exact"},
     # the drafter program's test compares at run_jit's allclose (1e-3); kv_caches: the rows the
     # program writes (context and block rows of every request and draft layer)
     "dspark_drafter": {"initial_hidden": (1e-3, 1e-3, 0.0), "intermediate_hidden": (1e-3, 1e-3, 0.0),
@@ -294,6 +295,13 @@ def run_fixture_golden(kernel, t):
         return _o_proj_collectives(t)
     if kernel == "dspark_drafter":
         return _dspark_drafter(t)
+    if kernel == "prefill_kv_allgather":
+        # every rank of the group holds the rank-major concatenation of the group's bands
+        from golden.ranks.collectives import all_gather, rank_bands
+        h = t["hidden_local"]
+        stream = all_gather(list(h))
+        assert all(np.array_equal(stream[band], h[r]) for r, band in enumerate(rank_bands(stream.shape[0], h.shape[0])))
+        return {"group_out": np.stack([stream] * h.shape[0])}
     raise KeyError(kernel)
 
 

@@ -226,6 +226,8 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
     "decode_o_proj_collectives": ("decode_o_proj.py", "golden_decode_attention_collectives_fixture", (),
                                   {"DECODE_TOKENS": 64, "argv": ["--tp", "4"],
                                    "build": "build_collective_tensor_specs"}),
+    # the prefill context-parallel KV all-gather of one TP group (4 ranks x 9 rows)
+    "prefill_kv_allgather": ("prefill_kv_allgather.py", "golden_prefill_kv_allgather", (9,), {"argv": ["--tp", "4"]}),
     # the whole drafter program (pypto-lib's golden composes it on its fixture's weights: identity
     # main_proj and wkv, zero hc / attention / expert weights) for 4 requests on 2 EP ranks; a
     # 256-position ring per request; the noise token is TINY's (pypto-lib's 128799 is past its vocab)
@@ -251,6 +253,19 @@ class _Runtime:
         return _Runtime()
 
 
+def install_runtime():
+    """The PyPTO runtime's modules as stand-ins (`_Runtime`): pypto-lib's kernel modules import them."""
+    import types
+    for n in RUNTIME:
+        m = types.ModuleType(n)
+        m.__getattr__ = lambda k: _Runtime() if not k.startswith("__") else _no_attr(k)
+        sys.modules[n] = m
+
+
+def _no_attr(k):
+    raise AttributeError(k)
+
+
 def pypto_module(repo, rev, name, overrides=None):
     """pypto-lib's module `name` executed as described in the module docstring; `overrides`: config
     constants set before the module reads them (pool sizes, to keep the data small)."""
@@ -260,10 +275,7 @@ def pypto_module(repo, rev, name, overrides=None):
                                                         "pypto_" + name[:-3])}
     saved_argv = sys.argv
     try:
-        for n in RUNTIME:
-            m = types.ModuleType(n)
-            m.__getattr__ = lambda k: _Runtime()
-            sys.modules[n] = m
+        install_runtime()
         cfg = read_source(repo, rev, f"{MODELS}/config.py").replace(
             "\nPRESETS = ", "\nFLASH = __import__('dataclasses').replace(FLASH, **_SMALL)\nPRESETS = ", 1)
         overrides = {k: v for k, v in (overrides or {}).items() if k not in ("build", "patch")}
