@@ -45,7 +45,11 @@ def block_rope(positions, *, cfg, nm, rope=None):
     table the device program takes as arguments, or, rope None, golden's own (theta 1e4, no YaRN)."""
     if rope is None:
         return rope_rows(cfg, SWA_PROFILE, positions, nm)
-    idx = nm.xp.asarray(np.asarray(positions, np.int64))
+    pos = np.asarray(positions, np.int64)
+    if pos.size and pos.max() >= rope[0].shape[0]:
+        raise AbiError("freqs_cos", tuple(rope[0].shape), f"a table of more than {int(pos.max())} rows (the largest "
+                       "position read)", where="drafter RoPE")
+    idx = nm.xp.asarray(pos)
     return nm.xp.asarray(rope[0])[idx], nm.xp.asarray(rope[1])[idx]
 
 

@@ -612,3 +612,12 @@ def test_drafter_data_distinguish_the_program_inputs():
     for kw in (dict(rope=False), dict(context_row=0)):
         got = _dspark_drafter(t, **kw)
         assert not _compare("dspark_drafter", "kv_caches", tol, got, want), kw
+
+
+def test_a_drafter_rope_table_too_short_is_named():
+    from golden.dspark.drafter import block_rope
+    from twin.abi.errors import AbiError
+    table = (np.ones((16, CFG.qk_rope_head_dim)), np.zeros((16, CFG.qk_rope_head_dim)))
+    assert np.asarray(block_rope(np.array([3, 15]), cfg=CFG, nm=DEVICE, rope=table)[0]).shape == (2, 16)
+    with pytest.raises(AbiError, match="freqs_cos"):
+        block_rope(np.array([3, 16]), cfg=CFG, nm=DEVICE, rope=table)
