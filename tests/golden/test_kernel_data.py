@@ -361,8 +361,8 @@ def _dspark_drafter(t, rope=True, context_row=-1):
         table = (t["freqs_cos"][r].astype(BF), t["freqs_sin"][r].astype(BF)) if rope else None
         pool = new_pools(cfg, 1, DEVICE)[0]
         main_hidden = t["target_hidden"][r].reshape(B, seq, -1)[:, context_row].astype(BF)
-        head, pool = drafter_forward(pool, main_hidden, rows, dckpt, {"embed_weight": t["embedding_weight"][r].astype(BF)},
-                                     cfg=cfg, nm=DEVICE, rope=table, taps=taps)
+        target = {"embed_weight": t["embedding_weight"][r].astype(BF)}
+        head, pool = drafter_forward(pool, main_hidden, rows, dckpt, target, cfg=cfg, nm=DEVICE, rope=table, taps=taps)
         out["head_hidden"][r] = np.asarray(head)
         out["initial_hidden"][r] = np.asarray(taps[("input", "draft_x_hc")])
         pool = np.asarray(pool)
@@ -584,7 +584,8 @@ def test_multi_rank_and_prefill_data_exercise_what_they_are_for():
     picked = []
     for r in range(R):
         from golden.kernels.hyper_connections import hc_pre
-        xm, _, _ = hc_pre(t["x_hc"][r], t["hc_ffn_fn"][r], t["hc_ffn_scale"][r], t["hc_ffn_base"][r], cfg=CFG, nm=DEVICE)
+        xm, _, _ = hc_pre(t["x_hc"][r], t["hc_ffn_fn"][r], t["hc_ffn_scale"][r], t["hc_ffn_base"][r], cfg=CFG,
+                          nm=DEVICE)
         cfg = CFG.replace(hidden_size=xm.shape[1], n_routed_experts=R * n_local)
         idx = np.asarray(gate(xm, t["norm_w"][r].astype(BF), t["gate_w"][r], t["gate_bias"][r], None, None,
                               layer=int(t["layer_id"]), cfg=cfg, nm=DEVICE)[2])
@@ -601,7 +602,8 @@ def test_multi_rank_and_prefill_data_exercise_what_they_are_for():
     t, want = load("prefill_sparse_attn")
     assert ((t["swa_indices"] >= 0).sum(1) == t["swa_indices"].shape[1]).any() and (t["cmp_indices"] >= 0).any()
     no_cmp = dict(t, cmp_indices=np.full_like(t["cmp_indices"], -1))
-    assert not ratio_allclose(_prefill_sparse_attn(no_cmp), want["attn_out"], *FIXTURE_TOLERANCES["prefill_sparse_attn"]["attn_out"])
+    tol = FIXTURE_TOLERANCES["prefill_sparse_attn"]["attn_out"]
+    assert not ratio_allclose(_prefill_sparse_attn(no_cmp), want["attn_out"], *tol)
 
 
 def test_drafter_data_distinguish_the_program_inputs():

@@ -1,6 +1,6 @@
 """Record pypto-lib's kernel golden functions at small fixture shapes, as test data.
 
-    python tests/golden/kernel_data/record.py PYPTO_LIB [--rev HEAD]
+    python tests/golden/kernel_data/record.py PYPTO_LIB [--rev HEAD] [--only KERNEL ...]
 
 PYPTO_LIB is a pypto-lib checkout or bare git directory (github.com/hw-native-sys/pypto-lib).
 The golden functions of models/deepseek_v4_flash_dspark/*.py are plain torch: this script reads
@@ -10,11 +10,13 @@ pypto-lib revision and file hash.  CI cannot fetch pypto-lib; tests/golden/test_
 holds golden's device mode to these files.
 
 Two kinds of fixture:
-* `FIXTURES` (rmsnorm, hc_pre, hc_post, hc_head, qkv_proj_rope, expert_routed): pypto-lib's own
-  `build_tensor_specs` and golden function, the module executed with its config's FLASH replaced
-  by `SMALL` (TINY's shapes), stand-ins for the PyPTO runtime imports (only kernel definitions
-  use them) and its module-level tiling checks (asserts, `if ...: raise`) dropped (they constrain
-  the kernels' tiles, not the math); torch seeded with 0, the decode form (16 requests x 8 rows).
+* `FIXTURES` (every other kernel, and the MoE layer, collective and drafter programs): pypto-lib's
+  own `build_tensor_specs` and golden function, the module executed statement by statement with
+  its config's FLASH replaced by `SMALL` (TINY's shapes, per-kernel changes where a weight
+  generator needs them), stand-ins for the PyPTO runtime imports (only kernel definitions use
+  them) and its module-level tiling checks (asserts, `if ...: raise`) dropped (they constrain the
+  kernels' tiles, not the math); torch seeded with 0, the decode form (16 requests x 8 rows)
+  unless the entry says otherwise.
 * `KERNELS` (the three decode compressors), whose `golden_compressor` alone is run on this
   script's fixture: 4 requests x 8 decode rows (S = 1 + 7 drafts) at first positions that cross two
 ratio-4 boundaries in one call, start at position 0, miss a state page, or wrap a short state
@@ -210,8 +212,8 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
                                     "IDX_CACHE_BLOCK_NUM": 8}),
     # its wq_b generator simulates FP8 in 128 x 128 blocks: q_lora_rank 128
     "prefill_indexer": ("prefill_indexer.py", "golden_prefill_indexer", (77, 48),
-                        {"model": {"max_position_embeddings": 256, "q_lora_rank": 128}, "CSA_INNER_STATE_PHYSICAL_BLOCKS": 37,
-                         "IDX_CACHE_BLOCK_NUM": 8}),
+                        {"model": {"max_position_embeddings": 256, "q_lora_rank": 128},
+                         "CSA_INNER_STATE_PHYSICAL_BLOCKS": 37, "IDX_CACHE_BLOCK_NUM": 8}),
     # 136 tokens of a CSA layer: the window slides past 128 rows; up to 16 compressed rows
     "prefill_sparse_attn": ("prefill_sparse_attn.py", "golden_prefill_sparse_attn", (4, 136, 5, 2),
                             {"model": {"max_position_embeddings": 1024}}),
