@@ -218,16 +218,20 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
     "prefill_sparse_attn": ("prefill_sparse_attn.py", "golden_prefill_sparse_attn", (4, 136, 5, 2),
                             {"model": {"max_position_embeddings": 1024}}),
     # the MoE layer program (hc_pre, gate, shared expert, EP dispatch, routed experts, combine,
-    # hc_post) on 4 EP ranks of 8 tokens, 4 routed experts (1 per rank), a score-routed layer; its
+    # hc_post) on 4 EP ranks of 4 tokens, 4 routed experts (1 per rank), a score-routed layer; its
     # shared-expert generator simulates FP8 in 128 x 128 blocks: D and the intermediate size 128
     "moe": ("moe.py", "golden_moe", (10,), {"model": {"n_routed_experts": 16, "vocab_size": 256, "hidden_size": 128,
                                                       "moe_intermediate_size": 128},
-                                            "MOE_TOKENS": 8, "argv": ["--ep", "4"]}),
+                                            "MOE_TOKENS": 4, "argv": ["--ep", "4"]}),
     # one TP group of 4 ranks: the KV all-gather, the o_proj groups' all-to-all and the o_proj
     # reduce-scatter, 15 live rows per rank of 16 (the last a poisoned capacity row)
     "decode_o_proj_collectives": ("decode_o_proj.py", "golden_decode_attention_collectives_fixture", (),
                                   {"DECODE_TOKENS": 64, "argv": ["--tp", "4"],
                                    "build": "build_collective_tensor_specs"}),
+    # the SWA attention sub-layer program (hc_pre, rmsnorm, qkv_proj_rope, KV write, sparse
+    # attention, o_proj, hc_post): a 24-token chunk at position 100 over the 100 rows before it
+    "prefill_swa": ("prefill_swa.py", "golden_prefill_attention_swa", (100, 24),
+                    {"model": {"max_position_embeddings": 1024}, "KV_ORI_BLOCK_NUM": 8}),
     # the prefill context-parallel KV all-gather of one TP group (4 ranks x 9 rows)
     "prefill_kv_allgather": ("prefill_kv_allgather.py", "golden_prefill_kv_allgather", (9,), {"argv": ["--tp", "4"]}),
     # the whole drafter program (pypto-lib's golden composes it on its fixture's weights: identity
