@@ -592,9 +592,10 @@ def test_kernel_data_stays_small_and_names_its_source():
 
 def test_multi_rank_and_prefill_data_exercise_what_they_are_for():
     """The new fixtures are not met by the nearest wrong rule: the group's rows interleaved by
-    source rank (not rank-major) miss the all-to-all; the MoE routes cross ranks and choose among the
-    experts, and both expert kinds count; the prefill indexer selects among more candidates than top-k, history rows included;
-    the prefill attention without its compressed rows misses the kernel's output."""
+    source rank (not rank-major) miss the all-to-all; the MoE routes cross ranks and choose among
+    the experts, and both expert kinds count; the prefill indexer selects among more candidates than
+    top-k, history rows included; the prefill attention without its compressed rows misses the
+    kernel's output."""
     from golden.kernels.moe import gate
     from golden.ranks.layout import RankLayout
     from twin.abi.topology import Topology
