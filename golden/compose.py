@@ -45,7 +45,9 @@ class Taps(dict):
     """(layer, stage) -> array.  Stages per layer: attn_in, x_mixed, x_norm, q, kv, cmp_kv, idx_topk,
     attn, attn_out, attn_x_hc, ffn_x_mixed, moe_indices, moe_weights, ffn_out, x_hc (the layer
     output).  cmp_kv is (token rows pooled, their compressed rows): NumPy pools only boundary
-    tokens.  Model stages under layer "head": hidden, x_norm, logits.  `stages` keeps a subset."""
+    tokens.  Model stages under layer "head": hidden, x_norm, logits.  The drafter's
+    (golden.dspark.drafter_forward): ("input", draft_x_hc), (l, draft_x_hc) per draft layer l.
+    `stages` keeps a subset."""
 
     def __init__(self, stages=None):
         super().__init__()

@@ -18,6 +18,7 @@ import numpy as np
 from twin.abi import constants as C
 from twin.abi.errors import AbiError
 
+from ..compose import _tap
 from ..kernels.embedding import lookup_embedding
 from ..kernels.hyper_connections import collapse, hc_head, hc_post, hc_pre, hc_weights
 from ..kernels.o_proj import pack_groups
@@ -39,10 +40,23 @@ def dspark_proj(main_hidden, main_proj_weight, main_norm_weight, *, cfg, nm):
     return rms_norm(p, main_norm_weight, cfg=cfg, nm=nm)
 
 
+def block_rope(positions, *, cfg, nm, rope=None):
+    """cos, sin [T, R] at `positions`: rows of `rope` = (freqs_cos, freqs_sin) [P, R], the RoPE
+    table the device program takes as arguments, or, rope None, golden's own (theta 1e4, no YaRN)."""
+    if rope is None:
+        return rope_rows(cfg, SWA_PROFILE, positions, nm)
+    pos = np.asarray(positions, np.int64)
+    if pos.size and pos.max() >= rope[0].shape[0]:
+        raise AbiError("freqs_cos", tuple(rope[0].shape), f"a table of more than {int(pos.max())} rows (the largest "
+                       "position read)", where="drafter RoPE")
+    idx = nm.xp.asarray(pos)
+    return nm.xp.asarray(rope[0])[idx], nm.xp.asarray(rope[1])[idx]
+
+
 # ---- K23 context KV ---------------------------------------------------------------------------------
-def context_kv(main_x, wkv, gamma_ckv, positions, *, cfg, nm):
-    """k = rmsnorm(main_x . wkv) (f32), RoPE (theta 1e4, no YaRN) on the tail, stored bf16."""
-    cos, sin = rope_rows(cfg, SWA_PROFILE, positions, nm)
+def context_kv(main_x, wkv, gamma_ckv, positions, *, cfg, nm, rope=None):
+    """k = rmsnorm(main_x . wkv) (f32), RoPE (`block_rope`) on the tail, stored bf16."""
+    cos, sin = block_rope(positions, cfg=cfg, nm=nm, rope=rope)
     return compressed_rows(nm.act(main_x) @ nm.asf(wkv), gamma_ckv, cos, sin, cfg=cfg, nm=nm)
 
 
@@ -99,16 +113,16 @@ def block_heads(q, K, valid, attn_sink, cos, sin, *, cfg, nm):
     return nm.bf16(nm.xp.concatenate([o[..., :-R], rot], axis=-1))
 
 
-def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SINGLE, q_head_norm=True):
+def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SINGLE, q_head_norm=True, rope=None):
     """x_n [B*7, D] (attn-normed block rows) -> (attn_out [B*7, D] bf16 values, new pool).
 
-    q/kv by the K6 math at the block positions (theta 1e4), block KV written into the ring first,
-    attention over the 192-wide window, inverse RoPE in f32, the grouped o_proj (K12).
+    q/kv by the K6 math at the block positions (RoPE as `block_rope`), block KV written into the
+    ring first, attention over the 192-wide window, inverse RoPE in f32, the grouped o_proj (K12).
     q_head_norm False: q without the per-head renormalization (official V4.1)."""
     xp = nm.xp
     B = len(rows)
     pos = np.concatenate([block_positions(r.anchor) for r in rows])
-    cos, sin = rope_rows(cfg, SWA_PROFILE, pos, nm)
+    cos, sin = block_rope(pos, cfg=cfg, nm=nm, rope=rope)
     owners = np.repeat([r.owner_rank for r in rows], QW)
 
     def project(idx):
@@ -138,13 +152,13 @@ def dspark_attention(x_n, lw, pool, l, rows: list[DraftRow], *, cfg, nm, par=SIN
     return par.o_proj(pack_groups(o, cfg=cfg), lw, cfg=cfg, nm=nm, owners=owners), pool
 
 
-def write_context(pool, main_x, dw_layers, rows: list[DraftRow], *, cfg, nm):
+def write_context(pool, main_x, dw_layers, rows: list[DraftRow], *, cfg, nm, rope=None):
     """K23 for every draft layer: the context rows' KV at their positions in each lease's ring."""
     pos = np.concatenate([np.asarray(r.context_positions, np.int64) for r in rows]) if rows else np.zeros(0, np.int64)
     if pos.size == 0:
         return pool
     for l, lw in enumerate(dw_layers):
-        kv = context_kv(main_x, lw["wkv"], lw["gamma_ckv"], pos, cfg=cfg, nm=nm)
+        kv = context_kv(main_x, lw["wkv"], lw["gamma_ckv"], pos, cfg=cfg, nm=nm, rope=rope)
         slots = np.concatenate([ring_slots(r.lease, np.asarray(r.context_positions, np.int64), l) if r.lease is not None
                                 else np.full(len(r.context_positions), -1, np.int64) for r in rows])
         pool = write_rows(pool, l, slots, kv, nm=nm)
@@ -169,13 +183,15 @@ def stream0_pre(T: int, *, cfg, nm):
 
 
 def drafter_forward(pool, main_hidden, rows: list[DraftRow], dckpt, target_model, *, cfg, nm, par=SINGLE,
-                    variant: DrafterVariant = DEVICE):
+                    variant: DrafterVariant = DEVICE, rope=None, taps=None):
     """One drafter call for one TP group -> (head_hidden [B, 7, D] bf16 values, new pool).
 
     main_hidden [sum(len(context)), 3D]: the captured target hidden of the context rows, in row
     order.  Padding rows (lease None) use the filler ring and publish nothing.  variant: the device's
     wiring (default) or the official V4.1 one (golden.dspark.variants); dckpt's config carries the
-    variant's expert counts (DrafterCheckpoint(variant.moe_cfg(cfg)))."""
+    variant's expert counts (DrafterCheckpoint(variant.moe_cfg(cfg))).  rope: the program's RoPE
+    table (`block_rope`).  taps (golden.compose.Taps): ("input", "draft_x_hc") the embedded block's
+    streams, (l, "draft_x_hc") draft layer l's output streams."""
     for r in rows:
         if r.lease is not None and r.anchor + QW >= cfg.max_position_embeddings:
             raise AbiError("anchor", r.anchor, f"anchor + 7 < {cfg.max_position_embeddings}", where="drafter row")
@@ -196,9 +212,10 @@ def drafter_forward(pool, main_hidden, rows: list[DraftRow], dckpt, target_model
                        where="drafter_forward")
     if n_ctx:
         main_x = dspark_proj(main_hidden, dm["main_proj_weight"], dm["main_norm_weight"], cfg=cfg, nm=nm)
-        pool = write_context(pool, main_x, layers, rows, cfg=cfg, nm=nm)
+        pool = write_context(pool, main_x, layers, rows, cfg=cfg, nm=nm, rope=rope)
     ids = np.array([[r.anchor_token] + [cfg.dspark_noise_token_id] * (QW - 1) for r in rows], np.int64).reshape(-1)
     _, h = lookup_embedding(nm.xp.asarray(ids), target_model["embed_weight"], cfg=cfg, nm=nm)
+    _tap(taps, "input", "draft_x_hc", h)
     carried = None if variant.hc_order == "own" else stream0_pre(len(ids), cfg=cfg, nm=nm)
     owners = np.repeat([r.owner_rank for r in rows], QW)
     for l, lw in enumerate(layers):
@@ -206,13 +223,14 @@ def drafter_forward(pool, main_hidden, rows: list[DraftRow], dckpt, target_model
                                                        carried, cfg=cfg, nm=nm)
         x_n = rms_norm(x_mixed, lw["attn_norm_w"], cfg=cfg, nm=nm)
         attn_out, pool = dspark_attention(x_n, lw, pool, l, rows, cfg=cfg, nm=nm, par=par,
-                                          q_head_norm=variant.q_head_norm)
+                                          q_head_norm=variant.q_head_norm, rope=rope)
         h = hc_post(attn_out, h, post, comb, cfg=cfg, nm=nm)
         x_mixed, post, comb, carried = _sublayer_input(h, lw["hc_ffn_fn"], lw["hc_ffn_scale"], lw["hc_ffn_base"],
                                                        carried, cfg=cfg, nm=nm)
         ffn = par.moe(x_mixed, lw, lambda e, _l=l: dckpt.expert(_l, e), nm.xp.asarray(ids),
                       layer=cfg.dspark_target_layer_ids[l], cfg=moe_cfg, nm=nm, owners=owners)
         h = hc_post(ffn, h, post, comb, cfg=cfg, nm=nm)
+        _tap(taps, l, "draft_x_hc", h)
     if carried is None:
         head = hc_head(h, dm["hc_head_fn"], dm["hc_head_scale"], dm["hc_head_base"], cfg=cfg, nm=nm)
     else:

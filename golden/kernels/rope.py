@@ -29,33 +29,40 @@ def yarn_range(rope_dims: int, base: float, orig: int, beta_fast: float, beta_sl
     return low, high
 
 
-def inv_freq(cfg, profile: str) -> np.ndarray:
-    """float64 [R/2] inverse frequencies; the compress profile interpolates with YaRN (no mscale)."""
+def inv_freq(cfg, profile: str, dtype=np.float64) -> np.ndarray:
+    """[R/2] inverse frequencies 1 / base^(2i/R), every step in `dtype`; the compress profile
+    interpolates with YaRN (no mscale).
+
+    float32 is pypto-lib's table (utils.precompute_freqs_cos_sin): each operation rounded to f32 as
+    torch does it, the power taken in float64 and rounded once (f32 pow is correctly rounded there
+    for every preset, and this form is so on any libm).  float64 is exact mode's."""
     R = cfg.qk_rope_head_dim
     if profile not in PROFILES:
         from twin.abi.errors import AbiError
         raise AbiError("profile", profile, f"one of {PROFILES}", where="rope")
+    t = np.dtype(dtype).type
     base = cfg.rope_theta if profile == SWA_PROFILE else cfg.compress_rope_theta
-    f = base ** (-np.arange(0, R, 2, dtype=np.float64) / R)
+    x = np.arange(0, R, 2, dtype=dtype) / t(R)
+    f = t(1) / (np.float64(base) ** x.astype(np.float64)).astype(dtype)
     if profile == COMPRESS_PROFILE and cfg.original_max_position_embeddings > 0:
         low, high = yarn_range(R, base, cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
         if low == high:
             high += 0.001
-        ramp = np.clip((np.arange(R // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-        smooth = 1 - ramp
-        f = f / cfg.rope_factor * (1 - smooth) + f * smooth
+        ramp = np.clip((np.arange(R // 2, dtype=dtype) - t(low)) / t(high - low), t(0), t(1))
+        smooth = t(1) - ramp
+        f = f / t(cfg.rope_factor) * (t(1) - smooth) + f * smooth
     return f
 
 
 def rope_rows(cfg, profile: str, positions, nm):
-    """cos, sin [T, R] at `positions` (fp32 angles; bf16 tables in device mode, float64 in exact)."""
+    """cos, sin [T, R] at `positions`: exact mode float64 throughout; device and official mode
+    pypto-lib's table, f32 inverse frequencies and angles, bf16 values."""
     pos = np.asarray(positions)
-    f = inv_freq(cfg, profile)
     if nm.exact:
-        ang = pos.astype(np.float64)[:, None] * f[None, :]
+        ang = pos.astype(np.float64)[:, None] * inv_freq(cfg, profile)[None, :]
         c, s = np.cos(ang), np.sin(ang)
     else:
-        ang = pos.astype(np.float32)[:, None] * f.astype(np.float32)[None, :]
+        ang = pos.astype(np.float32)[:, None] * inv_freq(cfg, profile, np.float32)[None, :]
         c, s = nm.bf16(np.cos(ang)), nm.bf16(np.sin(ang))
         c, s = np.asarray(c), np.asarray(s)
     return nm.xp.asarray(np.concatenate([c, c], -1)), nm.xp.asarray(np.concatenate([s, s], -1))

@@ -41,32 +41,11 @@ TINY_DIMS = dict(hidden_size=64, num_attention_heads=8, head_dim=32, qk_rope_hea
                  o_lora_rank=32, o_groups=4, vocab_size=1616, max_position_embeddings=16384)
 
 
-class _Anything:
-    """Stands in for every pypto.language name: calling it on a function returns the function."""
-
-    def __call__(self, *a, **k):
-        if len(a) == 1 and callable(a[0]) and not k:
-            return a[0]
-        return self
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self
-
-    def __getitem__(self, item):
-        return self
-
-
 def install_pypto_standin():
-    anything = _Anything()
-    for name in ("pypto", "pypto.language", "pypto.language.distributed", "pypto.ir",
-                 "pypto.ir.distributed_compiled_program"):
-        mod = types.ModuleType(name)
-        mod.__getattr__ = anything.__getattr__
-        sys.modules[name] = mod
-    sys.modules["pypto"].language = sys.modules["pypto.language"]
-    sys.modules["pypto.language"].distributed = sys.modules["pypto.language.distributed"]
+    """The PyPTO runtime as tests/golden/kernel_data/record.py stands it in."""
+    sys.path.insert(0, os.path.join(HERE, "..", "golden", "kernel_data"))
+    from record import install_runtime
+    install_runtime()
 
 
 def load_kernels(root: str):

@@ -4,6 +4,9 @@ TINY shape by record_kernel_data.py (inputs drawn there, outputs written by pypt
 Where both sides do the same f32 arithmetic in a different summation order, a bf16 output may land
 one rounding step apart: those comparisons allow one bf16 ulp on a small share of the elements and
 nothing more.  Integer outputs (draft ids) and pure copies (cache rows, embeddings) are exact."""
+import os
+
+import ml_dtypes
 import numpy as np
 
 from twin.abi import TINY
@@ -49,20 +52,69 @@ def test_the_data_names_its_source():
     assert source().startswith("hw-native-sys/pypto-lib@")
 
 
-def test_rope_rows_are_pypto_libs_ratio0_table():
-    """The ratio-0 table (theta 1e4, no YaRN) is pypto-lib's up to its angle rounding: pypto-lib takes the
-    inverse frequencies in f32, golden rounds f64 ones to f32, so an f32 angle pos * f may sit one or two
-    f32 steps off; cos / sin move by at most that much, plus one bf16 rounding step."""
+def bf16_flip_possible(values64, f32_ulps=2):
+    """Where a f32 result within `f32_ulps` of the float64 value could round to another bf16 value
+    (two libms' f32 cos / sin may differ by an ulp; only there may a bf16 table entry differ)."""
+    v = np.asarray(values64, np.float64)
+    step = f32_ulps * np.spacing(np.abs(v).astype(np.float32)).astype(np.float64)
+    lo, hi = (v - step).astype(np.float32), (v + step).astype(np.float32)
+    return lo.astype(ml_dtypes.bfloat16) != hi.astype(ml_dtypes.bfloat16)
+
+
+def _table_check(positions, profile, want_cos, want_sin):
+    """golden's device table against pypto-lib's bf16 one -> (entries that must and do agree, the
+    entries where a float64 derivation of the inverse frequencies gives another bf16 value)."""
     from golden.kernels.rope import inv_freq
+    pos = np.asarray(positions)
+    c, s = (np.asarray(a, np.float64) for a in rope_rows(TINY, profile, pos, NM))
+    # the f32 angles of pypto-lib's table (f32 inverse frequencies, f32 products: the same IEEE
+    # operations, so the same angles); cos / sin of them may differ by an f32 ulp between libms
+    ang = np.concatenate([np.outer(pos.astype(np.float32), inv_freq(TINY, profile, np.float32))] * 2, -1)
+    old = np.concatenate([np.outer(pos.astype(np.float32), inv_freq(TINY, profile).astype(np.float32))] * 2, -1)
+    distinguishing = np.zeros(ang.shape, bool)
+    for got, want, fn in ((c, want_cos, np.cos), (s, want_sin, np.sin)):
+        want = np.asarray(want, np.float64)
+        ambiguous = bf16_flip_possible(fn(ang.astype(np.float64)))
+        assert np.array_equal(got[~ambiguous], want[~ambiguous])
+        assert np.mean(ambiguous) < 0.01 and np.all(np.abs(got - want)[ambiguous] <= bf16_ulp(want[ambiguous]))
+        via_f64 = fn(old).astype(ml_dtypes.bfloat16).astype(np.float64)
+        distinguishing |= (via_f64 != want) & ~ambiguous & ~bf16_flip_possible(fn(old.astype(np.float64)))
+    return distinguishing
+
+
+def test_rope_rows_are_pypto_libs_table():
+    """Device mode's ratio-0 table (theta 1e4, no YaRN) is pypto-lib's, inverse frequencies in f32:
+    derived in float64 and rounded to f32 instead, cos at position 8196, frequency 3, lands on another
+    bf16 value (the two entries, cos and its duplicate column, the data distinguish)."""
     r = kernel("rope")
-    c, s = rope_rows(TINY, SWA_PROFILE, r["positions"], NM)
-    f = inv_freq(TINY, SWA_PROFILE).astype(np.float32)
-    angle = np.concatenate([np.outer(r["positions"].astype(np.float32), f)] * 2, axis=-1)
-    for got, want in ((c, r["cos"]), (s, r["sin"])):
-        got, want = np.asarray(got, np.float64), want.astype(np.float64)
-        tol = bf16_ulp(np.maximum(np.abs(got), np.abs(want))) + 2 * np.spacing(angle)
-        assert np.all(np.abs(got - want) <= tol)
-        assert np.mean(got != want) <= 0.01
+    distinguishing = _table_check(r["positions"], SWA_PROFILE, r["cos"], r["sin"])
+    rows, cols = np.nonzero(distinguishing)
+    assert r["positions"][rows].tolist() == [8196, 8196] and cols.tolist() == [3, 11]
+
+
+def test_compress_rope_rows_are_pypto_libs_yarn_table():
+    """The compress profile (theta 160000, YaRN interpolation) against pypto-lib's table as its
+    prefill compressor takes it (tests/golden/kernel_data: every position 0..1023)."""
+    from golden.kernels.rope import COMPRESS_PROFILE
+    path = os.path.join(os.path.dirname(__file__), "..", "golden", "kernel_data", "prefill_compressor_ratio4.npz")
+    with np.load(path) as z:
+        c, s = (z[f"in.freqs_{k}.bf16"].view(ml_dtypes.bfloat16).astype(np.float32) for k in ("cos", "sin"))
+    _table_check(np.arange(c.shape[0]), COMPRESS_PROFILE, c, s)
+
+
+def test_exact_mode_rope_is_float64():
+    """Exact mode keeps the float64 inverse frequencies and angles (no f32 step anywhere)."""
+    from golden.kernels.rope import COMPRESS_PROFILE, inv_freq
+    pos = np.array([1, 777, 8196, 16383])
+    for profile in (SWA_PROFILE, COMPRESS_PROFILE):
+        f = inv_freq(TINY, profile)
+        assert f.dtype == np.float64 and not np.array_equal(f, f.astype(np.float32).astype(np.float64))
+        c, s = rope_rows(TINY, profile, pos, numerics("exact"))
+        assert np.array_equal(np.asarray(c)[:, :f.size], np.cos(pos[:, None] * f[None, :]))
+        assert np.array_equal(np.asarray(s)[:, f.size:], np.sin(pos[:, None] * f[None, :]))
+    # the SWA frequencies are 1 / 1e4^(2i/R): against the closed form, independently
+    R = TINY.qk_rope_head_dim
+    assert np.allclose(inv_freq(TINY, SWA_PROFILE), [1e4 ** (-2 * i / R) for i in range(R // 2)], rtol=1e-15)
 
 
 def test_dspark_proj_is_pypto_libs():

@@ -1,6 +1,6 @@
 """Record pypto-lib's kernel golden functions at small fixture shapes, as test data.
 
-    python tests/golden/kernel_data/record.py PYPTO_LIB [--rev HEAD]
+    python tests/golden/kernel_data/record.py PYPTO_LIB [--rev HEAD] [--only KERNEL ...]
 
 PYPTO_LIB is a pypto-lib checkout or bare git directory (github.com/hw-native-sys/pypto-lib).
 The golden functions of models/deepseek_v4_flash_dspark/*.py are plain torch: this script reads
@@ -10,11 +10,13 @@ pypto-lib revision and file hash.  CI cannot fetch pypto-lib; tests/golden/test_
 holds golden's device mode to these files.
 
 Two kinds of fixture:
-* `FIXTURES` (rmsnorm, hc_pre, hc_post, hc_head, qkv_proj_rope, expert_routed): pypto-lib's own
-  `build_tensor_specs` and golden function, the module executed with its config's FLASH replaced
-  by `SMALL` (TINY's shapes), stand-ins for the PyPTO runtime imports (only kernel definitions
-  use them) and its module-level tiling checks (asserts, `if ...: raise`) dropped (they constrain
-  the kernels' tiles, not the math); torch seeded with 0, the decode form (16 requests x 8 rows).
+* `FIXTURES` (every other kernel, and the MoE layer, collective and drafter programs): pypto-lib's
+  own `build_tensor_specs` and golden function, the module executed statement by statement with
+  its config's FLASH replaced by `SMALL` (TINY's shapes, per-kernel changes where a weight
+  generator needs them), stand-ins for the PyPTO runtime imports (only kernel definitions use
+  them) and its module-level tiling checks (asserts, `if ...: raise`) dropped (they constrain the
+  kernels' tiles, not the math); torch seeded with 0, the decode form (16 requests x 8 rows)
+  unless the entry says otherwise.
 * `KERNELS` (the three decode compressors), whose `golden_compressor` alone is run on this
   script's fixture: 4 requests x 8 decode rows (S = 1 + 7 drafts) at first positions that cross two
 ratio-4 boundaries in one call, start at position 0, miss a state page, or wrap a short state
@@ -174,7 +176,8 @@ SMALL = dict(hidden_size=64, num_attention_heads=8, head_dim=32, qk_rope_head_di
              num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_topk=16,
              max_position_embeddings=16384)
 FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[, config overrides
-               # ("model": fields of SMALL to change for this kernel; "build": another builder)])
+               # ("model": fields of SMALL to change for this kernel; "build": another builder; "argv": the
+               # module's command line; "patch": module constants set after it is loaded)])
     "rmsnorm": ("rmsnorm.py", "golden_rms_norm_test", (16, 8)),
     "hc_pre": ("hc_pre.py", "golden_hc_pre", (16, 8)),
     "hc_post": ("hc_post.py", "golden_hc_post", (16, 8)),
@@ -202,6 +205,41 @@ FIXTURES = {   # kernel -> (file, golden function, build_tensor_specs arguments[
                                {"KV_ORI_BLOCK_NUM": 64, "KV_CMP_BLOCK_NUM": 32}),
     "decode_sparse_attn_hca": ("decode_sparse_attn_hca.py", "golden_sparse_attn", (),
                                {"KV_ORI_BLOCK_NUM": 64, "KV_CMP_BLOCK_NUM": 64}),
+    # a 48-token prefill chunk continuing at position 77: state rows of 69..76 and 19 compressed
+    # index rows from before the chunk; pools and position tables cut to 256 positions
+    "prefill_indexer_compressor": ("prefill_indexer_compressor.py", "golden_prefill_indexer_compressor", (77, 48),
+                                   {"model": {"max_position_embeddings": 256}, "CSA_INNER_STATE_PHYSICAL_BLOCKS": 37,
+                                    "IDX_CACHE_BLOCK_NUM": 8}),
+    # its wq_b generator simulates FP8 in 128 x 128 blocks: q_lora_rank 128
+    "prefill_indexer": ("prefill_indexer.py", "golden_prefill_indexer", (77, 48),
+                        {"model": {"max_position_embeddings": 256, "q_lora_rank": 128},
+                         "CSA_INNER_STATE_PHYSICAL_BLOCKS": 37, "IDX_CACHE_BLOCK_NUM": 8}),
+    # 136 tokens of a CSA layer: the window slides past 128 rows; up to 16 compressed rows
+    "prefill_sparse_attn": ("prefill_sparse_attn.py", "golden_prefill_sparse_attn", (4, 136, 5, 2),
+                            {"model": {"max_position_embeddings": 1024}}),
+    # the MoE layer program (hc_pre, gate, shared expert, EP dispatch, routed experts, combine,
+    # hc_post) on 4 EP ranks of 4 tokens, 4 routed experts (1 per rank), a score-routed layer; its
+    # shared-expert generator simulates FP8 in 128 x 128 blocks: D and the intermediate size 128
+    "moe": ("moe.py", "golden_moe", (10,), {"model": {"n_routed_experts": 16, "vocab_size": 256, "hidden_size": 128,
+                                                      "moe_intermediate_size": 128},
+                                            "MOE_TOKENS": 4, "argv": ["--ep", "4"]}),
+    # one TP group of 4 ranks: the KV all-gather, the o_proj groups' all-to-all and the o_proj
+    # reduce-scatter, 15 live rows per rank of 16 (the last a poisoned capacity row)
+    "decode_o_proj_collectives": ("decode_o_proj.py", "golden_decode_attention_collectives_fixture", (),
+                                  {"DECODE_TOKENS": 64, "argv": ["--tp", "4"],
+                                   "build": "build_collective_tensor_specs"}),
+    # the SWA attention sub-layer program (hc_pre, rmsnorm, qkv_proj_rope, KV write, sparse
+    # attention, o_proj, hc_post): a 24-token chunk at position 100 over the 100 rows before it
+    "prefill_swa": ("prefill_swa.py", "golden_prefill_attention_swa", (100, 24),
+                    {"model": {"max_position_embeddings": 1024}, "KV_ORI_BLOCK_NUM": 8}),
+    # the prefill context-parallel KV all-gather of one TP group (4 ranks x 9 rows)
+    "prefill_kv_allgather": ("prefill_kv_allgather.py", "golden_prefill_kv_allgather", (9,), {"argv": ["--tp", "4"]}),
+    # the whole drafter program (pypto-lib's golden composes it on its fixture's weights: identity
+    # main_proj and wkv, zero hc / attention / expert weights) for 4 requests on 2 EP ranks; a
+    # 256-position ring per request; the noise token is TINY's (pypto-lib's 128799 is past its vocab)
+    "dspark_drafter": ("dspark_drafter.py", "golden_dspark_drafter", (4,),
+                       {"model": {"max_position_embeddings": 1024}, "KV_ORI_BLOCK_NUM": 128, "argv": ["--ep", "2"],
+                        "patch": {"DSPARK_NOISE_TOKEN_ID": 1135}}),
 }
 RUNTIME = ("pypto", "pypto.language", "pypto.language.distributed", "pypto.ir",
            "pypto.ir.distributed_compiled_program")
@@ -221,6 +259,19 @@ class _Runtime:
         return _Runtime()
 
 
+def install_runtime():
+    """The PyPTO runtime's modules as stand-ins (`_Runtime`): pypto-lib's kernel modules import them."""
+    import types
+    for n in RUNTIME:
+        m = types.ModuleType(n)
+        m.__getattr__ = lambda k: _Runtime() if not k.startswith("__") else _no_attr(k)
+        sys.modules[n] = m
+
+
+def _no_attr(k):
+    raise AttributeError(k)
+
+
 def pypto_module(repo, rev, name, overrides=None):
     """pypto-lib's module `name` executed as described in the module docstring; `overrides`: config
     constants set before the module reads them (pool sizes, to keep the data small)."""
@@ -228,14 +279,14 @@ def pypto_module(repo, rev, name, overrides=None):
     import types
     saved = {k: sys.modules.get(k) for k in RUNTIME + ("config", "golden", "utils", "rope_interleave",
                                                         "pypto_" + name[:-3])}
+    saved_argv = sys.argv
     try:
-        for n in RUNTIME:
-            m = types.ModuleType(n)
-            m.__getattr__ = lambda k: _Runtime()
-            sys.modules[n] = m
+        install_runtime()
         cfg = read_source(repo, rev, f"{MODELS}/config.py").replace(
             "\nPRESETS = ", "\nFLASH = __import__('dataclasses').replace(FLASH, **_SMALL)\nPRESETS = ", 1)
-        overrides = {k: v for k, v in (overrides or {}).items() if k != "build"}
+        overrides = {k: v for k, v in (overrides or {}).items() if k not in ("build", "patch")}
+        # a module that reads its rank count from the command line (moe.py --ep, decode_o_proj.py --tp)
+        sys.argv = [name] + list(overrides.pop("argv", []))
         c = types.ModuleType("config")
         c._SMALL = {**SMALL, **overrides.pop("model", {})}
         sys.modules["config"] = c
@@ -264,15 +315,18 @@ def pypto_module(repo, rev, name, overrides=None):
             """A module of models/deepseek_v4_flash_dspark, its own sibling imports first."""
             source = read_source(repo, rev, f"{MODELS}/{mod_name}.py")
             tree = ast.parse(source)
-            tree.body = [n for n in tree.body if not isinstance(n, ast.Assert) and not _raises_only(n)]
+            mod = types.ModuleType(as_name)
+            sys.modules[as_name] = mod
+            # statement by statement, a sibling imported where its import stands (moe.py edits the
+            # config before it imports the kernels that read it)
             for n in tree.body:
+                if isinstance(n, ast.Assert) or _raises_only(n):
+                    continue
                 if isinstance(n, ast.ImportFrom) and n.module not in sys.modules and n.module != "config" \
                         and not (n.module or "").startswith(("pypto", "__future__")):
                     saved.setdefault(n.module, sys.modules.get(n.module))
                     sibling(n.module, n.module)
-            mod = types.ModuleType(as_name)
-            sys.modules[as_name] = mod
-            exec(compile(tree, mod_name + ".py", "exec"), mod.__dict__)
+                exec(compile(ast.Module([n], []), mod_name + ".py", "exec"), mod.__dict__)
             return mod, source
         for dep in ("utils", "rope_interleave"):
             sibling(dep, dep)
@@ -281,6 +335,8 @@ def pypto_module(repo, rev, name, overrides=None):
     except BaseException:
         _restore(saved)
         raise
+    finally:
+        sys.argv = saved_argv
 
 
 def _raises_only(node):
@@ -300,10 +356,13 @@ def run_fixture(repo, rev, kernel):
     import torch
     file, fn, args, *overrides = FIXTURES[kernel]
     mod, source, saved = pypto_module(repo, rev, file, *overrides)
+    for k, v in (overrides[0] if overrides else {}).get("patch", {}).items():   # module constants
+        setattr(mod, k, v)
     try:
         torch.manual_seed(0)
         specs = getattr(mod, (overrides[0] if overrides else {}).get("build", "build_tensor_specs"))(*args)
-        t = {sp.name: (sp.init_value() if sp.init_value is not None else torch.zeros(sp.shape, dtype=sp.dtype))
+        t = {sp.name: (sp.init_value() if callable(sp.init_value) else torch.zeros(sp.shape, dtype=sp.dtype)
+                       if sp.init_value is None else torch.full(sp.shape, float(sp.init_value), dtype=sp.dtype))
              for sp in specs}
         t = {k: v.to(sp.dtype) for (k, v), sp in zip(t.items(), specs)}
         inputs = {k: v.clone() for k, v in t.items()}
@@ -313,13 +372,20 @@ def run_fixture(repo, rev, kernel):
     np_ = lambda v: v.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else v.numpy()
     outs = [sp.name for sp in specs if sp.is_output]
     return ({k: np_(v) for k, v in inputs.items()}, {k: np_(t[k]) for k in outs}, source,
-            {"file": file, "golden": fn, "build_tensor_specs": args, "small": SMALL, "config": overrides})
+            {"file": file, "golden": fn, "build_tensor_specs": args, "small": SMALL, "config": overrides,
+             "ranks": int(getattr(mod, "N_RANKS", 0) or getattr(mod, "TP_SIZE", 0))})
 
 
 def save(kernel, rev, file, source, inputs, outputs, meta):
-    """<kernel>.npz: in.<name>, out.<name>; BF16 arrays as their 16-bit patterns, named <name>.bf16."""
+    """<kernel>.npz: in.<name>, out.<name>; BF16 arrays as their 16-bit patterns, named <name>.bf16;
+    an input of a multi-rank fixture whose N rank copies ([N, ...]) are equal stored once, named
+    <name>.rep<N>."""
+    ranks = meta.get("ranks")
+
     def entries(prefix, d):
         for k, v in d.items():
+            if prefix == "in" and ranks and v.ndim and v.shape[0] == ranks and (v == v[:1]).all():
+                k, v = f"{k}.rep{ranks}", v[0]
             if v.dtype == ml_dtypes.bfloat16:
                 yield f"{prefix}.{k}.bf16", v.view(np.uint16)
             else:
@@ -337,14 +403,22 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pypto_lib", help="a pypto-lib checkout or bare git directory")
     ap.add_argument("--rev", default="HEAD")
+    ap.add_argument("--only", nargs="+", metavar="KERNEL", help="record these kernels only")
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.only or ()) - set(KERNELS) - set(FIXTURES))
+    if unknown:
+        ap.error(f"--only: {unknown[0]!r} is not a recorded kernel (one of {sorted({**KERNELS, **FIXTURES})})")
     sys.path.insert(0, ROOT)
     rev = revision(a.pypto_lib, a.rev)
     for kernel, (file, *_rest) in KERNELS.items():
+        if a.only and kernel not in a.only:
+            continue
         src = read_source(a.pypto_lib, a.rev, f"{MODELS}/{file}")
         inputs, outputs, meta = run(kernel, src)
         save(kernel, rev, file, src, inputs, outputs, meta)
     for kernel, (file, *_rest) in FIXTURES.items():
+        if a.only and kernel not in a.only:
+            continue
         inputs, outputs, src, meta = run_fixture(a.pypto_lib, a.rev, kernel)
         save(kernel, rev, file, src, inputs, outputs, meta)
 
