@@ -114,3 +114,16 @@ def test_grid_points_and_ids():
     ids = {sweep.point_id(p, {}) for p in pts}
     assert len(ids) == 6 and sweep.point_id(pts[0], {}) == sweep.point_id(dict(reversed(pts[0].items())), {})
     assert sweep.point_id(pts[0], {"ttft": 1}) != sweep.point_id(pts[0], {})
+
+
+def test_ray_chatter_on_descriptor_1_goes_to_stderr_and_stdout_comes_back():
+    # Ray's processes write warnings to file descriptor 1 beneath Python; sweep --json's stdout
+    # must stay one JSON document, so the sweep points descriptor 1 at stderr while Ray runs
+    code = ("import os, sys\nfrom twin.commands.sweep import ray_chatter_to_stderr\n"
+            "print('before', flush=True)\nwith ray_chatter_to_stderr():\n"
+            "    os.write(1, b'chatter\\n'); print('python too')\nprint('after')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["before", "after"]
+    assert r.stderr.split() == ["chatter", "python", "too"]

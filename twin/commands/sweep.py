@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,9 +78,50 @@ def _ray(args):
     return ray, True
 
 
+@contextlib.contextmanager
+def ray_chatter_to_stderr():
+    """Ray's driver (and the raylet it starts) may write warnings, such as its memory monitor's,
+    straight to file descriptor 1; sweep's stdout carries its result (`--json`), so while Ray runs
+    descriptor 1 points at stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def interrupted(args) -> str:
     return (f"the points finished so far are kept in {args.out}/points/ (each with its point.json marker); "
             "rerunning the same command resumes the sweep and runs only the others")
+
+
+def run_points(args, grid, out: Path, todo) -> dict[str, str]:
+    """The points not yet done, as Ray tasks; {point id: its one-line error} for those that failed."""
+    from twin.sim import sweep
+
+    failed: dict[str, str] = {}
+    ray, started = _ray(args)
+    try:
+        task = ray.remote(num_cpus=1)(run_point)
+        refs = {pid: (s, task.remote(sweep.argv(s, grid["slo"], out / "points" / pid))) for pid, s in todo}
+        for pid, (s, ref) in refs.items():
+            try:
+                rc, err = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                rc, err = 70, str(e).strip().splitlines()[-1]
+            if rc == 0:
+                # the marker a resumed sweep trusts: written only after the point's files
+                write_text(out / "points" / pid / "point.json", json.dumps({"point": pid, "settings": s}))
+            else:
+                failed[pid] = err.splitlines()[-1] if err else f"exit status {rc}"
+    finally:
+        if started:
+            ray.shutdown()
+    return failed
 
 
 def run(args) -> int:
@@ -98,23 +140,8 @@ def run(args) -> int:
     todo = [(pid, s) for pid, s in pts if not (out / "points" / pid / "point.json").is_file()]
     failed: dict[str, str] = {}
     if todo:
-        ray, started = _ray(args)
-        try:
-            task = ray.remote(num_cpus=1)(run_point)
-            refs = {pid: (s, task.remote(sweep.argv(s, grid["slo"], out / "points" / pid))) for pid, s in todo}
-            for pid, (s, ref) in refs.items():
-                try:
-                    rc, err = ray.get(ref)
-                except ray.exceptions.RayTaskError as e:
-                    rc, err = 70, str(e).strip().splitlines()[-1]
-                if rc == 0:
-                    # the marker a resumed sweep trusts: written only after the point's files
-                    write_text(out / "points" / pid / "point.json", json.dumps({"point": pid, "settings": s}))
-                else:
-                    failed[pid] = err.splitlines()[-1] if err else f"exit status {rc}"
-        finally:
-            if started:
-                ray.shutdown()
+        with ray_chatter_to_stderr():
+            failed = run_points(args, grid, out, todo)
     rows = [sweep.row(pid, s, grid["slo"], out / "points" / pid) for pid, s in pts if pid not in failed]
     rows += [{"point": pid, **s, "error": failed[pid]} for pid, s in pts if pid in failed]
     table = pd.DataFrame(rows)
