@@ -26,7 +26,8 @@ from twin.abi.caches import page_alignment
 
 
 class KVCacheCapacityError(RuntimeError):
-    """A partition lacks free pages for an atomic growth; `need` and `free` are per family."""
+    """A partition lacks free pages for an atomic growth; `need` and `free` name the first family
+    (in family order) that is short."""
 
     def __init__(self, partition: int, need: dict[str, int], free: dict[str, int]):
         self.partition, self.need, self.free = partition, need, free
@@ -226,13 +227,6 @@ class KvCacheManager:
         if freed:
             self.log.free(f, p, freed)
 
-    def _pinned(self, o: _Owned, f: int, slot: int, b: int) -> bool:
-        for pin in o.pins:
-            t = pin.tables[f]
-            if slot < len(t) and t[slot] == b:
-                return True
-        return False
-
     # ---- growth (`ensure_group_blocks`) ------------------------------------------------------
     def _work(self, o: _Owned, tokens: int) -> list[int]:
         """Families whose tables must change to cover `tokens` (most decode steps touch few)."""
@@ -256,16 +250,29 @@ class KvCacheManager:
         if o.holes:
             need += sum(1 for x in t[:size] if x is None)
         if target > maxb and target > o.logical[f] and o.partition is not None:
+            # each ring slot rewritten once (a page taken in this call is solely owned: rotation,
+            # no extra page); a shared or pinned page it overwrites needs a fresh one
+            lo = max(o.logical[f], maxb)
+            s0 = lo % maxb
+            L = len(t)
+            slots = [(s0 + i) % maxb for i in range(min(target - lo, maxb))]
+            pts = [pin.tables[f] for pin in o.pins]
+            if any(pt is t for pt in pts):          # a pin shares the tuple: it holds every slot
+                return need + sum(1 for s in slots if s < L and t[s] is not None)
             r = self.ref[f][o.partition]
-            seen = set()
-            for lb in range(max(o.logical[f], maxb), target):
-                s = lb % maxb
-                if s in seen:
-                    continue        # a page taken in this call is solely owned: rotation, no extra
-                seen.add(s)
-                b = t[s] if s < len(t) else None
-                if b is not None and (r[b] > 1 or self._pinned(o, f, s, b)):
+            for s in slots:
+                if s >= L:
+                    continue
+                b = t[s]
+                if b is None:
+                    continue
+                if r[b] > 1:
                     need += 1
+                    continue
+                for pt in pts:
+                    if s < len(pt) and pt[s] == b:
+                        need += 1
+                        break
         return need
 
     def _fits(self, o: _Owned, p: int, tokens: int, work: list[int]) -> tuple[bool, dict, dict]:
@@ -276,14 +283,15 @@ class KvCacheManager:
             # cheap upper bound first: each new logical page needs at most one free page
             target = -(-tokens // pt[f])
             bound = target - logical[f] + (len(tables[f]) if holes else 0)
-            if len(free[f][p]) < bound and self._need(o, f, tokens) > len(free[f][p]):
-                break
+            if len(free[f][p]) < bound:
+                need = self._need(o, f, tokens)
+                if need > len(free[f][p]):
+                    # the first short family is the answer (the scheduler only needs "no"; a full
+                    # per-family account would cost as much as the check itself)
+                    return False, {self.names[f]: need}, {self.names[f]: len(free[f][p])}
             if not rolling[f] and target > maxb[f]:
                 self._need(o, f, tokens)            # raises past the full-history table capacity
-        else:
-            return True, {}, {}
-        need = {self.names[f]: self._need(o, f, tokens) for f in work}
-        return False, need, {self.names[f]: len(free[f][p]) for f in work}
+        return True, {}, {}
 
     def ensure(self, rid: str, tokens: int, partition: int | None = None) -> int:
         """Grow `rid`'s tables to cover `tokens` source tokens, atomically; a new request goes to
