@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -112,8 +113,7 @@ class Pin:
         return f"Pin(partition={self.partition}, stored={sum(len(bs) for _, _, bs in self.stored)})"
 
 
-def _run_key(run) -> tuple[int, int]:
-    return run[0], run[1]
+_RUN_KEY = itemgetter(0, 1)          # a stored run's (family, first slot)
 
 
 class PageLog:
@@ -575,10 +575,33 @@ class KvCacheManager:
         """`release_group_block_snapshot`: family by family, in the snapshot's slot order (a page
         the owner still holds cannot reach zero here, so only the stored ones matter)."""
         st = pin.stored
+        if not st:
+            return
         if len(st) > 1:
-            st.sort(key=_run_key)
+            st.sort(key=_RUN_KEY)
+        p = pin.partition
+        log = self.log
+        cur = -1
+        r = fr = freed = None
         for f, _, bs in st:
-            self._decref_all(f, pin.partition, bs)
+            if f != cur:                        # runs sorted by family: one pool lookup per family
+                if freed:
+                    log.free(cur, p, freed)
+                cur, r, fr = f, self.ref[f][p], self.free[f][p]
+                freed = [] if log is not None else None
+            for b in bs:
+                if b is None:
+                    continue
+                x = r[b] - 1
+                r[b] = x
+                if x == 0:
+                    fr[b] = None
+                    if freed is not None:
+                        freed.append(b)
+                elif x < 0:
+                    raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+        if freed:
+            log.free(cur, p, freed)
         st.clear()
 
     def _store_pin(self, pin: Pin) -> None:
