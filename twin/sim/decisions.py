@@ -28,7 +28,7 @@ class DecisionLog:
     def __init__(self, scheduler):
         self.sched = scheduler
         self.kv = scheduler.kv
-        self.pages = self.kv.log = PageLog()
+        self.pages = self.kv.log = PageLog(self.kv.twins)
         scheduler.log = self
         self.records: list[dict] = []
         self._open: dict | None = None
