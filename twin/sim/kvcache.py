@@ -225,6 +225,7 @@ class KvCacheManager:
         out = [popitem(False)[0] for _ in range(n)]
         if self.log is not None:
             self.log.take(f, p, out)
+        evicted = 0
         for b in out:
             ref[b] = 1
             h = bh[b]
@@ -233,7 +234,9 @@ class KvCacheManager:
                 if idx.get(h) == b:
                     del idx[h]
                 bh[b] = None
-                self.stats["evictions"] += self._mult[f]
+                evicted += 1
+        if evicted:
+            self.stats["evictions"] += evicted * self._mult[f]
         return out
 
     def _decref_all(self, f: int, p: int, blocks) -> None:
@@ -283,10 +286,15 @@ class KvCacheManager:
             lo = max(o.logical[f], maxb)
             s0 = lo % maxb
             L = len(t)
-            slots = [(s0 + i) % maxb for i in range(min(target - lo, maxb))]
+            m = min(target - lo, maxb)
             pts = [pin.tables[f] for pin in o.pins]
             if any(pt is t for pt in pts):          # a pin shares the tuple: it holds every slot
-                return need + sum(1 for s in slots if s < L and t[s] is not None)
+                if None not in t:                   # the slots s0.. (mod maxb) that the table has
+                    if s0 + m <= maxb:
+                        return need + max(0, min(s0 + m, L) - s0)
+                    return need + max(0, L - s0) + min(s0 + m - maxb, L)
+                return need + sum(1 for i in range(m) if (s0 + i) % maxb < L and t[(s0 + i) % maxb] is not None)
+            slots = [(s0 + i) % maxb for i in range(m)]
             r = self.ref[f][o.partition]
             for s in slots:
                 if s >= L:

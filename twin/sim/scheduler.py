@@ -114,10 +114,6 @@ class SchedulerProbe:
     def stop_in_chunk(self, req: Request, index: int, n_new: int) -> None: ...
 
 
-def _arrival(r: Request) -> float:
-    return r.arrival
-
-
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KvCacheManager, *, leases: LeaseManager | None = None,
                  probe: SchedulerProbe | None = None, noise_token: int = 0):
@@ -288,11 +284,17 @@ class Scheduler:
     def _victim(self, req: Request) -> Request | None:
         """Latest arrival among the other running requests, same partition first; `max` keeps the
         first in running order on equal arrival times, as upstream's does."""
-        cands = [r for r in self.running if r is not req and r.status is Status.RUNNING]
-        if not cands:
-            return None
-        same = [r for r in cands if r.partition == req.partition]
-        return max(same or cands, key=_arrival)
+        best = same = None
+        part = req.partition
+        running = Status.RUNNING
+        for r in self.running:                  # strict `>`: the first of equal arrivals stays
+            if r is req or r.status is not running:
+                continue
+            if best is None or r.arrival > best.arrival:
+                best = r
+            if r.partition == part and (same is None or r.arrival > same.arrival):
+                same = r
+        return same or best
 
     def _preempt(self, victim: Request, by: Request, out: dict) -> int:
         """Free the victim's pages (an in-flight step keeps its pins), reset it to computed 0 and
