@@ -457,12 +457,19 @@ class KvCacheManager:
         held = None
         for pin in pins:
             pt, stored = pin.tables[f], pin.stored
-            if pt is t:
-                hit = [True] * n
-            else:
+            if pt is not t:
                 lp = len(pt)
                 hit = [s < lp and pt[s] == b for s, b in zip(slots, old)]
-            stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
+            if pt is t or all(hit):
+                # the pin holds every rewritten slot: one stored run per contiguous stretch
+                hit = [True] * n
+                if end <= maxb:
+                    stored.append((f, s0, old))
+                else:
+                    stored.append((f, s0, t[s0:]))
+                    stored.append((f, 0, t[:end - maxb]))
+            else:
+                stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
         if len(free) >= n:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
