@@ -159,6 +159,8 @@ class Scheduler:
     def abort(self, rid: str, detail: str = "aborted by client") -> None:
         req = self.requests[rid]
         if not req.finished:
+            if self.log is not None:
+                self.log.begin_event("abort", self._step)
             self._finish(req, Finish.ABORTED, detail)
 
     def drain_finished(self) -> tuple[str, ...]:
@@ -516,6 +518,8 @@ class Scheduler:
         """A worker error or timeout: every request in the failed and in-flight batches aborts
         with finish reason "error" (serving-contract §4.11)."""
         cmds = list(cmds)
+        if self.log is not None and cmds:
+            self.log.begin_event("error", cmds[0].step_id, steps=[c.step_id for c in cmds], error=detail)
         for cmd in cmds:
             for s in cmd.scheduled:
                 if not s.req.finished and s.req.incarnation == s.incarnation:
@@ -527,6 +531,8 @@ class Scheduler:
     def break_stall(self) -> Request:
         """Nothing in flight and nothing schedulable: upstream would wait forever.  The twin ends
         the stall with an explicit reason instead (the engine records it as a risk)."""
+        if self.log is not None:
+            self.log.begin_event("stall", self._step)
         if self.running:
             req = self.running[0]
             self._finish(req, Finish.ERROR, "stalled: KV tables cannot grow and no request can be preempted")
