@@ -702,9 +702,10 @@ class KvCacheManager:
                 continue
             idx, bh = self.index[f][p], self.bhash[f][p]
             get = idx.get
-            if fam.rolling:
+            if fam.rolling:                     # logical pages start..done-1 at ring slots i % L
                 L = len(t)
-                pages = zip([t[i % L] for i in range(start, done)], hs[start:done])
+                a, n = start % L, done - start
+                pages = zip(t[a:a + n] if a + n <= L else t[a:] + t[:a + n - L], hs[start:done])
             else:
                 pages = zip(t[start:done], hs[start:done])
             for b, h in pages:

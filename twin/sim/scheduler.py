@@ -15,7 +15,7 @@ Stop strings are the engine's job (`check_stop`), as upstream.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable
 
 from twin.abi.batches import PLACEHOLDER_TOKEN, DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
@@ -382,8 +382,12 @@ class Scheduler:
                     continue
                 taken.append((req.request_id, req.lease, req.generation))
             leased[it.request_id] = (req.lease, req.generation)
-        return [replace(it, lease=leased[it.request_id][0], generation=leased[it.request_id][1])
-                if it.request_id in leased else it for it in pre], error, taken
+        out = []
+        for it in pre:
+            got = leased.get(it.request_id)
+            out.append(it if got is None else PrefillItem(it.request_id, it.chunk_tokens, it.num_computed,
+                                                          it.prompt_len, it.block_ids, it.partition, *got))
+        return out, error, taken
 
     # ---- async accounting ----------------------------------------------------------------------
     def advance_after_schedule(self, cmd: StepCommand) -> None:
