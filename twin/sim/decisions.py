@@ -12,9 +12,15 @@ happened:
   each free queue (``"family/partition": [ids]``) while scheduling;
 - ``{"kind": "apply", "step", "finished", "discarded", "taken", "freed"}``: the requests that
   finished and the stale results discarded when that step's result was applied (stop strings
-  included), and the pages moved meanwhile.
+  included), and the pages moved meanwhile;
+- ``{"kind": "error", "step", "steps", "error", "finished", "taken", "freed"}``: a worker error
+  aborted the batch of `step` and the in-flight ones (`steps`), ending `finished`;
+- ``{"kind": "stall" | "abort", "step", "finished", "taken", "freed"}``: the engine ended a stall,
+  or a client aborted a request, after command `step`.
 
-Integers and strings only, so two runs compare with ``==``.
+Every page move happens inside a record, so replaying every record's `taken` and `freed` gives
+each free queue's used pages at every record's end.  Integers and strings only, so two runs
+compare with ``==``.
 """
 from __future__ import annotations
 
@@ -28,11 +34,11 @@ class DecisionLog:
     def __init__(self, scheduler):
         self.sched = scheduler
         self.kv = scheduler.kv
-        self.pages = self.kv.log = PageLog()
+        self.pages = self.kv.log = PageLog(self.kv.twins)
         scheduler.log = self
         self.records: list[dict] = []
         self._open: dict | None = None
-        self._pending: dict = {}
+        self._pending: dict = {"hits": [], "preempted": []}
 
     def _close(self) -> None:
         if self._open is not None:
@@ -42,9 +48,7 @@ class DecisionLog:
 
     # ---- scheduler hooks -------------------------------------------------------------------
     def begin_schedule(self) -> None:
-        self._close()
-        self.pages.cut(self.kv.names)                # nothing moves between records but stays safe
-        self._pending = {"hits": [], "preempted": []}
+        self._close()                  # a pass that sends nothing leaves its decisions to the next
 
     def admitted(self, req, hit: int, fallback: bool) -> None:
         self._pending["hits"].append([req.request_id, hit, req.partition, fallback])
@@ -53,7 +57,7 @@ class DecisionLog:
         self._pending["preempted"].append([victim.request_id, by.request_id])
 
     def command(self, cmd, leases, waves) -> None:
-        if not cmd.scheduled:                        # nothing sent: its moves belong to the next command
+        if not cmd.scheduled:                        # nothing sent: its moves go with the next record
             return
         rec = {"kind": "schedule", "step": cmd.step_id,
                "items": [[s.req.request_id, "P" if s.prefill else "D", s.start, s.num_new, s.req.partition,
@@ -68,8 +72,13 @@ class DecisionLog:
         self._close()
         self._open = {"kind": "apply", "step": step, "finished": [], "discarded": []}
 
+    def begin_event(self, kind: str, step: int, **detail) -> None:
+        """A record for what happens outside schedule and apply (a worker error, a stall, an abort)."""
+        self._close()
+        self._open = {"kind": kind, "step": step, **detail, "finished": []}
+
     def finished(self, req) -> None:
-        if self._open is not None and self._open["kind"] == "apply":
+        if self._open is not None and self._open["kind"] != "schedule":
             self._open["finished"].append(req.request_id)
 
     def discarded(self, req) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -26,7 +27,8 @@ from twin.abi.caches import page_alignment
 
 
 class KVCacheCapacityError(RuntimeError):
-    """A partition lacks free pages for an atomic growth; `need` and `free` are per family."""
+    """A partition lacks free pages for an atomic growth; `need` and `free` name the first family
+    (in family order) that is short."""
 
     def __init__(self, partition: int, need: dict[str, int], free: dict[str, int]):
         self.partition, self.need, self.free = partition, need, free
@@ -111,19 +113,20 @@ class Pin:
         return f"Pin(partition={self.partition}, stored={sum(len(bs) for _, _, bs in self.stored)})"
 
 
-def _run_key(run) -> tuple[int, int]:
-    return run[0], run[1]
+_RUN_KEY = itemgetter(0, 1)          # a stored run's (family, first slot)
 
 
 class PageLog:
     """The page ids that left (`taken`) and joined (`freed`) each free queue since the last `cut`,
-    in the order the manager moved them, keyed by (family index, partition)."""
+    in the order the manager moved them, keyed by (family index, partition); a canonical family's
+    moves are also its mirrored families' (`twins`, see `KvCacheManager`)."""
 
-    __slots__ = ("taken", "freed")
+    __slots__ = ("taken", "freed", "twins")
 
-    def __init__(self):
+    def __init__(self, twins: dict[int, tuple[int, ...]] | None = None):
         self.taken: dict[tuple[int, int], list[int]] = {}
         self.freed: dict[tuple[int, int], list[int]] = {}
+        self.twins = twins or {}
 
     def take(self, f: int, p: int, blocks) -> None:
         self.taken.setdefault((f, p), []).extend(blocks)
@@ -133,14 +136,26 @@ class PageLog:
 
     def cut(self, names) -> dict:
         """What moved since the last cut, as {"taken"|"freed": {"family/partition": [ids]}}."""
-        out = {k: {f"{names[f]}/{p}": v for (f, p), v in sorted(d.items())}
-               for k, d in (("taken", self.taken), ("freed", self.freed))}
+        out = {}
+        for k, d in (("taken", self.taken), ("freed", self.freed)):
+            moved = dict(d)
+            for (f, p), v in d.items():
+                for g in self.twins.get(f, ()):
+                    moved[(g, p)] = list(v)
+            out[k] = {f"{names[f]}/{p}": v for (f, p), v in sorted(moved.items())}
         self.taken, self.freed = {}, {}
         return out
 
 
 class KvCacheManager:
-    def __init__(self, families: tuple[FamilySpec, ...], partitions: int, *, prefix_caching: bool = True):
+    """`share_identical`: families whose specs differ only in name (FLASH: `cmp_c128`, `cmp_c4`
+    and `idx`; `csa_state` and `csa_inner_state`) see the same calls with the same arguments, so
+    their pools stay equal page for page; the manager keeps one pool for each such set and shows
+    it under every name (tables, ref counts, free queues, statistics and page moves as if kept
+    apart).  False keeps one pool per family (the plain form, for the equality test)."""
+
+    def __init__(self, families: tuple[FamilySpec, ...], partitions: int, *, prefix_caching: bool = True,
+                 share_identical: bool = True):
         self.families = families
         self.names = tuple(f.name for f in families)
         self.partitions = partitions
@@ -148,18 +163,32 @@ class KvCacheManager:
         self.alignment = page_alignment(families)
         self.page_sizes = sorted({f.page_tokens for f in families})
         nf = len(families)
+        # canonical families (the first of each set of equal specs) and the ones that mirror them
+        first: dict[tuple, int] = {}
+        of = []
+        for i, f in enumerate(families):
+            key = (f.page_tokens, f.window, f.max_blocks_per_seq, f.blocks_per_partition) if share_identical else i
+            of.append(first.setdefault(key, i))
+        self._canon = [i for i in range(nf) if of[i] == i]
+        self.twins = {i: tuple(j for j in range(nf) if of[j] == i and j != i) for i in self._canon}
+        self._mult = [1 + len(self.twins.get(i, ())) for i in range(nf)]
         self.ref = [[[0] * f.blocks_per_partition for _ in range(partitions)] for f in families]
         self.bhash = [[[None] * f.blocks_per_partition for _ in range(partitions)] for f in families]
         self.index: list[list[dict]] = [[{} for _ in range(partitions)] for _ in families]
         self.free: list[list[OrderedDict]] = [[OrderedDict.fromkeys(range(f.blocks_per_partition))
                                                for _ in range(partitions)] for f in families]
+        for i in range(nf):                 # a mirrored family shows its canonical family's pool
+            c = of[i]
+            self.ref[i], self.bhash[i], self.index[i], self.free[i] = (
+                self.ref[c], self.bhash[c], self.index[c], self.free[c])
         self.reqs: dict[str, _Owned] = {}
         self.orphans: set[Pin] = set()      # pins of released requests, held until their step settles
         self.load = [0] * partitions
         self._next_partition = 0
         self._nf = nf
-        self._full = [i for i, f in enumerate(families) if not f.rolling]
-        self._roll = [i for i, f in enumerate(families) if f.rolling]
+        self._full = [i for i in self._canon if not families[i].rolling]
+        self._roll = [i for i in self._canon if families[i].rolling]
+        self._canon_pt = [(i, families[i].page_tokens) for i in self._canon]
         self._page_tokens = [f.page_tokens for f in families]
         self._maxb = [f.max_blocks_per_seq for f in families]
         self._rolling = [f.rolling for f in families]
@@ -196,6 +225,7 @@ class KvCacheManager:
         out = [popitem(False)[0] for _ in range(n)]
         if self.log is not None:
             self.log.take(f, p, out)
+        evicted = 0
         for b in out:
             ref[b] = 1
             h = bh[b]
@@ -204,7 +234,9 @@ class KvCacheManager:
                 if idx.get(h) == b:
                     del idx[h]
                 bh[b] = None
-                self.stats["evictions"] += 1
+                evicted += 1
+        if evicted:
+            self.stats["evictions"] += evicted * self._mult[f]
         return out
 
     def _decref_all(self, f: int, p: int, blocks) -> None:
@@ -226,20 +258,13 @@ class KvCacheManager:
         if freed:
             self.log.free(f, p, freed)
 
-    def _pinned(self, o: _Owned, f: int, slot: int, b: int) -> bool:
-        for pin in o.pins:
-            t = pin.tables[f]
-            if slot < len(t) and t[slot] == b:
-                return True
-        return False
-
     # ---- growth (`ensure_group_blocks`) ------------------------------------------------------
     def _work(self, o: _Owned, tokens: int) -> list[int]:
         """Families whose tables must change to cover `tokens` (most decode steps touch few)."""
         if o.holes:
-            return list(range(self._nf))
+            return list(self._canon)
         lg = o.logical
-        return [f for f, pt in enumerate(self._page_tokens) if -(-tokens // pt) > lg[f]]
+        return [f for f, pt in self._canon_pt if -(-tokens // pt) > lg[f]]
 
     def _need(self, o: _Owned, f: int, tokens: int) -> int:
         fam = self.families[f]
@@ -256,16 +281,34 @@ class KvCacheManager:
         if o.holes:
             need += sum(1 for x in t[:size] if x is None)
         if target > maxb and target > o.logical[f] and o.partition is not None:
+            # each ring slot rewritten once (a page taken in this call is solely owned: rotation,
+            # no extra page); a shared or pinned page it overwrites needs a fresh one
+            lo = max(o.logical[f], maxb)
+            s0 = lo % maxb
+            L = len(t)
+            m = min(target - lo, maxb)
+            pts = [pin.tables[f] for pin in o.pins]
+            if any(pt is t for pt in pts):          # a pin shares the tuple: it holds every slot
+                if None not in t:                   # the slots s0.. (mod maxb) that the table has
+                    if s0 + m <= maxb:
+                        return need + max(0, min(s0 + m, L) - s0)
+                    return need + max(0, L - s0) + min(s0 + m - maxb, L)
+                return need + sum(1 for i in range(m) if (s0 + i) % maxb < L and t[(s0 + i) % maxb] is not None)
+            slots = [(s0 + i) % maxb for i in range(m)]
             r = self.ref[f][o.partition]
-            seen = set()
-            for lb in range(max(o.logical[f], maxb), target):
-                s = lb % maxb
-                if s in seen:
-                    continue        # a page taken in this call is solely owned: rotation, no extra
-                seen.add(s)
-                b = t[s] if s < len(t) else None
-                if b is not None and (r[b] > 1 or self._pinned(o, f, s, b)):
+            for s in slots:
+                if s >= L:
+                    continue
+                b = t[s]
+                if b is None:
+                    continue
+                if r[b] > 1:
                     need += 1
+                    continue
+                for pt in pts:
+                    if s < len(pt) and pt[s] == b:
+                        need += 1
+                        break
         return need
 
     def _fits(self, o: _Owned, p: int, tokens: int, work: list[int]) -> tuple[bool, dict, dict]:
@@ -276,14 +319,15 @@ class KvCacheManager:
             # cheap upper bound first: each new logical page needs at most one free page
             target = -(-tokens // pt[f])
             bound = target - logical[f] + (len(tables[f]) if holes else 0)
-            if len(free[f][p]) < bound and self._need(o, f, tokens) > len(free[f][p]):
-                break
+            if len(free[f][p]) < bound:
+                need = self._need(o, f, tokens)
+                if need > len(free[f][p]):
+                    # the first short family is the answer (the scheduler only needs "no"; a full
+                    # per-family account would cost as much as the check itself)
+                    return False, {self.names[f]: need}, {self.names[f]: len(free[f][p])}
             if not rolling[f] and target > maxb[f]:
                 self._need(o, f, tokens)            # raises past the full-history table capacity
-        else:
-            return True, {}, {}
-        need = {self.names[f]: self._need(o, f, tokens) for f in work}
-        return False, need, {self.names[f]: len(free[f][p]) for f in work}
+        return True, {}, {}
 
     def ensure(self, rid: str, tokens: int, partition: int | None = None) -> int:
         """Grow `rid`'s tables to cover `tokens` source tokens, atomically; a new request goes to
@@ -296,7 +340,7 @@ class KvCacheManager:
             lg, free, maxb, rolling = o.logical, self.free, self._maxb, self._rolling
             work = []
             slow = False
-            for f, pt in enumerate(self._page_tokens):
+            for f, pt in self._canon_pt:
                 target = -(-tokens // pt)
                 if target > lg[f]:
                     work.append(f)
@@ -314,7 +358,9 @@ class KvCacheManager:
                 m = maxb[f]
                 if rolling[f] and len(t) == m:        # a full ring: only the rewrite (no fill)
                     target = -(-tokens // self._page_tokens[f])
-                    tables[f] = self._wrap(o, f, p, t, lg[f] if lg[f] > m else m, target, m)
+                    tables[f] = t = self._wrap(o, f, p, t, lg[f] if lg[f] > m else m, target, m)
+                    for g in self.twins[f]:
+                        tables[g] = t
                     lg[f] = target
                 else:
                     self._grow(o, f, tokens)
@@ -361,7 +407,9 @@ class KvCacheManager:
         lg = o.logical
         if not self._rolling[f]:
             if len(t) < target:
-                o.tables[f] = t + tuple(self._take_n(f, p, target - len(t)))
+                o.tables[f] = t = t + tuple(self._take_n(f, p, target - len(t)))
+                for g in self.twins[f]:
+                    o.tables[g] = t
             if target > lg[f]:
                 lg[f] = target
             return
@@ -380,6 +428,8 @@ class KvCacheManager:
                 t = self._wrap(o, f, p, t, max(lg[f], maxb), target, maxb)
             lg[f] = target
         o.tables[f] = t
+        for g in self.twins[f]:
+            o.tables[g] = t
 
     def _wrap(self, o: _Owned, f: int, p: int, t: tuple, start: int, target: int, maxb: int) -> tuple:
         """Rewrite ring slots for logical pages start..target-1 and return the new table: detach
@@ -398,7 +448,7 @@ class KvCacheManager:
             # every page moves from the owner to the pin, ref counts unchanged, all detaches
             pins[0].stored.append((f, s0, t[s0:end]))
             new = self._take_n(f, p, n)             # logs the taken pages
-            self.stats["detaches"] += n
+            self.stats["detaches"] += n * self._mult[f]
             return t[:s0] + tuple(new) + t[end:]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
         old = t[s0:end] if end <= maxb else t[s0:] + t[:end - maxb]
@@ -407,12 +457,19 @@ class KvCacheManager:
         held = None
         for pin in pins:
             pt, stored = pin.tables[f], pin.stored
-            if pt is t:
-                hit = [True] * n
-            else:
+            if pt is not t:
                 lp = len(pt)
                 hit = [s < lp and pt[s] == b for s, b in zip(slots, old)]
-            stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
+            if pt is t or all(hit):
+                # the pin holds every rewritten slot: one stored run per contiguous stretch
+                hit = [True] * n
+                if end <= maxb:
+                    stored.append((f, s0, old))
+                else:
+                    stored.append((f, s0, t[s0:]))
+                    stored.append((f, 0, t[:end - maxb]))
+            else:
+                stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
         if len(free) >= n:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
@@ -474,9 +531,10 @@ class KvCacheManager:
                 bh[nb] = None
                 evictions += 1
         st = self.stats
-        st["detaches"] += detaches
-        st["rotations"] += n - detaches
-        st["evictions"] += evictions
+        m = self._mult[f]
+        st["detaches"] += detaches * m
+        st["rotations"] += (n - detaches) * m
+        st["evictions"] += evictions * m
         if end <= maxb:
             return t[:s0] + tuple(new) + t[end:]
         k = maxb - s0
@@ -524,7 +582,8 @@ class KvCacheManager:
         o = self.reqs[rid] = _Owned(self._nf)
         o.partition = partition
         self.load[partition] += 1
-        for f, fam in enumerate(self.families):
+        for f in self._canon:
+            fam = self.families[f]
             idx, hs = self.index[f][partition], hashes[fam.page_tokens]
             eb = hit // fam.page_tokens
             if fam.rolling:
@@ -542,6 +601,8 @@ class KvCacheManager:
                             self.log.take(f, partition, (b,))
                     self.ref[f][partition][b] += 1
             o.tables[f] = t = tuple(t)
+            for g in self.twins[f]:
+                o.tables[g] = t
             o.holes |= None in t
             o.logical[f] = eb
             o.cached[f] = eb
@@ -567,10 +628,33 @@ class KvCacheManager:
         """`release_group_block_snapshot`: family by family, in the snapshot's slot order (a page
         the owner still holds cannot reach zero here, so only the stored ones matter)."""
         st = pin.stored
+        if not st:
+            return
         if len(st) > 1:
-            st.sort(key=_run_key)
+            st.sort(key=_RUN_KEY)
+        p = pin.partition
+        log = self.log
+        cur = -1
+        r = fr = freed = None
         for f, _, bs in st:
-            self._decref_all(f, pin.partition, bs)
+            if f != cur:                        # runs sorted by family: one pool lookup per family
+                if freed:
+                    log.free(cur, p, freed)
+                cur, r, fr = f, self.ref[f][p], self.free[f][p]
+                freed = [] if log is not None else None
+            for b in bs:
+                if b is None:
+                    continue
+                x = r[b] - 1
+                r[b] = x
+                if x == 0:
+                    fr[b] = None
+                    if freed is not None:
+                        freed.append(b)
+                elif x < 0:
+                    raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+        if freed:
+            log.free(cur, p, freed)
         st.clear()
 
     def _store_pin(self, pin: Pin) -> None:
@@ -580,7 +664,8 @@ class KvCacheManager:
         held: dict[int, set] = {}
         for f, s0, bs in pin.stored:
             held.setdefault(f, set()).update(range(s0, s0 + len(bs)))
-        for f, t in enumerate(pin.tables):
+        for f in self._canon:
+            t = pin.tables[f]
             if not t:
                 continue
             r = self.ref[f][p]
@@ -604,7 +689,8 @@ class KvCacheManager:
             return
         p = pin.partition
         complete = True
-        for f, fam in enumerate(self.families):
+        for f in self._canon:
+            fam = self.families[f]
             hs = hashes[fam.page_tokens]
             done = min(confirmed // fam.page_tokens, len(hs))
             t = pin.tables[f]
@@ -616,9 +702,10 @@ class KvCacheManager:
                 continue
             idx, bh = self.index[f][p], self.bhash[f][p]
             get = idx.get
-            if fam.rolling:
+            if fam.rolling:                     # logical pages start..done-1 at ring slots i % L
                 L = len(t)
-                pages = zip([t[i % L] for i in range(start, done)], hs[start:done])
+                a, n = start % L, done - start
+                pages = zip(t[a:a + n] if a + n <= L else t[a:] + t[:a + n - L], hs[start:done])
             else:
                 pages = zip(t[start:done], hs[start:done])
             for b, h in pages:
@@ -652,9 +739,10 @@ class KvCacheManager:
             self.orphans.add(pin)
         o.pins = []
         p = o.partition
-        for f, t in enumerate(o.tables):
-            if t:
-                self._decref_all(f, p, t)
+        tables = o.tables
+        for f in self._canon:
+            if tables[f]:
+                self._decref_all(f, p, tables[f])
         if p is not None:
             self.load[p] -= 1
 
@@ -663,7 +751,8 @@ class KvCacheManager:
         """Owners plus in-flight pins, recomputed from scratch (for invariant checks)."""
         out = [[dict() for _ in range(self.partitions)] for _ in self.families]
         for o in self.reqs.values():
-            for f, t in enumerate(o.tables):
+            for f in self._canon:
+                t = o.tables[f]
                 d = out[f][o.partition]
                 for b in t:
                     if b is not None:
@@ -679,6 +768,12 @@ class KvCacheManager:
                 d = out[f][pin.partition]
                 for b in bs:
                     d[b] = d.get(b, 0) + 1
+        return self._mirrored(out)
+
+    def _mirrored(self, out: list) -> list:
+        for f, twins in self.twins.items():
+            for g in twins:
+                out[g] = out[f]
         return out
 
     def implicit_pins(self) -> list[list[dict[int, int]]]:
@@ -689,7 +784,7 @@ class KvCacheManager:
                 for f, _, bs in pin.stored:
                     for b in bs:
                         stored[(f, b)] = stored.get((f, b), 0) + 1
-                for f in range(self._nf):
+                for f in self._canon:
                     d = out[f][o.partition]
                     for b in set(pin.tables[f]):
                         if b is None:
@@ -698,7 +793,7 @@ class KvCacheManager:
                             stored[(f, b)] -= 1
                             continue
                         d[b] = d.get(b, 0) + 1
-        return out
+        return self._mirrored(out)
 
     def check(self) -> None:
         """Assert the pool invariants: no leaks, ref counts equal live references, no block twice
@@ -716,6 +811,8 @@ class KvCacheManager:
                 for h, b in self.index[f][p].items():
                     assert self.bhash[f][p][b] == h, f"{fam.name} p{p}: index entry for block {b} is stale"
         for rid, o in self.reqs.items():
+            for f, twins in self.twins.items():
+                assert all(o.tables[g] == o.tables[f] for g in twins), f"{rid}: a mirrored table drifted"
             for f, t in enumerate(o.tables):
                 ids = [b for b in t if b is not None]
                 assert len(ids) == len(set(ids)), f"{rid}: block shared within its {self.names[f]} row"

@@ -15,7 +15,7 @@ Stop strings are the engine's job (`check_stop`), as upstream.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable
 
 from twin.abi.batches import (PLACEHOLDER_TOKEN, DecodeBatch, DecodeItem, Finish, PrefillBatch, PrefillItem, Request,
@@ -119,10 +119,6 @@ class SchedulerProbe:
     def stop_in_chunk(self, req: Request, index: int, n_new: int) -> None: ...
 
 
-def _arrival(r: Request) -> float:
-    return r.arrival
-
-
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KvCacheManager, *, leases: LeaseManager | None = None,
                  probe: SchedulerProbe | None = None, noise_token: int = 0):
@@ -168,6 +164,8 @@ class Scheduler:
     def abort(self, rid: str, detail: str = "aborted by client") -> None:
         req = self.requests[rid]
         if not req.finished:
+            if self.log is not None:
+                self.log.begin_event("abort", self._step)
             self._finish(req, Finish.ABORTED, detail)
 
     def drain_finished(self) -> tuple[str, ...]:
@@ -293,11 +291,17 @@ class Scheduler:
     def _victim(self, req: Request) -> Request | None:
         """Latest arrival among the other running requests, same partition first; `max` keeps the
         first in running order on equal arrival times, as upstream's does."""
-        cands = [r for r in self.running if r is not req and r.status is Status.RUNNING]
-        if not cands:
-            return None
-        same = [r for r in cands if r.partition == req.partition]
-        return max(same or cands, key=_arrival)
+        best = same = None
+        part = req.partition
+        running = Status.RUNNING
+        for r in self.running:                  # strict `>`: the first of equal arrivals stays
+            if r is req or r.status is not running:
+                continue
+            if best is None or r.arrival > best.arrival:
+                best = r
+            if r.partition == part and (same is None or r.arrival > same.arrival):
+                same = r
+        return same or best
 
     def _preempt(self, victim: Request, by: Request, out: dict) -> int:
         """Free the victim's pages (an in-flight step keeps its pins), reset it to computed 0 and
@@ -383,8 +387,12 @@ class Scheduler:
                     continue
                 taken.append((req.request_id, req.lease, req.generation))
             leased[it.request_id] = (req.lease, req.generation)
-        return [replace(it, lease=leased[it.request_id][0], generation=leased[it.request_id][1])
-                if it.request_id in leased else it for it in pre], error, taken
+        out = []
+        for it in pre:
+            got = leased.get(it.request_id)
+            out.append(it if got is None else PrefillItem(it.request_id, it.chunk_tokens, it.num_computed,
+                                                          it.prompt_len, it.block_ids, it.partition, *got))
+        return out, error, taken
 
     # ---- async accounting ----------------------------------------------------------------------
     def advance_after_schedule(self, cmd: StepCommand) -> None:
@@ -519,6 +527,8 @@ class Scheduler:
         """A worker error or timeout: every request in the failed and in-flight batches aborts
         with finish reason "error" (serving-contract §4.11)."""
         cmds = list(cmds)
+        if self.log is not None and cmds:
+            self.log.begin_event("error", cmds[0].step_id, steps=[c.step_id for c in cmds], error=detail)
         for cmd in cmds:
             for s in cmd.scheduled:
                 if not s.req.finished and s.req.incarnation == s.incarnation:
@@ -530,6 +540,8 @@ class Scheduler:
     def break_stall(self) -> Request:
         """Nothing in flight and nothing schedulable: upstream would wait forever.  The twin ends
         the stall with an explicit reason instead (the engine records it as a risk)."""
+        if self.log is not None:
+            self.log.begin_event("stall", self._step)
         if self.running:
             req = self.running[0]
             self._finish(req, Finish.ERROR, "stalled: KV tables cannot grow and no request can be preempted")
