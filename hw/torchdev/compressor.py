@@ -22,12 +22,14 @@ def project(x, wkv, wgate, ape, pos, ratio: int):
     return mm(x, wkv.T), mm(x, wgate.T) + ape[pos % ratio]
 
 
-def pool(kvp, scp, rows, pos, first, state_flat, state_tables, page: int, ratio: int):
+def pool(kvp, scp, rows, pos, first, state_flat, state_tables, page: int, ratio: int, missing_zero: bool = False):
     """Pooled [n, d] for boundary `rows` of the call.
 
     pos [T]: each row's position; first [T]: the position of its request's first row in the call;
     state_tables [T, width]: each row's state ring table; the call's rows of one request are
-    consecutive, so the fresh row of position q for boundary row i is i - (pos[i] - q)."""
+    consecutive, so the fresh row of position q for boundary row i is i - (pos[i] - q).
+    missing_zero: an unmapped old row enters with score 0 and kv 0 instead of being excluded (the
+    upstream prefill ratio-128 rule, kernel-math §7 #15)."""
     T, out = kvp.shape
     wlen = 2 * ratio if ratio == 4 else ratio
     p = pos[rows]
@@ -43,6 +45,10 @@ def pool(kvp, scp, rows, pos, first, state_flat, state_tables, page: int, ratio:
         d = out // 2
         kv = torch.cat([kv[:, :ratio, :d], kv[:, ratio:, d:]], dim=1)
         sc = torch.cat([sc[:, :ratio, :d], sc[:, ratio:, d:]], dim=1)
+    if missing_zero:
+        zero = (q >= 0) & ~fresh & (slots < 0)
+        sc = torch.where(zero[..., None], torch.zeros((), device=sc.device), sc)
+        valid = valid | zero
     sc = torch.where(valid[..., None], sc, torch.tensor(float("-inf"), device=sc.device))
     kv = torch.where(valid[..., None], kv, torch.zeros((), device=kv.device))
     return torch.sum(torch.softmax(sc, dim=1) * kv, dim=1)
@@ -53,7 +59,7 @@ def boundary_rows(pos, ratio: int):
 
 
 def main_compressor(x, pos, first, w, prefix: str, state_flat, state_tables, state_slots, cmp_flat, cmp_slots,
-                    cos, sin, *, ratio: int, page: int, rope_dims: int, eps: float):
+                    cos, sin, *, ratio: int, page: int, rope_dims: int, eps: float, missing_zero: bool = False):
     """CSA (ratio 4) or HCA (ratio 128) KV compressor.  Writes the compressed rows of boundary rows
     at cmp_slots and commits every row's [kv | score] at state_slots, in place.  cos / sin: each
     boundary row's compress-profile row at its window start.  -> (boundary rows, rows written)."""
@@ -61,7 +67,7 @@ def main_compressor(x, pos, first, w, prefix: str, state_flat, state_tables, sta
     rows = boundary_rows(pos, ratio)
     y = torch.zeros((0, cmp_flat.shape[-1]), device=x.device)
     if rows.numel():
-        pooled = pool(kvp, scp, rows, pos, first, state_flat, state_tables, page, ratio)
+        pooled = pool(kvp, scp, rows, pos, first, state_flat, state_tables, page, ratio, missing_zero)
         y = bf16(rope_tail(rmsnorm(pooled, w[prefix + "norm_w"], eps), cos[rows], sin[rows], rope_dims))
         set_rows(cmp_flat, cmp_slots[rows], y.reshape(-1, *cmp_flat.shape[1:]))
     set_rows(state_flat, state_slots, torch.cat([kvp, scp], dim=-1))

@@ -11,10 +11,8 @@ import torch
 
 from twin.abi import constants as C
 
-from .head import greedy, lm_head
-from .hyper import hc_head
+from .final import final
 from .layers import GroupRows, LocalRows, Taps, attention_sublayer, moe_sublayer
-from .rmsnorm import rms_norm
 
 ROWS = C.DECODE_SEQ
 
@@ -72,37 +70,4 @@ def run_decode(a, cfg, dep):
     for layer in range(cfg.num_hidden_layers):
         x_hc = attention_sublayer(a, cfg, dep, layer, x_hc, G, L, taps, bands=bands)
         x_hc = moe_sublayer(a, cfg, dep, layer, x_hc, L, taps)
-    return final(a, cfg, dep, x_hc, a["logit_row_indices"], taps)
-
-
-def final(a, cfg, dep, x_hc, logit_rows, taps):
-    """hc_head -> final rms_norm -> the group's vocabulary shards -> greedy; the K21 target hidden.
-    logits[r] is rank r's own logit entries over rank r's vocabulary shard; the full-vocabulary rows
-    are the ("head", "logits") tap."""
-    R, tp = dep.ranks, dep.topology.tp
-    eps = cfg.rms_norm_eps
-    hidden, normed, full, shard, sampled, target = [], [], [], [], [], []
-    for r in range(R):
-        h = hc_head(x_hc[r], a["hc_head_fn"][r], a["hc_head_scale"][r], a["hc_head_base"][r], rms_eps=eps,
-                    hc_eps=cfg.hc_eps)
-        hn = rms_norm(h, a["final_norm_w"][r], eps)
-        hidden.append(h)
-        normed.append(hn)
-        rows = logit_rows[r].long()
-        g0 = (r // tp) * tp
-        lg = torch.cat([lm_head(hn, a["lm_head_weight"][g0 + m], rows) for m in range(tp)], dim=-1)
-        full.append(lg)
-        vt = a["lm_head_weight"].shape[1]
-        shard.append(lg[:, (r - g0) * vt:(r - g0 + 1) * vt])
-        ids = torch.where(rows >= 0, greedy(lg), torch.full_like(rows, -1))
-        pad = torch.zeros(rows.shape[0], C.SAMPLED_IDS_PAD, dtype=torch.int32, device=lg.device)
-        pad[:, 0] = ids.to(torch.int32)
-        sampled.append(pad)
-        target.append(torch.cat([hc_head(taps[(l, "x_hc")][r], a["hc_head_fn"][r], a["hc_head_scale"][r],
-                                         a["hc_head_base"][r], rms_eps=eps, hc_eps=cfg.hc_eps)
-                                 for l in cfg.dspark_target_layer_ids], dim=-1))
-    taps.put("head", "hidden", torch.stack(hidden))
-    taps.put("head", "x_norm", torch.stack(normed))
-    taps.put("head", "logits", torch.stack(full))
-    return {"x_out": torch.stack(normed), "logits": torch.stack(shard), "sampled_ids": torch.stack(sampled),
-            "dspark_target_hidden": torch.stack(target)}, taps
+    return final(a, cfg, dep, x_hc, taps, group_rows=False)

@@ -58,6 +58,7 @@ class GroupRows:
     hca_cmp_cos: list = field(default_factory=list)
     hca_cmp_sin: list = field(default_factory=list)
     slots: dict = field(default_factory=dict)   # name -> [R] group-row slot mappings
+    hca_missing_zero: bool = False              # prefill's ratio-128 rule for an unmapped old row
 
 
 @dataclass
@@ -140,7 +141,8 @@ def attention_sublayer(a, cfg, dep, layer: int, x_hc, G: GroupRows, L: LocalRows
             cmp_pool = a.layer("hca_cmp_kv", hi)[r]
             main_compressor(x_g, G.pos[r], G.first[r], wh, "hca_cmp_", flat(a.layer("hca_compress_state", hi)[r]),
                             G.hca_state_tables[r], G.slots["hca_state"][r], flat(cmp_pool), G.slots["hca_cmp"][r],
-                            G.hca_cmp_cos[r], G.hca_cmp_sin[r], ratio=128, page=8, rope_dims=rd, eps=eps)
+                            G.hca_cmp_cos[r], G.hca_cmp_sin[r], ratio=128, page=8, rope_dims=rd, eps=eps,
+                            missing_zero=G.hca_missing_zero)
             p = L.pos[r]
             n_c = torch.minimum(torch.minimum((p + 1) // 128, L.kv_seq_lens(r, "hca") // 128),
                                 torch.full_like(p, L.hca_cap))
