@@ -24,7 +24,21 @@ def _tiles(n: int) -> int:
 
 def sparse_attention(q, kv_flat, win_slots, win_valid, sink, cos, sin, *, scale: float, rope_dims: int,
                      cmp_flat=None, cmp_slots=None):
-    """q [T, H, HD]; win_slots / win_valid [T, W]; cmp_slots [T, n] (-1 invalid) -> [T, H, HD]."""
+    """q [T, H, HD]; win_slots / win_valid [T, W]; cmp_slots [T, n] (-1 invalid) -> [T, H, HD].
+    Only rows with a candidate are computed: a row without one is 0 (and so is its inverse RoPE)."""
+    live = win_valid.any(dim=1)
+    if cmp_slots is not None and cmp_slots.shape[1]:
+        live = live | (cmp_slots >= 0).any(dim=1)
+    out = torch.zeros_like(q)
+    rows = torch.nonzero(live).reshape(-1)
+    if rows.numel():
+        out[rows] = _attend(q[rows], kv_flat, win_slots[rows], win_valid[rows], sink, cos[rows], sin[rows],
+                            scale=scale, rope_dims=rope_dims, cmp_flat=cmp_flat,
+                            cmp_slots=None if cmp_slots is None else cmp_slots[rows])
+    return out
+
+
+def _attend(q, kv_flat, win_slots, win_valid, sink, cos, sin, *, scale, rope_dims, cmp_flat, cmp_slots):
     T, H, HD = q.shape
     W = win_slots.shape[1]
     K = get_rows(kv_flat, torch.where(win_valid, win_slots.long(), -1)).reshape(T, W, HD)

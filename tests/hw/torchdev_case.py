@@ -26,7 +26,7 @@ from twin.abi.lowering import LoweringContext, lower_decode, lower_prefill, vali
 from twin.abi.programs import bind
 from twin.abi.topology import deployment
 
-from torchdev_staging import stage_pools, stage_weights, unstage_rows
+from hw.golden_args import pool_layers, stage_pools, stage_weights, unstage_rows
 
 # inputs bit-identical after the re-sync: the kernel's own tolerance (K2, K3, K6)
 KERNEL = Tolerance(atol=1e-4, rtol=1 / 128, bad_budget=0.005)
@@ -265,7 +265,6 @@ def compare_pools(case: Case, d, before: dict, golden_pools, dres) -> list:
     cfg, ctx = case.cfg, case.ctx
     program = d.program
     B = {b.name: b for b in bind(program, case.dep, case.slots, **_extents(d))}
-    from torchdev_staging import _stack
     slot_args = {"ori": "ori", "csa_state": "csa_state", "csa_inner_state": "csa_inner_state",
                  "hca_state": "hca_state", "cmp_c4": "csa_cmp", "idx": "csa_idx", "cmp_c128": "hca_cmp"}
     suffix = "_slot_mapping_full" if program == "l3_prefill_fwd" else "_slot_mapping"
@@ -277,7 +276,7 @@ def compare_pools(case: Case, d, before: dict, golden_pools, dres) -> list:
         fam = b.arg.pool
         nb = ctx.num_blocks[fam]
         after = dres.state.get(name, before[name])
-        for l in _stack(cfg, b.arg):
+        for l in pool_layers(cfg, b.arg):
             for r in range(case.dep.ranks):
                 g = r // ctx.tp
                 gv = np.asarray(golden_pools[l][b.arg.buffer_id])[g * nb:(g + 1) * nb]

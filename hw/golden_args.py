@@ -1,5 +1,9 @@
-"""Test-side staging for the torch device: golden's synthetic checkpoint as a program's ABI weight
-arguments, golden's pools as the ABI's per-rank pools and back.
+"""Golden's weights and pools as a program's ABI arguments: what a device backend is given.
+
+`stage_weights(program, dep, slots, ckpt)` turns a checkpoint (golden's protocol: model(),
+layer(l), expert(l, e), ABI names in the ABI's per-layer orientation) into the program's WEIGHT
+arguments; `stage_pools(program, dep, slots, ctx, caches)` golden's pools into its STATE
+arguments; `unstage_rows` reads one rank's pages of one layer back.
 
 Golden holds one pool per cache family with every partition in it (partition p's local page b is
 golden page p * num_blocks + b, `golden.staging.PageMap`); the ABI gives every rank its own replica
@@ -10,10 +14,10 @@ layer) is zeros, and the decode hc mixes are padded to MIX_HC_PAD rows.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-from golden.paged import layer_pools
-from twin.abi.programs import STATE, WEIGHT, bind, symbols
+from twin.abi.programs import STATE, WEIGHT, bind
 from twin.abi.lowering.context import NP_DTYPES
 
 STACK_LAYERS = {"NL": lambda c: range(c.num_hidden_layers), "NC": lambda c: c.csa_layers,
@@ -22,9 +26,9 @@ STACK_LAYERS = {"NL": lambda c: range(c.num_hidden_layers), "NC": lambda c: c.cs
 
 def _abi(x, dtype: str) -> np.ndarray:
     x = np.asarray(x)
-    if dtype == "bf16":
+    if dtype == "bf16":          # ABI BF16 arguments are the bit patterns (twin.abi.lowering.context)
         return np.ascontiguousarray(x).view(np.uint16) if x.dtype.itemsize == 2 else \
-            np.asarray(x, np.float32).astype(__import__("ml_dtypes").bfloat16).view(np.uint16)
+            np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
     return np.asarray(x, NP_DTYPES[dtype])
 
 
@@ -40,7 +44,6 @@ def _fit(v, shape, dtype):
 
 def stage_weights(program: str, dep, slots: int, ckpt, **extents) -> dict:
     cfg, topo = dep.model, dep.topology
-    syms = symbols(dep, slots, **extents)
     tp, n_local = topo.tp, topo.experts_per_rank(cfg)
     lg = cfg.o_groups // tp
     model = ckpt.model()
@@ -80,13 +83,10 @@ def stage_weights(program: str, dep, slots: int, ckpt, **extents) -> dict:
     return out
 
 
-def _stack(cfg, arg) -> list:
+def pool_layers(cfg, arg) -> list:
+    """The layers a stacked argument holds (NL, NC or NH), in stack order."""
     head = arg.dims[1].split("*")[0].strip()
     return list(STACK_LAYERS[head](cfg))
-
-
-def golden_pool_name(arg) -> str:
-    return arg.buffer_id
 
 
 def stage_pools(program: str, dep, slots: int, ctx, caches, **extents) -> dict:
@@ -98,11 +98,11 @@ def stage_pools(program: str, dep, slots: int, ctx, caches, **extents) -> dict:
             continue
         fam = b.arg.pool
         nb = ctx.num_blocks[fam]
-        ls = _stack(cfg, b.arg)
+        ls = pool_layers(cfg, b.arg)
         N = b.shape[1] // len(ls)
         arr = np.zeros(b.shape, NP_DTYPES[b.dtype])
         view = arr.reshape(b.shape[0], len(ls), N, *b.shape[2:])
-        gname = golden_pool_name(b.arg)
+        gname = b.arg.buffer_id           # golden names its pools by the device buffer
         for r in range(b.shape[0]):
             g = r // ctx.tp
             for i, l in enumerate(ls):
@@ -116,10 +116,10 @@ def unstage_rows(program: str, dep, slots: int, ctx, name: str, arr, layer: int,
     """One rank's pages [nb, ...] of one layer of a staged pool (scratch pages dropped)."""
     cfg = dep.model
     b = {x.name: x for x in bind(program, dep, slots)}[name]
-    ls = _stack(cfg, b.arg)
+    ls = pool_layers(cfg, b.arg)
     N = b.shape[1] // len(ls)
     view = np.asarray(arr).reshape(b.shape[0], len(ls), N, *b.shape[2:])
     return view[rank, ls.index(layer), :ctx.num_blocks[b.arg.pool]]
 
 
-__all__ = ["stage_weights", "stage_pools", "unstage_rows", "layer_pools"]
+__all__ = ["stage_weights", "stage_pools", "unstage_rows", "pool_layers"]
