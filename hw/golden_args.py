@@ -21,7 +21,9 @@ from twin.abi.programs import STATE, WEIGHT, bind
 from twin.abi.lowering.context import NP_DTYPES
 
 STACK_LAYERS = {"NL": lambda c: range(c.num_hidden_layers), "NC": lambda c: c.csa_layers,
-                "NH": lambda c: c.hca_layers}
+                "NH": lambda c: c.hca_layers, "DL": lambda c: range(c.dspark_num_layers)}
+# ABI names the drafter programs give the target's or golden's tensors under another name
+ALIASES = {"embedding_weight": "embed_weight", "ffn_norm_w": "norm_w"}
 
 
 def _abi(x, dtype: str) -> np.ndarray:
@@ -42,22 +44,27 @@ def _fit(v, shape, dtype):
     return out
 
 
-def stage_weights(program: str, dep, slots: int, ckpt, **extents) -> dict:
+def stage_weights(program: str, dep, slots: int, ckpt, drafter=None, **extents) -> dict:
+    """ckpt: the target checkpoint; drafter: the DSpark drafter's (golden.dspark.weights), whose
+    model tensors and layers the drafter and Markov programs' arguments name first."""
     cfg, topo = dep.model, dep.topology
     tp, n_local = topo.tp, topo.experts_per_rank(cfg)
     lg = cfg.o_groups // tp
-    model = ckpt.model()
+    model = dict(ckpt.model())
+    if drafter is not None:
+        model.update(drafter.model())
     layers = {}
     out = {}
     for b in bind(program, dep, slots, **extents):
         if b.arg.role != WEIGHT:
             continue
         name, dims, shape, dt = b.name, b.arg.dims, b.shape, b.dtype
+        src_name = ALIASES.get(name, name)
         per_rank = []
         for r in range(shape[0]):
             m = r % tp
-            if name in model:
-                v = model[name]
+            if src_name in model:
+                v = model[src_name]
                 if name == "lm_head_weight":
                     vt = shape[1]
                     v = np.asarray(v)[m * vt:(m + 1) * vt]
@@ -68,15 +75,16 @@ def stage_weights(program: str, dep, slots: int, ckpt, **extents) -> dict:
             ls = list(STACK_LAYERS[stack](cfg))
             n = len(ls)
             inner = shape[2:] if head == stack else (shape[1] // n,) + shape[2:]
+            src = drafter if stack == "DL" else ckpt
             parts = []
             for l in ls:
-                w = layers.setdefault(l, ckpt.layer(l))
+                w = layers.setdefault((stack == "DL", l), src.layer(l))
                 if name.startswith("routed_"):
-                    v = np.stack([np.asarray(ckpt.expert(l, e)[name]) for e in range(r * n_local, (r + 1) * n_local)])
+                    v = np.stack([np.asarray(src.expert(l, e)[name]) for e in range(r * n_local, (r + 1) * n_local)])
                 elif name in ("wo_a", "wo_b"):
                     v = np.asarray(w[name])[m * lg:(m + 1) * lg]
                 else:
-                    v = w.get(name)
+                    v = w.get(src_name)
                 parts.append(_fit(v, inner, dt))
             per_rank.append(np.concatenate(parts).reshape(shape[1:]) if head != stack else np.stack(parts))
         out[name] = np.stack(per_rank)

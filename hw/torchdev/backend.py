@@ -37,8 +37,14 @@ def _program_runner(name: str):
     if name == "l3_prefill_fwd":
         from .prefill import run_prefill, extents
         return run_prefill, extents
-    raise AbiError("program", name, "a program TorchBackend implements: l3_decode_fwd, l3_prefill_fwd",
+    if name == "l3_distributed_markov_sample":
+        from .markov_sample import run_markov, extents
+        return run_markov, extents
+    raise AbiError("program", name, f"a program TorchBackend implements: {', '.join(IMPLEMENTED)}",
                    where="TorchBackend")
+
+
+IMPLEMENTED = ("l3_decode_fwd", "l3_prefill_fwd", "l3_distributed_markov_sample")
 
 
 class TorchBackend:
@@ -62,6 +68,7 @@ class TorchBackend:
                      extents=None if extents is None else extents(dispatch))
             before = {n: a[n].clone() for n in a.state_names}
             outs, taps = run(a, self.dep.model, self.dep)
+            taps = dict(taps)
         prog = get_program(dispatch.program)
         outputs = {n: to_numpy(t, prog.arg(n).dtype) for n, t in outs.items()
                    if prog.arg(n).role == OUTPUT}
