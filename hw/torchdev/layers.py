@@ -204,29 +204,34 @@ def tp_o_proj(a, cfg, dep, layer: int, o_all, bands):
     return torch.stack(out)
 
 
-def moe_sublayer(a, cfg, dep, layer: int, x_hc, L: LocalRows, taps: Taps):
+def moe_sublayer(a, cfg, dep, layer: int, x_hc, L: LocalRows, taps: Taps, *, route_layer=None, norm="norm_w",
+                 tap=None):
+    """layer: the index in the weights' stack; route_layer: the layer id routing reads (hash below
+    num_hash_layers; the draft layers route as target layers 40..42); tap: the taps' layer key."""
     R = dep.ranks
     eps = cfg.rms_norm_eps
+    route_layer = layer if route_layer is None else route_layer
+    tap = layer if tap is None else tap
     parts = {k: [] for k in ("x_mixed", "post", "comb", "x_i8", "scale", "idx", "wts")}
     for r in range(R):
-        w = _w(a, WEIGHTS + ("norm_w",), layer, r)
+        w = _w(a, WEIGHTS + (norm,), layer, r)
         xm, post, comb = hc_pre(x_hc[r], w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], hc=cfg.hc_mult,
                                 rms_eps=eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
-        x_i8, sc, idx, wts = gate(xm, w["norm_w"], w["gate_w"], w["gate_bias"], w["tid2eid"], L.input_ids[r],
-                                  int(L.num_tokens[r]), hash_layer=layer < cfg.num_hash_layers,
+        x_i8, sc, idx, wts = gate(xm, w[norm], w["gate_w"], w["gate_bias"], w["tid2eid"], L.input_ids[r],
+                                  int(L.num_tokens[r]), hash_layer=route_layer < cfg.num_hash_layers,
                                   topk=cfg.num_experts_per_tok, scaling=cfg.routed_scaling_factor, eps=eps)
         for k, v in zip(parts, (xm, post, comb, x_i8, sc, idx, wts)):
             parts[k].append(v)
-    taps.put(layer, "ffn_x_mixed", torch.stack(parts["x_mixed"]))
+    taps.put(tap, "ffn_x_mixed", torch.stack(parts["x_mixed"]))
     idx, wts = torch.stack(parts["idx"]), torch.stack(parts["wts"])
-    taps.put(layer, "moe_indices", idx)
-    taps.put(layer, "moe_weights", wts)
+    taps.put(tap, "moe_indices", idx)
+    taps.put(tap, "moe_weights", wts)
     n_local = dep.topology.experts_per_rank(cfg)
     ffn = moe(torch.stack(parts["x_i8"]), torch.stack(parts["scale"]), idx, wts, L.num_tokens,
               lambda dst: {n: a.layer(n, layer)[dst] for n in EXPERT_NAMES},
               lambda src: {n: a.layer(n, layer)[src] for n in SHARED_NAMES},
               n_local=n_local, limit=cfg.swiglu_limit)
-    taps.put(layer, "ffn_out", ffn)
+    taps.put(tap, "ffn_out", ffn)
     x_hc = torch.stack([hc_post(ffn[r], x_hc[r], parts["post"][r], parts["comb"][r]) for r in range(R)])
-    taps.put(layer, "x_hc", x_hc)
+    taps.put(tap, "x_hc", x_hc)
     return x_hc
