@@ -40,6 +40,9 @@ def _program_runner(name: str):
     if name == "l3_dspark_drafter":
         from .drafter_program import run_program, extents
         return run_program, extents
+    if name == "l3_dspark_draft_step_device_state":
+        from .bootstrap import run_bootstrap, extents
+        return run_bootstrap, extents
     if name == "l3_distributed_markov_sample":
         from .markov_sample import run_markov, extents
         return run_markov, extents
@@ -47,7 +50,8 @@ def _program_runner(name: str):
                    where="TorchBackend")
 
 
-IMPLEMENTED = ("l3_decode_fwd", "l3_prefill_fwd", "l3_dspark_drafter", "l3_distributed_markov_sample")
+IMPLEMENTED = ("l3_decode_fwd", "l3_prefill_fwd", "l3_dspark_drafter", "l3_dspark_draft_step_device_state",
+               "l3_distributed_markov_sample")
 
 
 class TorchBackend:

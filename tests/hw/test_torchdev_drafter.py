@@ -16,6 +16,7 @@ from golden.checkpoint import SyntheticCheckpoint
 from golden.dspark.drafter import DraftRow, dspark_attention, dspark_proj, write_context
 from golden.kernels.hyper_connections import hc_head, hc_post, hc_pre
 from golden.kernels.rmsnorm import rms_norm
+from golden.dspark.markov import confidence_probs, dspark_markov
 from golden.dspark.parallel import SingleRank
 from golden.kernels.moe import gate, moe_experts
 from golden.dspark.weights import DrafterCheckpoint
@@ -96,12 +97,16 @@ def _bf16(x):
 
 @pytest.fixture(scope="module", params=["redraft", "seed"])
 def run(request):
+    return _run(request.param)
+
+
+def _run(mode, program="l3_dspark_drafter"):
     dep = deployment("tiny", max_model_len=512)
     cfg = dep.model
     ctx = LoweringContext(dep, 2)
     ck, dk = SyntheticCheckpoint(cfg, seed=0), DrafterCheckpoint(cfg, seed=0)
     rng = np.random.default_rng(3)
-    if request.param == "redraft":
+    if mode == "redraft":
         spec = [("r0", 0, 0, 200, 3), ("r1", 0, 4, 140, 8), ("r2", 1, 2, 60, 1)]   # leases 0 and 4 share a rank
         items = [DrafterItem(rid, p, lease, 1, a, tuple(range(a - n + 1, a + 1)), 1,
                              last_sampled=int(rng.integers(2, cfg.vocab_size)))
@@ -112,7 +117,7 @@ def run(request):
                  for p, lease, a in ((0, 3, 130), (1, 7, 300))]
     hidden = {it.request_id: rng.standard_normal((len(it.context_positions), 3 * cfg.hidden_size)).astype(np.float32)
               for it in items}
-    d = lower_drafter(DrafterBatch(tuple(items)), ctx, target_hidden=hidden)
+    d = lower_drafter(DrafterBatch(tuple(items)), ctx, target_hidden=hidden, program=program)
     validate(d, ctx)
     pools = [(rng.standard_normal((cfg.dspark_num_layers, C.DRAFTER_POOL_BLOCKS, C.BLOCK_SIZE, 1, cfg.head_dim))
               * 0.5).astype(ml_dtypes.bfloat16) for _ in range(dep.partitions)]
@@ -183,3 +188,27 @@ def test_pools_written_rows_match_and_the_rest_is_untouched(run):
     idle = [r for r in range(d.args["num_sampled"].shape[0]) if r // ctx.tp not in golden]
     for r in idle:                                   # a group without rows writes nothing
         np.testing.assert_array_equal(res.state["kv_caches"][r], state["kv_caches"][r])
+
+
+def test_the_bootstrap_is_the_drafter_then_the_markov_chain():
+    """l3_dspark_draft_step_device_state on a seeding wave: its head rows and pools are the drafter
+    program's (the same batch), and its drafts are golden's K26 chain on those head rows."""
+    d, state, res, golden, ctx = _run("seed", "l3_dspark_draft_step_device_state")
+    d0, _, res0, _, _ = _run("seed")
+    np.testing.assert_array_equal(res.outputs["head_hidden"], res0.outputs["head_hidden"])   # same program code
+    np.testing.assert_array_equal(res.state["kv_caches"], res0.state["kv_caches"])
+    cfg = ctx.deployment.model
+    ck, dk = SyntheticCheckpoint(cfg, seed=0), DrafterCheckpoint(cfg, seed=0)
+    m, dm = ck.model(), dk.model()
+    nm = numerics("device", cfg=cfg)
+    for its, *_ in golden.values():
+        for it in its:
+            pl = d.meta["placement"][it.request_id]
+            r, b = pl["rank"], pl["row"]
+            head = from_bf16_bits(res.outputs["head_hidden"][r, b:b + 1]).astype(np.float64)
+            drafts, logit = dspark_markov(head, dm["final_norm_weight"], m["lm_head_weight"], [0], [0],
+                                          [it.next_prefill_token], dm["markov_w1"], dm["markov_w2"],
+                                          dm["confidence_head_weight"], cfg=cfg, nm=nm)
+            np.testing.assert_array_equal(res.outputs["draft_token_ids"][r, b], np.asarray(drafts)[0])
+            np.testing.assert_allclose(res.outputs["confidence_probs"][r, b], np.asarray(confidence_probs(logit, nm))[0],
+                                       rtol=2e-3, atol=2e-3)
