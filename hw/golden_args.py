@@ -22,6 +22,8 @@ from twin.abi.lowering.context import NP_DTYPES
 
 STACK_LAYERS = {"NL": lambda c: range(c.num_hidden_layers), "NC": lambda c: c.csa_layers,
                 "NH": lambda c: c.hca_layers, "DL": lambda c: range(c.dspark_num_layers)}
+# programs whose model tensors are the drafter's first (its final norm, Markov heads, hc_head)
+DRAFTER_PROGRAMS = ("l3_dspark_drafter", "l3_dspark_draft_step_device_state", "l3_distributed_markov_sample")
 # ABI names the drafter programs give the target's or golden's tensors under another name
 ALIASES = {"embedding_weight": "embed_weight", "ffn_norm_w": "norm_w"}
 
@@ -46,12 +48,13 @@ def _fit(v, shape, dtype):
 
 def stage_weights(program: str, dep, slots: int, ckpt, drafter=None, **extents) -> dict:
     """ckpt: the target checkpoint; drafter: the DSpark drafter's (golden.dspark.weights), whose
-    model tensors and layers the drafter and Markov programs' arguments name first."""
+    model tensors and layers the drafter and Markov programs' arguments name first (a target
+    program takes the target's only, whatever is passed)."""
     cfg, topo = dep.model, dep.topology
     tp, n_local = topo.tp, topo.experts_per_rank(cfg)
     lg = cfg.o_groups // tp
     model = dict(ckpt.model())
-    if drafter is not None:
+    if drafter is not None and program in DRAFTER_PROGRAMS:
         model.update(drafter.model())
     layers = {}
     out = {}

@@ -5,7 +5,8 @@
     res.outputs["sampled_ids"], res.state["raw_kv_pool"], res.taps[(3, "attn_out")]
 
 `state` maps the program's STATE arguments (ABI names, the per-rank shapes `bind` gives) to
-arrays; `weights` its WEIGHT arguments.  Only pools the program touches come back in `state`,
+arrays; `weights` its WEIGHT arguments, or is a function program name -> that mapping (called once
+per program: one backend then serves every program of a run).  Only pools the program touches come back in `state`,
 as new arrays (the inputs are never written).  Taps are (layer, stage) -> [R, rows, ...] arrays in
 golden's stage names.
 """
@@ -57,11 +58,12 @@ IMPLEMENTED = ("l3_decode_fwd", "l3_prefill_fwd", "l3_dspark_drafter", "l3_dspar
 class TorchBackend:
     """An independent torch implementation of the device (kernel-math.md numerics)."""
 
-    def __init__(self, deployment, slots: int, device: str = "cpu", *, weights: Mapping | None = None):
+    def __init__(self, deployment, slots: int, device: str = "cpu", *, weights=None):
         self.dep = deployment
         self.slots = slots
         self.device = torch_device(device)
         self.weights = weights
+        self._staged: dict = {}
         self.name = f"torch-{self.device.type}"
 
     def run(self, dispatch, state: Mapping[str, np.ndarray], weights: Mapping | None = None) -> DeviceResult:
@@ -70,6 +72,10 @@ class TorchBackend:
         if weights is None:
             raise AbiError("weights", None, "the program's WEIGHT arguments by ABI name", where=self.name)
         run, extents = _program_runner(dispatch.program)
+        if callable(weights):
+            if dispatch.program not in self._staged:
+                self._staged[dispatch.program] = weights(dispatch.program)
+            weights = self._staged[dispatch.program]
         with torch.no_grad():
             a = Args(dispatch, weights, state, self.dep, self.slots, self.device,
                      extents=None if extents is None else extents(dispatch))

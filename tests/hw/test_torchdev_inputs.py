@@ -45,3 +45,28 @@ def test_missing_and_misshaped_arguments_are_named(markov):
         be.run(d, {}, bad)
     with pytest.raises(AbiError, match="weights"):
         be.run(d, {})
+
+
+def test_one_backend_serves_programs_from_a_weight_function(markov):
+    """weights=program -> mapping: staged once per program, then the protocol's run(dispatch, state)."""
+    dep, d, w = markov
+    calls = []
+    be = TorchBackend(dep, 1, weights=lambda program: calls.append(program) or w)
+    first = be.run(d, {})
+    second = be.run(d, {})
+    assert calls == [d.program]
+    np.testing.assert_array_equal(first.outputs["draft_token_ids"], second.outputs["draft_token_ids"])
+
+
+def test_target_programs_stage_the_targets_head_even_with_a_drafter():
+    """The drafter has its own hc_head; a target program must never take it."""
+    from golden.checkpoint import SyntheticCheckpoint
+    from golden.dspark.weights import DrafterCheckpoint
+    from hw.golden_args import stage_weights
+    dep = deployment("tiny", max_model_len=512)
+    ck, dk = SyntheticCheckpoint(dep.model), DrafterCheckpoint(dep.model)
+    plain = stage_weights("l3_decode_fwd", dep, 1, ck)
+    both = stage_weights("l3_decode_fwd", dep, 1, ck, dk)
+    assert all(np.array_equal(plain[k], both[k]) for k in plain)
+    drafter = stage_weights("l3_dspark_drafter", dep, 1, ck, dk)
+    assert not np.array_equal(drafter["hc_head_fn"], plain["hc_head_fn"])    # the drafter's own head
