@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import bf16, int8_gemm, int_dot, mm, q8
+from .numerics import bf16, int8_gemm, mm, q8
 from .paged import get_rows, table_slot
 from .rope import rope_tail
 
@@ -49,5 +49,3 @@ def lightning_indexer(x_n, qr, qr_scale, w, cos, sin, idx_flat, scale_flat, idx_
                                          device=out.device)], dim=1)
     return score, out
 
-
-__all__ = ["lightning_indexer", "index_queries", "int_dot"]

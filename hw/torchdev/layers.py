@@ -22,7 +22,7 @@ from .indexer import lightning_indexer
 from .moe import gate, moe
 from .numerics import bf16
 from .o_proj import o_partial, pack
-from .paged import flat, table_slot
+from .paged import flat, set_rows, table_slot
 from .qkv import qkv_proj_rope
 from .rmsnorm import rms_norm
 
@@ -152,7 +152,6 @@ def attention_sublayer(a, cfg, dep, layer: int, x_hc, G: GroupRows, L: LocalRows
             cmp_flat = flat(cmp_pool)
             cmp_slots = table_slot(L.req_tables(r, "hca_cmp"), rows, cmp_pool.shape[1])
         kv_pool = flat(a.layer(_n(a, "kv_cache"), layer)[r])
-        from .paged import set_rows
         set_rows(kv_pool, G.slots[f"{win}_ori"][r], kv_g.reshape(kv_g.shape[0], 1, -1))
         idx, lens = L.windows[win][0][r], L.windows[win][1][r]
         valid = (torch.arange(idx.shape[1], device=idx.device)[None, :] < lens[:, None]) & (idx >= 0)

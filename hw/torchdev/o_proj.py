@@ -2,8 +2,6 @@
 INT8 against wo_b, each group's partial dequantized and summed in group order; BF16 once."""
 from __future__ import annotations
 
-import torch
-
 from .numerics import bf16, int_dot, mm, q8
 
 
@@ -22,8 +20,3 @@ def pack(o, groups: int):
     """[T, H, HD] -> [G, T, HPG * HD] (group g = heads g*HPG .. (g+1)*HPG - 1)."""
     T, H, HD = o.shape
     return o.reshape(T, groups, H // groups * HD).transpose(0, 1)
-
-
-def o_proj(o, wo_a, wo_b, wo_b_scale):
-    """All groups on one rank: -> attn_out [T, D] bf16 values."""
-    return bf16(o_partial(pack(o, wo_a.shape[0]), wo_a, wo_b, wo_b_scale))
