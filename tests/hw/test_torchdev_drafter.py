@@ -25,6 +25,7 @@ from hw.compare import compare_pool, compare_tensor
 from hw.golden_args import stage_weights
 from hw.tolerance import Policy, Tolerance
 from hw.torchdev import TorchBackend
+from torchdev_case import adopt_near_ties
 from twin.abi import constants as C
 from twin.abi.batches import DrafterBatch, DrafterItem
 from twin.abi.lowering import LoweringContext, from_bf16_bits, lower_drafter, validate
@@ -39,11 +40,11 @@ KV = Tolerance(atol=1e-4, rtol=1 / 128, bad_budget=0.005)
 class RouteResync(SingleRank):
     """Golden's single-rank drafter whose routing re-syncs to the device's (the lockstep's rule):
     where the device chose other experts and golden's own biased scores make that a near tie
-    (the policy's route tie_tol), golden takes the device's experts.  `device` holds the device's
-    expert ids of each draft layer in golden's row order; `adopted` counts the rows taken."""
+    (torchdev_case.adopt_near_ties), golden takes the device's experts.  `device` holds the device's
+    expert ids of each draft layer in golden's row order; `adopted` records the rows taken."""
 
     def __init__(self, device):
-        self.device, self.calls, self.adopted = device, 0, 0
+        self.device, self.calls, self.adopted = device, 0, {}
 
     def moe(self, x_mixed, lw, expert, input_ids, *, layer, cfg, nm, owners=None):
         dev = self.device[self.calls]
@@ -53,11 +54,7 @@ class RouteResync(SingleRank):
         def top_k(biased, k):
             b = np.asarray(biased, np.float64)
             idx = np.argsort(-b, axis=-1, kind="stable")[:, :k].astype(np.int32)
-            for t in np.flatnonzero((np.sort(idx, -1) != np.sort(dev, -1)).any(-1)):
-                if b[t, idx[t]].sum() - b[t, dev[t]].sum() <= tol * np.abs(b[t]).max():
-                    idx[t] = dev[t]
-                    self.adopted += 1
-            return idx
+            return adopt_near_ties(b, idx, dev, tol, self.adopted, layer)
         x_i8, x_scale, idx, wts = gate(x_mixed, lw["norm_w"], lw["gate_w"], lw["gate_bias"], lw.get("tid2eid"),
                                        input_ids, layer=layer, cfg=cfg, nm=nm, top_k=top_k)
         return moe_experts(x_i8, x_scale, idx, wts, expert, lw, cfg=cfg, nm=nm)
@@ -146,7 +143,7 @@ def _run(mode, program="l3_dspark_drafter"):
         dev = {(l, "attn_out"): np.concatenate([res.taps[(f"draft{l}", "attn_out")][r, b * 7:(b + 1) * 7]
                                                 for r, b in qrows]) for l in range(cfg.dspark_num_layers)}
         dev.update({(l, "x_hc"): (hs + [last])[l + 1] for l in range(cfg.dspark_num_layers)})
-        golden[g] = (its, head, pool, par.adopted, taps, dev)
+        golden[g] = (its, head, pool, sum(len(v) for v in par.adopted.values()), taps, dev)
     return d, state, res, golden, ctx
 
 

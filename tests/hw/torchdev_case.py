@@ -15,6 +15,7 @@ import numpy as np
 
 from golden.checkpoint import SyntheticCheckpoint
 from golden.compose import Taps, attention_sublayer, device_meta, final_head, forward, moe_sublayer, rope_inputs
+from golden.kernels.indexer import lightning_indexer
 from hw.tolerance import Policy
 from golden.numerics import numerics
 from golden.paged import DECODE, PREFILL, Span, alloc_caches, lower
@@ -169,13 +170,32 @@ def prefill_rows(case: Case, d, chunks):
     return rows, logit
 
 
+def adopt_near_ties(scores, mine, theirs, tol, adopted, key):
+    """One rule for both top-k selections (routing, the indexer): a row where the device selected
+    another set takes the device's set iff golden's own scores make it a near tie (the same count
+    of valid entries, and golden's selected score sum within `tol` times the row's largest
+    selected |score| of the device's); the rows taken are recorded under `key`."""
+    s = np.asarray(scores, np.float64)
+    out = np.array(mine, copy=True)
+    for t in np.flatnonzero((np.sort(out, -1) != np.sort(theirs, -1)).any(-1)):
+        a, b = out[t][out[t] >= 0], theirs[t][theirs[t] >= 0]
+        if a.size != b.size or (b.size and b.max() >= s.shape[1]):
+            continue
+        gap = s[t, a].sum() - s[t, b].sum()
+        if gap <= tol * max(np.abs(s[t, a]).max(initial=0.0), 1e-30):
+            out[t] = theirs[t]
+            adopted.setdefault(key, []).append(int(t))
+    return out
+
+
 def golden_resynced(case: Case, meta, dres, tok_rows, logit_rows, ckpt=None, adopted=None):
     """Golden layer by layer from the device's layer inputs (its `attn_in` taps, in golden's row
     order) with golden's own pools: the lockstep's re-sync, so one rounding difference does not
     cascade and a divergence shows at the layer that makes it.  Routing re-syncs too: where the
-    device chose other experts and golden's own biased scores make that a near tie (the policy's
-    route tie_tol, relative to the row's score scale), golden takes the device's experts (its own
-    weights for them) and the row goes to `adopted[layer]`.  The head runs on the device's last
+    device chose other experts, or other compressed rows in the indexer's top-k, and golden's own
+    scores make that a near tie (`adopt_near_ties`, the policy's route tie_tol), golden takes the
+    device's choice (its own weights for them) and the row goes to `adopted[layer]` (routing) or
+    `adopted[("idx", layer)]`.  The head runs on the device's last
     residual stream.  -> (taps, golden's pools after the step, one dict per layer)."""
     cfg, nm = case.cfg, case.nm
     ckpt = ckpt or case.ckpt
@@ -192,20 +212,23 @@ def golden_resynced(case: Case, meta, dres, tok_rows, logit_rows, ckpt=None, ado
     pools = []
     for layer in range(cfg.num_hidden_layers):
         w = ckpt.layer(layer)
-        x_hc, new = attention_sublayer(gathered((layer, "attn_in")), layer, w, case.caches[layer], m, rope, cfg=cfg,
-                                     nm=nm, form=meta.form, taps=taps)
-        dev_idx = gathered((layer, "moe_indices"), int)
         tol = policy.lookup("route", "i32", depth=layer).tie_tol
+        indexer = None
+        if cfg.layer_kind(layer) == "csa":
+            dev_topk = gathered((layer, "idx_topk"), int)
+
+            def indexer(*args, dev_topk=dev_topk, tol=tol, layer=layer, **kw):
+                score, topk = lightning_indexer(*args, **kw)
+                topk = adopt_near_ties(score, np.asarray(topk), dev_topk, tol, adopted, ("idx", layer))
+                return score, nm.xp.asarray(topk)
+        x_hc, new = attention_sublayer(gathered((layer, "attn_in")), layer, w, case.caches[layer], m, rope, cfg=cfg,
+                                       nm=nm, form=meta.form, taps=taps, indexer=indexer)
+        dev_idx = gathered((layer, "moe_indices"), int)
 
         def top_k(biased, k, dev_idx=dev_idx, tol=tol, layer=layer):
             b = np.asarray(biased, np.float64)
             idx = np.argsort(-b, axis=-1, kind="stable")[:, :k].astype(np.int32)
-            for t in np.flatnonzero((np.sort(idx, -1) != np.sort(dev_idx, -1)).any(-1)):
-                gap = b[t, idx[t]].sum() - b[t, dev_idx[t]].sum()
-                if gap <= tol * np.abs(b[t]).max():
-                    idx[t] = dev_idx[t]
-                    adopted.setdefault(layer, []).append(int(t))
-            return idx
+            return adopt_near_ties(b, idx, dev_idx, tol, adopted, layer)
 
         expert = ckpt.experts_of(layer) if hasattr(ckpt, "experts_of") else (lambda e, l=layer: ckpt.expert(l, e))
         moe_sublayer(x_hc, layer, w, expert, m["input_ids"], cfg=cfg, nm=nm, taps=taps, top_k=top_k)
