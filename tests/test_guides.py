@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GUIDES = ["README.md", "docs/capacity.md", "docs/simulation.md", "docs/lockstep.md", "docs/calibration.md"]
 # guides whose ```python blocks are self-contained and cheap (simulation.md's runs 512 requests and
 # lockstep.md's PyPTO block needs a runtime: both were tried by hand)
-PYTHON_GUIDES = ["docs/calibration.md", "docs/capacity.md", "docs/lowering.md"]
+PYTHON_GUIDES = ["docs/calibration.md", "docs/capacity.md", "docs/lowering.md", "docs/torch-device.md"]
 HEREDOC = re.compile(r"^cat > (\S+) <<'?(\w+)'?$")
 EXIT = re.compile(r"exit status (\d+)")
 

@@ -9,6 +9,8 @@ ALLOWED = {
     "golden": {"twin.abi", "golden"},
     "twin/sim": {"twin.abi", "twin.sim"},
     "hw": {"twin.abi", "golden", "hw"},
+    # the torch device is the one independent second implementation: the ABI and itself, never golden
+    "hw/torchdev": {"twin.abi", "hw.torchdev"},
     # the functional twin plugs golden into the simulator's executor slot: a composition layer
     "twin/functional": {"twin.abi", "twin.sim", "golden", "twin.functional"},
 }

@@ -1,0 +1,11 @@
+"""hw.torchdev: an independent torch implementation of the device programs (TorchBackend).
+
+Written from kernel-math.md and the positional ABI (`twin.abi`) only: it imports nothing from
+`golden`, so a lockstep against it can catch a golden bug.  One module per kernel family
+(numerics, rmsnorm, rope, hyper, qkv, compressor, indexer, attention, o_proj, moe, head), the
+per-layer composition across ranks (layers), one module per program (decode, prefill), the
+argument binding (args, paged) and the backend (backend, device).
+"""
+from .backend import DeviceResult, TorchBackend
+
+__all__ = ["DeviceResult", "TorchBackend"]
