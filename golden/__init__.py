@@ -17,7 +17,7 @@ Ties (`golden.ties`): the one tie rule for top-k selections
 Kernels (`golden.kernels.<family>`; ABI argument names; functions, state in and out)
     embedding.lookup_embedding       rmsnorm.rms_norm
     hyper_connections.hc_pre / hc_post / hc_head / sinkhorn
-    rope.rope_rows / rope_rotate / rope_tail / inv_freq (swa and YaRN compress profiles)
+    rope.rope_rows / rope_rotate / rope_tail / inv_freq (the formula is twin.abi.rope's) (swa and YaRN compress profiles)
     qkv_proj_rope.qkv_proj_rope      -> q, kv, qr (int8 values), qr_scale
     compressor.compressor (ratio 4 overlapping / ratio 128) and .indexer_compressor (INT8 + scale)
     indexer.lightning_indexer        -> score, topk_idxs (offset 0, -1 padded)

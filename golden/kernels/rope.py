@@ -6,9 +6,10 @@ is rotated by frequency i.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
+
+from twin.abi.rope import inv_freq as abi_inv_freq
 
 from ..numerics import BF16
 from .rmsnorm import rmsnorm_f
@@ -21,37 +22,13 @@ def profile_of_ratio(ratio: int) -> str:
     return SWA_PROFILE if ratio == 0 else COMPRESS_PROFILE
 
 
-def yarn_range(rope_dims: int, base: float, orig: int, beta_fast: float, beta_slow: float) -> tuple[float, float]:
-    def dim(rot):
-        return rope_dims * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
-    low = max(math.floor(dim(beta_fast)), 0)
-    high = min(math.ceil(dim(beta_slow)), rope_dims - 1)
-    return low, high
-
-
 def inv_freq(cfg, profile: str, dtype=np.float64) -> np.ndarray:
-    """[R/2] inverse frequencies 1 / base^(2i/R), every step in `dtype`; the compress profile
-    interpolates with YaRN (no mscale).
-
-    float32 is pypto-lib's table (utils.precompute_freqs_cos_sin): each operation rounded to f32 as
-    torch does it, the power taken in float64 and rounded once (f32 pow is correctly rounded there
-    for every preset, and this form is so on any libm).  float64 is exact mode's."""
-    R = cfg.qk_rope_head_dim
+    """[R/2] inverse frequencies of a profile, every step in `dtype` (twin.abi.rope: float32 is
+    pypto-lib's table, float64 exact mode's)."""
     if profile not in PROFILES:
         from twin.abi.errors import AbiError
         raise AbiError("profile", profile, f"one of {PROFILES}", where="rope")
-    t = np.dtype(dtype).type
-    base = cfg.rope_theta if profile == SWA_PROFILE else cfg.compress_rope_theta
-    x = np.arange(0, R, 2, dtype=dtype) / t(R)
-    f = t(1) / (np.float64(base) ** x.astype(np.float64)).astype(dtype)
-    if profile == COMPRESS_PROFILE and cfg.original_max_position_embeddings > 0:
-        low, high = yarn_range(R, base, cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
-        if low == high:
-            high += 0.001
-        ramp = np.clip((np.arange(R // 2, dtype=dtype) - t(low)) / t(high - low), t(0), t(1))
-        smooth = t(1) - ramp
-        f = f / t(cfg.rope_factor) * (t(1) - smooth) + f * smooth
-    return f
+    return abi_inv_freq(cfg, profile == COMPRESS_PROFILE, dtype)
 
 
 def rope_rows(cfg, profile: str, positions, nm):

@@ -148,3 +148,22 @@ def test_o_proj_against_the_dense_product(nm):
     Bm = wo_b.transpose(1, 0, 2).reshape(D, G * OL) * s[:, None].astype(np.float64)
     ref = (o.reshape(5, -1) @ A.T) @ Bm.T
     assert rel(out, ref) < (1e-12 if nm.exact else 0.02)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "flash"])
+def test_the_lowerings_default_tables_are_golden_device_tables(preset):
+    # the lowering stages RoPE rows a device reads as BF16; golden's device mode must see the same
+    # values: both take twin.abi.rope's float32 frequencies and float32 angles (same operations, same
+    # order, elementwise), so after the BF16 rounding they are equal bit for bit
+    from twin.abi.lowering.context import default_rope
+    from twin.abi.presets import get_preset
+
+    cfg = get_preset(preset)
+    rows = default_rope(cfg)
+    pos = np.array([0, 1, 127, 128, 4095, 8196, 65_537, 1_048_575])
+    nm = DEVICE
+    for ratio, profile in ((0, SWA_PROFILE), (4, COMPRESS_PROFILE), (128, COMPRESS_PROFILE)):
+        c, s = rows(ratio, pos)
+        gc, gs = rope_rows(cfg, profile, pos, nm)
+        np.testing.assert_array_equal(np.asarray(nm.bf16(c)), np.asarray(gc))
+        np.testing.assert_array_equal(np.asarray(nm.bf16(s)), np.asarray(gs))

@@ -11,7 +11,6 @@ bfloat16 and `twin.abi` imports numpy only); `validate` also accepts a 2-byte `b
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
@@ -22,6 +21,7 @@ from .. import constants as C
 from ..caches import cache_families, size_families
 from ..errors import AbiError
 from ..programs import bind, check_slots, get_program, symbols
+from ..rope import inv_freq
 from ..topology import Deployment
 
 NP_DTYPES = {"f32": np.float32, "i8": np.int8, "i16": np.int16, "i32": np.int32, "i64": np.int64,
@@ -61,21 +61,8 @@ def default_rope(model) -> Callable[[int, np.ndarray], tuple[np.ndarray, np.ndar
     ratio 4 or 128 -> `compress_rope_theta` with YaRN frequency interpolation (no mscale).  Rows
     are gathered per position, so a 1M-position table is never materialised.  Golden may inject
     its own function with the same signature."""
-    R = model.qk_rope_head_dim
 
-    def inv_freq(ratio: int) -> np.ndarray:
-        base = model.rope_theta if ratio == 0 else model.compress_rope_theta
-        f = base ** (-np.arange(0, R, 2, dtype=np.float64) / R)
-        if ratio and model.original_max_position_embeddings > 0:
-            def dim(rot):
-                return R * math.log(model.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
-            low, high = max(math.floor(dim(model.beta_fast)), 0), min(math.ceil(dim(model.beta_slow)), R - 1)
-            high = high + 0.001 if low == high else high
-            smooth = 1 - np.clip((np.arange(R // 2) - low) / (high - low), 0, 1)
-            f = f / model.rope_factor * (1 - smooth) + f * smooth
-        return f.astype(np.float32)
-
-    freqs = {r: inv_freq(r) for r in (0, 4, 128)}
+    freqs = {r: inv_freq(model, r != 0, np.float32) for r in (0, 4, 128)}
 
     def rows(ratio: int, positions: np.ndarray):
         ang = np.asarray(positions, dtype=np.float32)[:, None] * freqs[ratio][None, :]
