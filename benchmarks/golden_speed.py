@@ -70,7 +70,7 @@ def _replayer(records):
                 a @ b
             else:
                 for k0 in range(0, a.shape[-1], EXACT_F32_K):
-                    a[..., k0:k0 + EXACT_F32_K] @ b[k0:k0 + EXACT_F32_K]
+                    a[..., k0:k0 + EXACT_F32_K] @ b[..., k0:k0 + EXACT_F32_K, :]
     return run
 
 

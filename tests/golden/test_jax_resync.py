@@ -9,6 +9,7 @@ from golden.compose import Session, Taps, forward
 from golden.jax_path import JaxGolden
 from golden.jax_resync import (JAX_PROGRAMS, RESYNC_STAGES, SCORE_SLOPE, agreement, jax_admissible)
 from golden.paged import DECODE, Span, lower
+from jax_parity_lib import gate_scores
 from twin.abi import constants as C
 from twin.abi.errors import AbiError
 from twin.abi.presets import FLASH, SMALL, TINY
@@ -89,11 +90,7 @@ def test_a_route_no_drift_explains_is_refused(tiny_ckpt):
     taps = Taps()
     taps.update(ref.taps)
     bad = np.array(ref.taps[(layer, "moe_indices")])
-    x = np.asarray(ref.taps[(layer, "ffn_x_mixed")], np.float64)
-    w = tiny_ckpt.layer(layer)
-    biased = np.sqrt(np.logaddexp(0.0, (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
-                                        * np.asarray(w["norm_w"], np.float64)) @ np.asarray(w["gate_w"], np.float64).T))
-    biased += np.asarray(w["gate_bias"], np.float64)
+    biased = gate_scores(ref.taps[(layer, "ffn_x_mixed")], tiny_ckpt.layer(layer), cfg)
     bad[3] = np.argsort(biased[3])[:cfg.num_experts_per_tok]          # row 3's weakest experts
     taps[(layer, "moe_indices")] = bad
     out = jg.forward(meta, s.caches, resync_from=taps, taps=("moe_indices",))
