@@ -32,6 +32,7 @@ from .compose import ForwardOut, Taps, _check_contiguous, rope_inputs
 from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, fuse_projections, head, layout
 from .jax_moe import moe_sublayer
 from .jax_numerics import Fp32Numerics
+from .jax_resync import RESYNC_STAGES, Resyncs
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
 from .kernels.sparse_attention import TILE
@@ -52,10 +53,13 @@ JAX_TAP_STAGES = ("attn_in", "attn_x_hc", "ffn_x_mixed", "moe_indices", "moe_wei
 
 class JaxGolden:
     def __init__(self, ckpt, cfg, mode: str = "device", compiler_options: dict | None = None,
-                 verify_bf16: bool = False):
+                 verify_bf16: bool = False, device=None):
         """compiler_options go to jax.jit on top of XLA_OPTIONS (e.g.
         {"xla_backend_optimization_level": 0} trades step speed for less compile time in tests).  verify_bf16: every BF16 GEMM also checks that its
-        operands are BF16 values (Fp32Numerics); forward() then sets `bf16_operands_ok`."""
+        operands are BF16 values (Fp32Numerics); forward() then sets `bf16_operands_ok`.  device: a
+        jax.Device, or None for `accelerator()` (a GPU or TPU where JAX has one, else the CPU);
+        weights, pools and the step live there (`device_note(jg.device)` says which)."""
+        self.device = accelerator() if device is None else device
         self.cfg = cfg
         self.compiler_options = {**XLA_OPTIONS, **(compiler_options or {})}
         self.nm = Fp32Numerics(mode, jnp, verify_bf16=verify_bf16).for_config(cfg)
@@ -64,6 +68,7 @@ class JaxGolden:
             raise AbiError("dtype", cfg.dtype, "an fp8 or bf16 checkpoint for official mode on the JAX path "
                            "(an fp32 checkpoint's FP32 activations run on NumPy: golden.compose)", where="JaxGolden")
         self.bf16_operands_ok = None
+        self.resyncs = None             # the last forward's re-syncs (resync_from), jax_resync.Resyncs
         self.host_nm = Numerics(mode).for_config(cfg)
         L = cfg.num_hidden_layers
         # weights widened once to the compute dtype (exact: int8, bf16 and f32 values are f32 values);
@@ -75,7 +80,7 @@ class JaxGolden:
                           v.astype(BF16) if keep16(v) else v.astype(self.nm.f))
         # device mode's routed expert matrices stay int8 (int8 x int8 -> int32 dots, see Fp32Numerics)
         ewide = (lambda v: v) if mode == "device" else wide
-        with jax.enable_x64(True):
+        with jax.enable_x64(True), jax.default_device(self.device):
             # matrices the kernels read transposed (w.T) held as [in, out], the layout XLA CPU's
             # BF16 dot reads (against [out, in] it falls back to f32, ~2x slower); _abi_layout
             # swaps them back in the step, where the kernel's own .T cancels that swap
@@ -101,15 +106,15 @@ class JaxGolden:
         self._fns = {}
         self.rope_rows = RopeRows(cfg, self.host_nm, np.dtype(self.nm.f))
 
-    def _step_fn(self, form, n_idx, n_hca, donate, stages, spec):
+    def _step_fn(self, form, n_idx, n_hca, donate, stages, spec, resync=False):
         # spec (every host array's name, dtype and shape) determines the layout's static sizes:
         # g_tok's shape, g_win_slot's width, the window tiles (swa_indices' width) and g_sel*'s lengths
-        key = (form, n_idx, n_hca, donate, stages, spec)
+        key = (form, n_idx, n_hca, donate, stages, spec, resync)
         if key in self._fns:
             return self._fns[key]
         cfg, nm, n_win_tiles, rows = self.cfg, self.nm, win_tiles(spec), self._rows
 
-        def step(model, layers, experts, pools, bufs):
+        def step(model, layers, experts, pools, bufs, refs):
             nm.reads.clear()
             nm.bf16_state[1].clear()
             taps = Taps(stages)
@@ -120,7 +125,7 @@ class JaxGolden:
             model, layers = _abi_layout(model), [_abi_layout(w) for w in layers]
             ids = m["input_ids"]
             x_hc = lookup_embedding(ids, model["embed_weight"], cfg=cfg, nm=nm)[1]
-            out, scratch = [], None
+            out, scratch, resyncs = [], None, {}
             for layer in range(cfg.num_hidden_layers):
                 taps.put(layer, "attn_in", x_hc)
                 x_hc, p = attention_sublayer_grouped(x_hc, layer, layers[layer], pools[layer], m, rope, g, cfg=cfg,
@@ -128,14 +133,16 @@ class JaxGolden:
                                                      n_idx=n_idx, n_hca=n_hca, split=self.splits[layer])
                 taps.put(layer, "attn_x_hc", x_hc)
                 # the expert-block buffer passes from layer to layer (XLA reuses it: no zeroing per layer)
-                x_hc, scratch = moe_sublayer(x_hc, layer, layers[layer], experts, ids, cfg=cfg, nm=nm, taps=taps,
-                                             scratch=scratch)
+                x_hc, scratch, masks = moe_sublayer(x_hc, layer, layers[layer], experts, ids, cfg=cfg, nm=nm,
+                                                    taps=taps, scratch=scratch, ref=refs.get(layer))
+                if masks is not None:
+                    resyncs[layer] = masks
                 out.append(p)
             logits, sampled = head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
             checks = nm.bf16_state[1]
             ok = jnp.all(jnp.stack(checks)) if checks else None
             checks.clear()                     # no tracer outlives its trace
-            return logits, sampled, out, x_hc, {f"{l}:{s}": v for (l, s), v in taps.items()}, ok
+            return logits, sampled, out, x_hc, {f"{l}:{s}": v for (l, s), v in taps.items()}, ok, resyncs
 
         self._fns[key] = jax.jit(step, donate_argnums=(3,) if donate else (), compiler_options=self.compiler_options)
         return self._fns[key]
@@ -151,12 +158,15 @@ class JaxGolden:
         n_hca = int(np.minimum((pos + 1) // 128, lens // 128).max(initial=0))
         return _bucket(n_idx, 16), (_bucket(n_hca, 1) if n_hca else 0)
 
-    def forward(self, meta: StepMeta, caches, *, donate: bool = False, taps=None, extents=None) -> ForwardOut:
+    def forward(self, meta: StepMeta, caches, *, donate: bool = False, taps=None, extents=None,
+                resync_from=None) -> ForwardOut:
         """compose.forward on JAX.  donate=True hands the pools over (JAX arrays the caller does not
         use again, e.g. the previous step's out.caches): writes then happen in place.  taps: stage
         names from JAX_TAP_STAGES; out.taps is a Taps keyed (layer, stage).  extents: (indexer
         candidates, HCA rows) at least static_extents(meta), to share one compiled step across
-        calls that need different extents (a decode loop pinned to its largest)."""
+        calls that need different extents (a decode loop pinned to its largest).  resync_from: the
+        reference's taps of the same call (holding jax_resync.RESYNC_STAGES of every routed layer):
+        its routing is adopted at near ties (golden.jax_resync) and `self.resyncs` says where."""
         cfg = self.cfg
         if len(caches) != cfg.num_hidden_layers:
             raise AbiError("caches", len(caches), f"one pool dict per layer ({cfg.num_hidden_layers})",
@@ -178,17 +188,19 @@ class JaxGolden:
         for k, (c, s) in self.rope_rows(meta.position_ids).items():
             host[f"{_ROPE}{k}:0"], host[f"{_ROPE}{k}:1"] = c, s
         bufs, spec = _pack(host)
-        with jax.enable_x64(True):
-            bufs = jax.device_put(bufs)
+        refs = self._resync_refs(resync_from, meta.T)
+        with jax.enable_x64(True), jax.default_device(self.device):
+            bufs = jax.device_put(bufs, self.device)
             pools = [c.raw if isinstance(c, LayerPools) else _to_bits(c, donate) for c in caches]
-            fn = self._step_fn(meta.form, n_idx, n_hca, donate, stages, spec)
-            args = (self.model, (self._stacked, self._own), self.experts, pools, bufs)
+            fn = self._step_fn(meta.form, n_idx, n_hca, donate, stages, spec, bool(refs))
+            args = (self.model, (self._stacked, self._own), self.experts, pools, bufs, jax.device_put(refs, self.device))
             # for stablehlo(): the pools by (shape, dtype) only (holding them would keep a copied-in
             # pool set alive between calls; a ShapeDtypeStruct per pool costs ~5 us a call); the
             # rest's shapes only if stablehlo() asks (~1 ms a call otherwise)
             self._last = (fn, args[:3], [{k: (v.shape, v.dtype) for k, v in p.items()} for p in pools], args[4:])
-            logits, sampled, out, x_hc, tapped, ok = fn(*args)
+            logits, sampled, out, x_hc, tapped, ok, masks = fn(*args)
             self.bf16_operands_ok = None if ok is None else bool(ok)
+            self.resyncs = Resyncs.from_masks(masks) if refs else None
             logits.block_until_ready()
         got = None
         if taps is not None:
@@ -199,6 +211,25 @@ class JaxGolden:
         return ForwardOut(logits, sampled, [LayerPools(p) for p in out], x_hc, got, meta)
 
 
+    def _resync_refs(self, taps, T: int) -> dict:
+        """layer -> (the reference's router input, its expert ids) for every routed layer."""
+        if taps is None:
+            return {}
+        cfg, refs = self.cfg, {}
+        K = cfg.num_experts_per_tok
+        for layer in range(cfg.num_hash_layers, cfg.num_hidden_layers):
+            x, idx = (taps.get((layer, s)) for s in RESYNC_STAGES)
+            if x is None or idx is None:
+                raise AbiError("resync_from", f"layer {layer}", f"taps holding {RESYNC_STAGES} of every routed layer",
+                               where="JaxGolden.forward")
+            x, idx = np.asarray(x), np.asarray(idx)
+            if x.shape != (T, cfg.hidden_size) or idx.shape != (T, K):
+                raise AbiError("resync_from", f"layer {layer}: {x.shape}, {idx.shape}",
+                               f"[{T}, {cfg.hidden_size}] router inputs and [{T}, {K}] expert ids",
+                               where="JaxGolden.forward")
+            refs[layer] = (x.astype(np.dtype(self.nm.f)), idx.astype(np.int32))
+        return refs
+
     def stablehlo(self) -> str:
         """The StableHLO text of the last step (what XLA compiled for it), e.g. to check dtypes."""
         fn, head, pools, tail = self._last
@@ -206,6 +237,20 @@ class JaxGolden:
         shapes = (*jax.tree_util.tree_map(_shape, head), pools, *jax.tree_util.tree_map(_shape, tail))
         with jax.enable_x64(True):
             return fn.lower(*shapes).as_text()
+
+
+def accelerator():
+    """The device the JAX path runs on by default: the first GPU or TPU JAX can use (`jax[cuda]`
+    installed and a GPU present), else the first CPU device."""
+    for d in jax.devices():
+        if d.platform != "cpu":
+            return d
+    return jax.devices("cpu")[0]
+
+
+def device_note(device) -> str:
+    """One line naming a JAX device: platform, kind and id (e.g. "gpu NVIDIA H200 #0", "cpu cpu #0")."""
+    return f"{device.platform} {getattr(device, 'device_kind', '?')} #{device.id}"
 
 
 class RopeRows:

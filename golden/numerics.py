@@ -297,23 +297,51 @@ def _record(kind, a, b):
 
 def _int_mm_np(a, b):
     """Numerics.int_mm on NumPy 2-D operands.  The products are exact integers in any order, so
-    only the layout is chosen, for speed: a weight passed transposed ([out, in] int8, read as
-    w.T) widens as it lies and multiplies from the left (C^T = W A^T) up to 64 rows, where
-    OpenBLAS's SGEMM against a transposed B is up to ~2-3x slower and a transposing widen costs
-    ~4x a plain one.  One K slice comes back as its f32 integers (exact); more slices add in f64
+    only the layout is chosen, for speed.  A weight passed transposed ([out, in] int8, read as w.T)
+    against at most 64 rows (a routed expert's few rows) is widened a block of output channels at
+    a time into one cache-sized f32 buffer and multiplied from the left (C^T = W A^T): widening the
+    whole weight would write and read it 4x its int8 size through memory, which costs more than
+    the GEMM itself (OpenBLAS's SGEMM against a transposed B is ~2-3x slower, a transposing widen
+    ~4x a plain one).  One K slice comes back as its f32 integers (exact); more slices add in f64
     from 0.0, as the generic path does.  (The one difference: an all -0 product sum stays -0 in
     f32 where the generic path's 0.0 + s gives +0; both are the integer 0.)"""
     a32 = np.asarray(a, dtype=np.float32)
     b = np.asarray(b)
-    left = b.flags.f_contiguous and not b.flags.c_contiguous and a32.shape[0] <= 64
-    w32 = b.T.astype(np.float32) if left else b.astype(np.float32)
+    if b.flags.f_contiguous and not b.flags.c_contiguous and a32.shape[0] <= 64:
+        return _int_mm_weight_blocks(a32, b.T)
+    w32 = b.astype(np.float32)
     if a32.shape[-1] <= EXACT_F32_K:      # one slice: its f32 sum is the exact integer
-        return np.ascontiguousarray((w32 @ a32.T).T) if left else a32 @ w32
+        return a32 @ w32
     out = None
     for k0 in range(0, a32.shape[-1], EXACT_F32_K):
         k1 = k0 + EXACT_F32_K
-        r = (w32[:, k0:k1] @ a32[:, k0:k1].T).T if left else a32[:, k0:k1] @ w32[k0:k1]
+        r = a32[:, k0:k1] @ w32[k0:k1]
         out = np.add(r, 0.0, dtype=np.float64, order="C") if out is None else out + r
+    return out
+
+
+WIDEN_BLOCK_BYTES = 1 << 20     # the f32 weight block of _int_mm_weight_blocks: fits a core's L2
+
+
+def _int_mm_weight_blocks(a32, w):
+    """a32 [n, K] f32 integers @ w.T, w [N, K] int8 C-contiguous, one block of output channels at a
+    time (see _int_mm_np); the same f32 slice sums and f64 slice additions as the whole-weight path."""
+    n, K = a32.shape
+    N = w.shape[0]
+    rows = max(16, WIDEN_BLOCK_BYTES // (4 * max(K, 1)))
+    out = np.empty((n, N), np.float32 if K <= EXACT_F32_K else np.float64)
+    buf = np.empty((min(rows, N), K), np.float32)
+    for o0 in range(0, N, rows):
+        blk = buf[:min(rows, N - o0)]
+        np.copyto(blk, w[o0:o0 + rows])
+        if K <= EXACT_F32_K:
+            out[:, o0:o0 + rows] = (blk @ a32.T).T
+            continue
+        acc = None
+        for k0 in range(0, K, EXACT_F32_K):
+            r = (blk[:, k0:k0 + EXACT_F32_K] @ a32[:, k0:k0 + EXACT_F32_K].T).T
+            acc = np.add(r, 0.0, dtype=np.float64) if acc is None else acc + r
+        out[:, o0:o0 + rows] = acc
     return out
 
 

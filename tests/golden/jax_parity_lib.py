@@ -17,11 +17,11 @@ boundary.  So the checks are tie-aware:
 """
 import numpy as np
 
+from golden.jax_resync import COSINE_MIN, REL_L2_MAX
 from golden.kernels.moe import _softplus
 from golden.kernels.rmsnorm import rms_scale
 from golden.numerics import Numerics
 
-COSINE_MIN, REL_L2_MAX = 0.99, 0.10          # kernel-math §2, full forward
 _EXACT = Numerics("exact")
 
 

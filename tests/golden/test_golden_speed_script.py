@@ -29,3 +29,8 @@ def test_small_decode_prints_its_step_against_its_gemms():
 def test_requests_below_one_is_refused_by_name():
     out = _run("--skip-flash", "--skip-jax", "--requests", "0")
     assert out.returncode == 2 and "--requests: 0" in out.stderr and "at least 1" in out.stderr
+
+
+def test_flash_requests_below_one_is_refused_by_name():
+    out = _run("--skip-jax", "--flash-requests", "0")
+    assert out.returncode == 2 and "--flash-requests: 0" in out.stderr and "at least 1" in out.stderr

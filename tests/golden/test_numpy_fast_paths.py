@@ -24,8 +24,9 @@ from twin.abi.presets import SMALL
 
 @settings(max_examples=30)
 @given(m=st.sampled_from([1, 3, 64, 65, 130]), k=st.sampled_from([1, 7, 1024, 1025, 2100]),
-       n=st.sampled_from([1, 5, 128]), transposed=st.booleans(), seed=st.integers(0, 2 ** 16))
+       n=st.sampled_from([1, 5, 128, 300]), transposed=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_int_mm_is_the_integer_product_in_every_layout(m, k, n, transposed, seed):
+    """n = 300 crosses the weight blocks of a transposed weight (256 channels at K <= 1024, 124 at 2100)."""
     rng = np.random.default_rng(seed)
     a = rng.integers(-127, 128, (m, k)).astype(np.float64)
     w = rng.integers(-127, 128, (n, k) if transposed else (k, n), dtype=np.int8)
