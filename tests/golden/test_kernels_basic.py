@@ -8,7 +8,8 @@ from golden.kernels.embedding import lookup_embedding
 from golden.kernels.hyper_connections import hc_head, hc_post, hc_pre, sinkhorn
 from golden.kernels.lm_head import greedy_sample, lm_head, sampled_ids_pad
 from golden.kernels.rmsnorm import rms_norm
-from golden.kernels.rope import COMPRESS_PROFILE, SWA_PROFILE, inv_freq, rope_rotate, rope_rows, yarn_range
+from golden.kernels.rope import COMPRESS_PROFILE, SWA_PROFILE, inv_freq, rope_rotate, rope_rows
+from twin.abi.rope import yarn_range
 from golden_testlib import DEVICE, EXACT, rel
 from twin.abi.errors import AbiError
 from twin.abi.presets import SMALL, TINY
