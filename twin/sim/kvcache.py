@@ -147,6 +147,22 @@ class PageLog:
         return out
 
 
+def _decref(ref: list, free: dict, blocks, freed: list | None, name: str, p: int) -> None:
+    """One reference fewer on each block of one pool (None: no page); a page left unreferenced
+    joins the free queue's tail (its hash kept) and, with a decision log, the `freed` list."""
+    for b in blocks:
+        if b is None:
+            continue
+        x = ref[b] - 1
+        ref[b] = x
+        if x == 0:
+            free[b] = None
+            if freed is not None:
+                freed.append(b)
+        elif x < 0:
+            raise AssertionError(f"{name} p{p} block {b}: negative ref count")
+
+
 class KvCacheManager:
     """`share_identical`: families whose specs differ only in name (FLASH: `cmp_c128`, `cmp_c4`
     and `idx`; `csa_state` and `csa_inner_state`) see the same calls with the same arguments, so
@@ -242,19 +258,8 @@ class KvCacheManager:
     def _decref_all(self, f: int, p: int, blocks) -> None:
         """One reference fewer on each block (None: no page); a page left unreferenced joins the
         free queue's tail with its hash kept."""
-        r, fr = self.ref[f][p], self.free[f][p]
         freed = [] if self.log is not None else None
-        for b in blocks:
-            if b is None:
-                continue
-            x = r[b] - 1
-            r[b] = x
-            if x == 0:
-                fr[b] = None
-                if freed is not None:
-                    freed.append(b)
-            elif x < 0:
-                raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+        _decref(self.ref[f][p], self.free[f][p], blocks, freed, self.names[f], p)
         if freed:
             self.log.free(f, p, freed)
 
@@ -642,17 +647,7 @@ class KvCacheManager:
                     log.free(cur, p, freed)
                 cur, r, fr = f, self.ref[f][p], self.free[f][p]
                 freed = [] if log is not None else None
-            for b in bs:
-                if b is None:
-                    continue
-                x = r[b] - 1
-                r[b] = x
-                if x == 0:
-                    fr[b] = None
-                    if freed is not None:
-                        freed.append(b)
-                elif x < 0:
-                    raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+            _decref(r, fr, bs, freed, self.names[f], p)
         if freed:
             log.free(cur, p, freed)
         st.clear()
