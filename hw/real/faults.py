@@ -363,7 +363,7 @@ class RealFault:
         dr = side.par.draft_routes
         n0, at = len(dr), sorted(groups).index(grp) * g.cfg.dspark_num_layers
         run.pools[grp] = self._pools[grp]
-        drafts, conf = S._draft(g, run, grp, rows_, np.concatenate(hidden), num_sampled=1)
+        drafts, conf = S.draft_rows(g, run, grp, rows_, np.concatenate(hidden), num_sampled=1)
         # the re-run's drafter routes replace the first run's (the golden adopts drafter ties call by call)
         new = dr[n0:]
         del dr[n0:]

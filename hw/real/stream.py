@@ -133,7 +133,7 @@ class Stream:
         seqs = [run.seqs[i] for i in rd.rows]
         if rd.kind == "prefill":
             spans = self.spans_from_dispatch(rd, run)
-            sampled, mh = S._forward(g, run, spans, PREFILL)
+            sampled, mh = S.forward_spans(g, run, spans, PREFILL)
             check_prefill(rd.dispatch, side.par.calls[-1][0], rd.items, self.pages)
             row = 0
             for i, (s, it) in enumerate(zip(seqs, rd.items)):

@@ -114,7 +114,7 @@ def test_executor_rejects_what_it_cannot_run(golden):
     with pytest.raises(AbiError, match="request_id.*ghost"):
         ex.execute(StepPlan(1, (stray,), (), None, ((), ()), False))
     with pytest.raises(AbiError, match=r"block_ids\[ori\]"):
-        ex.pages.to_golden(0, {"ori": (ex.pages.num_blocks["ori"],)})
+        ex.host.pages.to_golden(0, {"ori": (ex.host.pages.num_blocks["ori"],)})
 
 
 def test_golden_executor_refuses_flash_on_the_cli(tmp_path, capsys):
