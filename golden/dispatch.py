@@ -145,9 +145,15 @@ def run_dispatch(served: Served, kind: str, d, items) -> Ran:
     raise AbiError("kind", kind, f"one of {KINDS}", where="golden.dispatch")
 
 
-def _prefill(sv: Served, d, items) -> Ran:
+def placement_order(d, items) -> list:
+    """A packed prefill's items in the dispatch's row order (partition, then ordinal in it): the
+    order of its outputs' rows."""
     place = d.meta["placement"]
-    items = sorted(items, key=lambda it: (place[it.request_id]["group"], place[it.request_id]["ordinal"]))
+    return sorted(items, key=lambda it: (place[it.request_id]["group"], place[it.request_id]["ordinal"]))
+
+
+def _prefill(sv: Served, d, items) -> Ran:
+    items = placement_order(d, items)
     seqs = [sv.bind(it.request_id, it.partition, it.lease, it.generation, it.block_ids) for it in items]
     spans = [S.Span(s.index, it.num_computed, tuple(int(t) for t in it.chunk_tokens), sv.run.blocks[s.index])
              for s, it in zip(seqs, items)]

@@ -9,8 +9,9 @@ ALLOWED = {
     "golden": {"twin.abi", "golden"},
     "twin/sim": {"twin.abi", "twin.sim"},
     "hw": {"twin.abi", "golden", "hw"},
-    # the functional twin plugs golden into the simulator's executor slot: a composition layer
-    "twin/functional": {"twin.abi", "twin.sim", "golden", "twin.functional"},
+    # the functional twin plugs golden into the simulator's executor slot, and a parity run plugs in
+    # the lockstep checker (hw) the same way: a composition layer, the one place the three meet
+    "twin/functional": {"twin.abi", "twin.sim", "golden", "hw", "twin.functional"},
 }
 
 

@@ -3,8 +3,9 @@
 `TapPar` is golden's single-rank `par` with the target forward tapped at every stage (golden's own
 step keeps only the two stages the drafter needs); it remembers each forward's lowered `StepMeta`
 and taps, which the lockstep compares and localizes against and whose slot mappings are the rows
-a dispatch maps.  `Side` holds config + weights (`golden.dspark.step.Golden`) apart from the run
-state (`golden.dspark.step.Run`), so a re-sync replaces the run and nothing else.
+a dispatch maps.  `Side` holds golden's served run state (`golden.dispatch.Served`): config +
+weights (`golden.dspark.step.Golden`) apart from the run state (`golden.dspark.step.Run`), so a
+re-sync replaces the run and nothing else.
 """
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from golden.kernels.indexer import lightning_indexer
 from golden.kernels.moe import gate, moe_experts
 from golden.dspark import step as S
 from golden.dspark.parallel import SINGLE
-from golden.dspark.ring import new_pools
-from golden.dspark.state import new_state
-from golden.paged import alloc_caches
+from golden.dispatch import Served
+from golden.dspark.state import DeviceState
 
 
 class LayerTaps(Taps):
@@ -200,22 +200,69 @@ def layer_of_draft(site, cfg) -> int:
 
 
 class Side:
-    def __init__(self, name: str, cfg, ckpt, dckpt, nm, dep, pool_pages: dict):
+    """One side of the lockstep: golden's served run state (`golden.dispatch.Served`) over golden's
+    compositions with a tapped `par`; `g` (config, weights, numerics) and `run` (what a dispatch
+    mutates) are the served run's."""
+
+    def __init__(self, name: str, cfg, ckpt, dckpt, nm, ctx):
         self.name = name
         self.par = TapPar()
-        self.g = S.Golden(cfg, ckpt, dckpt, nm, max_model_len=dep.limits.max_model_len, groups=dep.partitions,
-                          par=self.par)
-        self.run = S.Run(alloc_caches(cfg, pool_pages, self.g.nm), [], [])
-        if dep.k:
-            self.run.state = new_state(dep.partitions, cfg.dspark_noise_token_id)
-            self.run.pools = new_pools(cfg, dep.partitions, self.g.nm)
+        g = S.Golden(cfg, ckpt, dckpt, nm, max_model_len=ctx.deployment.limits.max_model_len,
+                     groups=ctx.deployment.partitions, par=self.par)
+        self.served = Served(g, ctx)
 
-    def seq(self, index: int) -> S.Seq:
-        return self.run.seqs[index]
+    @property
+    def g(self) -> S.Golden:
+        return self.served.g
 
-    def snapshot(self) -> S.Run:
-        return copy.deepcopy(self.run)
+    @property
+    def run(self) -> S.Run:
+        return self.served.run
+
+    @run.setter
+    def run(self, run: S.Run) -> None:
+        self.served.run = run
+        self.served.seqs = {s.req.request_id: s for s in run.seqs}
+
+    def seq(self, rid: str) -> S.Seq:
+        return self.served.seqs[rid]
 
     def adopt(self, run: S.Run) -> None:
         """Re-sync: take the other side's run state (a copy) as this side's."""
         self.run = copy.deepcopy(run)
+
+
+# the golden slot key (golden.staging.SLOTS) that writes each pool
+POOL_SLOTS = {"kv_cache": "ori", "hca_compress_state": "hca_state", "csa_compress_state": "csa_state",
+              "csa_inner_compress_state": "csa_inner_state", "hca_cmp_kv": "hca_cmp", "csa_cmp_kv": "csa_cmp",
+              "idx_kv_cache": "csa_idx", "idx_kv_scale": "csa_idx"}
+
+
+def mapped_rows(calls) -> dict:
+    """pool -> flat rows the dispatch's target forwards write (every slot >= 0 of its family)."""
+    out = {}
+    for pool, key in POOL_SLOTS.items():
+        rows = [m.slots[key][m.slots[key] >= 0] for m, *_ in calls]
+        out[pool] = np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
+    return out
+
+
+# ---- a side's state as named arrays (what a backend receives and returns, what records store) ------
+def side_state(side) -> dict:
+    """'LAYER/POOL' target pools, 'draft/GROUP' drafter pools, 'dspark/tokens|meta' the K=7 state."""
+    run = side.run
+    out = {f"{layer}/{pool}": a for layer, pools in enumerate(run.caches) for pool, a in pools.items()}
+    if run.pools is not None:
+        out.update({f"draft/{g}": a for g, a in enumerate(run.pools)})
+    if run.state is not None:
+        out["dspark/tokens"], out["dspark/meta"] = run.state.tokens, run.state.meta
+    return out
+
+
+def install_state(side, arrays: dict) -> None:
+    run = side.run
+    run.caches = [{pool: arrays[f"{layer}/{pool}"] for pool in pools} for layer, pools in enumerate(run.caches)]
+    if run.pools is not None:
+        run.pools = [arrays[f"draft/{g}"] for g in range(len(run.pools))]
+    if run.state is not None:
+        run.state = DeviceState(arrays["dspark/tokens"], arrays["dspark/meta"], run.state.noise_token)

@@ -36,11 +36,12 @@ def test_lockstep_command_errors_name_what_is_allowed(tmp_path, capsys):
 
 def test_overhead_benchmark_prints_a_ratio_as_json():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lockstep_overhead.py"), "--dispatches", "6",
-                          "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert d["ratio"] == d["ratio_cpu"] > 1 and d["target_ratio"] == 2.5 and d["verdict"] == "PASS"
-    r = d["real"]                      # the real-golden path, side by side in the same run
-    assert r["ratio"] == r["ratio_cpu"] > 1 and r["verdict"] == "PASS" and r["dispatches"] == 6
-    assert r["cpu_s"]["lockstep"] > r["cpu_s"]["device_only"]
+    # both runs served the same workload to the same number of dispatches; the lockstep does strictly more
+    assert d["verdict"] == "PASS" and d["dispatches"] == d["device_only_dispatches"] == 6
+    assert d["ratio"] == d["ratio_wall"] > 1 and d["target_ratio"] == 2.0
+    assert d["cpu_s"]["lockstep"] > d["cpu_s"]["device_only"] > 0 and d["wall_s"]["device_only"] > 0
+    assert d["backend"].startswith("selfcheck:")

@@ -1,7 +1,8 @@
-"""Lockstep against golden's real compositions (hw.real): golden.compose / golden.dspark run from
-dispatches that twin.abi.lowering lowers and validates; the device side runs the same compositions
-with every GEMM on torch (FP32 accumulation).  A clean run has no false alarm; injected faults are
-detected at the dispatch they break and localized to the stage they corrupt."""
+"""Lockstep against golden's real compositions (hw.real) on parity runs driven by the one scheduler
+(twin.functional.parity): golden.compose / golden.dspark run from dispatches that twin.abi.lowering
+lowers and validates; the self-check device runs the same compositions with every GEMM on torch
+(FP32 accumulation).  A clean run has no false alarm; injected faults are detected at the dispatch
+they break and localized to the stage they corrupt."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from hw.real.faults import EXPECTED_STAGES, REAL_KINDS, RealFault  # noqa: E402
-from hw.real.lockstep import build_real  # noqa: E402
+from twin.functional.parity import build_lockstep as build_real  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 
 
@@ -65,7 +66,7 @@ def test_exact_mode_sides_agree_closely():
     assert h["max_rel_l2"] < 1e-9
 
 
-@pytest.mark.parametrize("kind,at,layer", [("weight", 4, 2), ("route", 0, 5), ("kv_row", 5, 3), ("stray", 1, 4),
+@pytest.mark.parametrize("kind,at,layer", [("weight", 5, 2), ("route", 0, 5), ("kv_row", 5, 3), ("stray", 6, 4),
                                            ("token", 6, 0), ("weight", 0, 6)])
 def test_fault_detected_and_localized(kind, at, layer):
     f = RealFault(kind, at=at, layer=layer)
@@ -105,13 +106,32 @@ def test_continuous_mode_resyncs_after_a_fault():
     assert s["dispatches"] == 12 and s["resyncs"]["state"] == 1
 
 
-def test_golden_checks_the_staged_slots():
-    """Golden runs what the dispatch stages: a side whose pages disagree with the dispatch's
-    slot mappings is refused, naming the slot mapping."""
-    lr = build_real(k=7, max_new=4)
-    lr.dev.run.blocks[0] = {f: [b + 1 for b in ids] for f, ids in lr.dev.run.blocks[0].items()}
-    with pytest.raises(AbiError, match="slot_mapping_full"):
-        lr.run(1)
+def _corrupt_first_prefill(monkeypatch, arg, edit):
+    """Every prefill dispatch the executor lowers gets `edit` applied to its argument `arg`."""
+    import twin.functional.executor as ex
+
+    real = ex.lower
+
+    def bad(batch, ctx, **kw):
+        d = real(batch, ctx, **kw)
+        if d.program == "l3_prefill_fwd":
+            a = np.array(d.args[arg])
+            edit(a)
+            d = type(d)(d.program, {**d.args, arg: a}, d.meta)
+        return d
+
+    monkeypatch.setattr(ex, "lower", bad)
+    monkeypatch.setattr(ex, "validate", lambda d, ctx: None)
+
+
+def test_golden_checks_the_staged_slots(monkeypatch):
+    """Golden runs what the dispatch stages: a dispatch whose slot mapping disagrees with the pages
+    the scheduler gave the request is refused, naming the slot mapping."""
+    def shift(a):
+        a[0, 3] += 1
+    _corrupt_first_prefill(monkeypatch, "ori_slot_mapping_full", shift)
+    with pytest.raises(AbiError, match="ori_slot_mapping_full"):
+        build_real(k=7, max_new=4).run(1)
 
 
 def test_bad_inputs_name_the_argument():
@@ -153,19 +173,11 @@ def test_cli_golden_real(tmp_path, capsys):
     assert "kind='melt'" in capsys.readouterr().err
 
 
-def test_golden_checks_every_staged_position():
+def test_golden_checks_every_staged_position(monkeypatch):
     """The shared cross-check (golden.staging) also holds the dispatch's positions to golden's: a
     position staged out of order inside a chunk is refused, naming position_ids_full."""
-    lr = build_real(k=7, max_new=4)
-    nxt = lr.stream.next
-
-    def bad_next(dev):
-        rd = nxt(dev)
-        pos = np.array(rd.dispatch.args["position_ids_full"])
-        pos[0, 5] += 1
-        rd.dispatch.args["position_ids_full"] = pos
-        return rd
-
-    lr.stream.next = bad_next
+    def bump(a):
+        a[0, 5] += 1
+    _corrupt_first_prefill(monkeypatch, "position_ids_full", bump)
     with pytest.raises(AbiError, match="position_ids_full"):
-        lr.run(1)
+        build_real(k=7, max_new=4).run(1)

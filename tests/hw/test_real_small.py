@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
-from hw.real.faults import run_case  # noqa: E402
-from hw.real.lockstep import build_real  # noqa: E402
+from twin.functional.parity import run_case  # noqa: E402
+from twin.functional.parity import build_lockstep as build_real  # noqa: E402
 from hw.tolerance import DEFAULT_TABLE, Policy, Tolerance  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 

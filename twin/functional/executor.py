@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from golden.dispatch import Served
+from golden.dispatch import Served, placement_order
 from twin.abi import constants as C
 from twin.abi.batches import PLACEHOLDER_TOKEN, DrafterBatch, DrafterItem
 from twin.abi.lowering import LoweringContext, lower, lower_bootstrap, validate
@@ -42,6 +42,8 @@ class GoldenExecutor:
         self.dispatches = 0                     # lowered and validated dispatches, all programs
         self.leases_reused = 0                  # K=7 leases reserved again after another request held them
         self._held: dict[str, tuple] = {}
+        # what the scheduler's decisions made the executor run (parity runs report them)
+        self.counts = {"packed_prefills": 0, "prefill_chunks": 0, "seeding_waves": 0, "fallback_rows": 0}
 
     # ---- execute -----------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -78,12 +80,13 @@ class GoldenExecutor:
         d = self._lowered(batch)
         for it in batch.items:
             self._count_lease(it)
-        ran = self.host.dispatch("prefill", d, batch.items)
-        rows = {s.req.request_id: i for i, s in enumerate(ran.seqs)}
-        sampled = ran.outputs["sampled_ids"]
-        for it in batch.items:
+        sampled = self.host.dispatch("prefill", d, batch.items).outputs["sampled_ids"]
+        order = placement_order(d, batch.items)
+        self.counts["packed_prefills"] += len(order) > 1
+        for i, it in enumerate(order):
+            self.counts["prefill_chunks"] += not it.terminal or it.num_computed > 0
             if it.terminal:
-                res.tokens[it.request_id] = [int(sampled[rows[it.request_id]])]
+                res.tokens[it.request_id] = [int(sampled[i])]
         res.dispatches.append(prefill_timing(self.cost, batch, self.dep.partitions))
 
     def _seed(self, wave, res: StepResult) -> None:
@@ -96,6 +99,7 @@ class GoldenExecutor:
             rows.append(DrafterItem(it.request_id, it.partition, it.lease, it.generation, a, ctx_pos, 0,
                                     next_prefill_token=self.host.last_token(it.request_id)))
         d = self._lowered(DrafterBatch(tuple(rows))) if rows else None
+        self.counts["seeding_waves"] += 1
         self.host.dispatch("seed", d, wave)
         res.dispatches.append(seed_timing(self.cost, wave))
 
@@ -122,6 +126,7 @@ class GoldenExecutor:
                 res.tokens[rid] = [int(t) for t in out["accepted_ids"][i, :c]]
                 res.accepted[rid] = c
                 res.drafts[rid] = int(out["num_draft_tokens"][i])
+                self.counts["fallback_rows"] += res.drafts[rid] == 0
             else:
                 res.tokens[rid] = [int(out["sampled_ids"][i])]
                 res.accepted[rid] = 1
