@@ -16,6 +16,7 @@ import numpy as np
 from golden.compose import Taps, forward
 from golden.kernels.indexer import lightning_indexer
 from golden.kernels.moe import gate, moe_experts
+from golden.ties import adopt_equivalent, equivalent_rows
 from golden.dspark import step as S
 from golden.dspark.parallel import SINGLE
 from golden.dispatch import Served
@@ -109,6 +110,7 @@ class TapPar:
         if dev is None or np.shape(dev) != topk.shape:
             return topk
         dev, score = np.asarray(dev), np.asarray(score, np.float64)
+        topk = self._exact_ties(score, topk, dev, [layer, "idx_topk"])
         rows = np.flatnonzero((np.sort(topk, -1) != np.sort(dev, -1)).any(-1))
         tie = []
         for r in rows:
@@ -127,6 +129,15 @@ class TapPar:
         self.resyncs.append({"kind": "index", "site": [layer, "idx_topk"], "row": tie[0],
                              "golden": f"{len(tie)} near-tie rows", "device": tie[:8]})
         return topk
+
+    def _exact_ties(self, scores, mine, dev, site):
+        """The project's tie rule (golden.ties): rows whose selections differ only among exactly tied
+        scores (golden's scores) are equal; the golden takes the device's choice, recorded as "tie"."""
+        out, rows = adopt_equivalent(scores, mine, dev)
+        if rows.size:
+            self.resyncs.append({"kind": "tie", "site": list(site), "row": int(rows[0]),
+                                 "golden": f"{rows.size} exactly tied rows", "device": rows[:8].tolist()})
+        return out
 
     def _adopt_samples(self, taps, sampled, dev):
         """Greedy samples: where the device's token is within tie_tol (relative) of the golden's best
@@ -170,11 +181,22 @@ class TapPar:
         rows = np.flatnonzero((np.sort(idx, -1) != np.sort(dev, -1)).any(-1))
         if not rows.size:
             return idx, wts
-        x = np.asarray(x_mixed, np.float64)[rows]
-        inv_rms = 1.0 / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
-        logits = inv_rms * ((x * np.asarray(lw["norm_w"], np.float64)) @ np.asarray(lw["gate_w"], np.float64).T)
-        score = np.sqrt(np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits))))
-        biased = score + np.asarray(lw["gate_bias"], np.float64)
+        biased = self._biased(np.asarray(x_mixed)[rows], lw, cfg)       # of the rows that differ
+        tied = equivalent_rows(biased, idx[rows], dev[rows])
+        if tied.any():
+            idx, wts = np.array(idx), np.array(wts)
+            for j, r in zip(np.flatnonzero(tied), rows[tied]):
+                d = dev[r].astype(np.int64)
+                sel = biased[j, d] - np.asarray(lw["gate_bias"], np.float64)[d]
+                idx[r] = dev[r]
+                wts[r] = nm.r32(sel / sel.sum() * cfg.routed_scaling_factor)
+            self.resyncs.append({"kind": "tie", "site": list(site[:2]), "row": int(rows[tied][0]),
+                                 "golden": f"{int(tied.sum())} exactly tied rows", "device": rows[tied][:8].tolist()})
+            rows, biased = rows[~tied], biased[~tied]
+            if not rows.size:
+                return idx, wts
+        # near-ties: the self-check device's FP32 sums legitimately move the scores, within a margin
+        score = biased - np.asarray(lw["gate_bias"], np.float64)
         kth = np.sort(biased, -1)[:, -cfg.num_experts_per_tok]
         chosen = np.take_along_axis(biased, dev[rows].astype(np.int64), -1).min(-1)
         scale = np.maximum(1.0, np.abs(biased).max(-1))
@@ -192,6 +214,16 @@ class TapPar:
         self.resyncs.append({"kind": "route", "site": list(site[:2]), "row": int(rows[tie][0]),
                              "golden": f"{int(tie.sum())} near-tie rows", "device": rows[tie][:8].tolist()})
         return idx, wts
+
+
+    @staticmethod
+    def _biased(x_mixed, lw, cfg):
+        """The router's biased scores in float64 (sqrt-softplus of the normed gate logits, plus bias)."""
+        x = np.asarray(x_mixed, np.float64)
+        inv_rms = 1.0 / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
+        logits = inv_rms * ((x * np.asarray(lw["norm_w"], np.float64)) @ np.asarray(lw["gate_w"], np.float64).T)
+        return np.sqrt(np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits)))) + np.asarray(lw["gate_bias"],
+                                                                                                 np.float64)
 
 
 def layer_of_draft(site, cfg) -> int:

@@ -131,3 +131,18 @@ def test_a_wrong_token_is_caught_in_a_dispatch_with_sample_ties():
     e = lr.entries[17]
     assert any(r["kind"] == "sample" for r in e["resyncs"])         # this dispatch has adopted ties
     assert e["verdict"] == "fail" and s["first_divergence"]["stage"] == "sample"
+
+
+def test_exactly_tied_selections_are_equal_and_adopted():
+    """golden.ties on the lockstep: a device top-k that differs from golden's only among exactly tied
+    scores is adopted as a "tie" (with the near-tie margin off); one that differs in a score is not."""
+    from hw.real.side import TapPar
+
+    par = TapPar()
+    par.index_tie_tol = -1.0                     # no near-tie margin: only the exact rule can adopt
+    score = np.array([[5.0, 3.0, 3.0, 1.0], [5.0, 3.0, 2.0, 1.0]])
+    golden = np.array([[0, 1], [0, 1]])          # ties to the lower index
+    par.route_from = {(2, "idx_topk"): np.array([[0, 2], [0, 2]])}
+    out = par._adopt_topk(2, score, golden)
+    assert out.tolist() == [[0, 2], [0, 1]]      # row 0: 3.0 == 3.0, adopted; row 1: 3.0 != 2.0, kept
+    assert [(r["kind"], r["row"]) for r in par.resyncs] == [("tie", 0)]
