@@ -16,7 +16,7 @@ the dispatch is wrong.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -45,7 +45,6 @@ class Ran:
     outputs: dict
     seqs: list
     accepted: object = None
-    extra: dict = field(default_factory=dict)
 
 
 class Served:

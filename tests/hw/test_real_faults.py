@@ -15,7 +15,7 @@ from golden.paged import lower  # noqa: E402
 from hw.real.faults import EXPECTED_STAGES, ISSUE8_KINDS, REAL_KINDS, RealFault, sweep_layers  # noqa: E402
 from twin.functional.parity import run_case  # noqa: E402
 from hw.real.lockstep import parse_real_fault  # noqa: E402
-from twin.functional.parity import build_lockstep as build_real  # noqa: E402
+from twin.functional.parity import build_lockstep  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 from twin.abi.presets import get_preset  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_drafter_rerun_is_exact_without_a_fault():
     """The drafter faults re-run a fused dispatch's drafter stage; unchanged, that re-run gives the
     device's own pools and drafts bit for bit, so the fault is the only difference it adds."""
     f = RealFault("stale_draft_kv", at=10_000)
-    lr = build_real(k=7, max_new=6, fault=f)
+    lr = build_lockstep(k=7, max_new=6, fault=f)
     checked = []
 
     def before(rd):
@@ -91,7 +91,7 @@ def test_relowering_reproduces_the_staged_meta():
     """off_by_one_position and ring_alias re-lower the staged dispatch with one change; with none,
     the re-lowering is the staged meta array for array."""
     f = RealFault("ring_alias", at=10_000)
-    lr = build_real(k=7, max_new=4, fault=f)
+    lr = build_lockstep(k=7, max_new=4, fault=f)
     seen = set()
 
     def after(rd):
@@ -112,12 +112,12 @@ def test_relowering_reproduces_the_staged_meta():
 def test_fault_definitions_and_bad_input():
     assert set(EXPECTED_STAGES) == set(REAL_KINDS) and set(ISSUE8_KINDS) <= set(REAL_KINDS)
     with pytest.raises(AbiError, match="layer.*compressed layer"):
-        build_real(fault=RealFault("dropped_boundary", layer=0))
+        build_lockstep(fault=RealFault("dropped_boundary", layer=0))
     with pytest.raises(AbiError, match="kind='bitrot'"):
         parse_real_fault("bitrot@3")
     f = parse_real_fault("wrong_slot@4:3")
     assert (f.kind, f.at, f.layer) == ("wrong_slot", 4, 3)
-    lr = build_real(k=7, max_new=4)
+    lr = build_lockstep(k=7, max_new=4)
     with pytest.raises(AbiError, match="device numerics"):
         RealFault("wrong_slot").attach(lr.gold)           # golden's NumPy numerics have no store hook
 
@@ -126,7 +126,7 @@ def test_a_wrong_token_is_caught_in_a_dispatch_with_sample_ties():
     """A dispatch whose greedy samples tie-flip (adopted by the golden) still fails on a corrupted
     output token: ties are adopted before acceptance, so no output difference is excused."""
     f = RealFault("token", at=17, seed=2120)
-    lr = build_real(seed=1, k=7, max_new=40, fault=f)
+    lr = build_lockstep(seed=1, k=7, max_new=40, fault=f)
     s = lr.run(19)
     e = lr.entries[17]
     assert any(r["kind"] == "sample" for r in e["resyncs"])         # this dispatch has adopted ties

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from hw.real.faults import EXPECTED_STAGES, REAL_KINDS, RealFault  # noqa: E402
-from twin.functional.parity import build_lockstep as build_real  # noqa: E402
+from twin.functional.parity import build_lockstep  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def clean_k7():
-    lr = build_real(k=7, max_new=30)
+    lr = build_lockstep(k=7, max_new=30)
     return lr, lr.run(200)
 
 
@@ -52,13 +52,13 @@ def test_clean_k7_golden_used_dispatch_addressing(clean_k7):
 
 
 def test_clean_k0_run():
-    s = build_real(k=0, max_new=8).run(12)
+    s = build_lockstep(k=0, max_new=8).run(12)
     assert s["verdict"] == "PASS", s["first_divergence"]
     assert s["programs"]["l3_decode_fwd"]["dispatches"] >= 7
 
 
 def test_exact_mode_sides_agree_closely():
-    lr = build_real(k=7, max_new=4, golden_mode="exact")
+    lr = build_lockstep(k=7, max_new=4, golden_mode="exact")
     s = lr.run(6)
     assert s["verdict"] == "PASS", s["first_divergence"]
     assert s["resyncs"].get("route", 0) == 0 and s["resyncs"].get("sample", 0) == 0
@@ -70,7 +70,7 @@ def test_exact_mode_sides_agree_closely():
                                            ("token", 6, 0), ("weight", 0, 6)])
 def test_fault_detected_and_localized(kind, at, layer):
     f = RealFault(kind, at=at, layer=layer)
-    lr = build_real(k=7, max_new=8, fault=f)
+    lr = build_lockstep(k=7, max_new=8, fault=f)
     s = lr.run(at + 4)
     assert f.fired
     assert s["verdict"] == "FAIL"
@@ -89,7 +89,7 @@ def test_any_fault_fires_and_is_caught_where_it_fires(kind, at, layer):
     """A fault that fires is reported at its dispatch and layer; one that finds nothing to break
     (a seed dispatch runs no target layer) leaves the run clean."""
     f = RealFault(kind, at=at, layer=layer)
-    lr = build_real(k=7, max_new=6, fault=f)
+    lr = build_lockstep(k=7, max_new=6, fault=f)
     s = lr.run(at + 2)
     if f.fired:
         fd = s["first_divergence"]
@@ -100,7 +100,7 @@ def test_any_fault_fires_and_is_caught_where_it_fires(kind, at, layer):
 
 def test_continuous_mode_resyncs_after_a_fault():
     f = RealFault("kv_row", at=5, layer=3)
-    lr = build_real(k=7, max_new=10, fault=f, mode="continuous")
+    lr = build_lockstep(k=7, max_new=10, fault=f, mode="continuous")
     s = lr.run(12)
     assert [e["index"] for e in lr.entries if e["verdict"] == "fail"] == [5]   # reported once, then in sync
     assert s["dispatches"] == 12 and s["resyncs"]["state"] == 1
@@ -131,18 +131,18 @@ def test_golden_checks_the_staged_slots(monkeypatch):
         a[0, 3] += 1
     _corrupt_first_prefill(monkeypatch, "ori_slot_mapping_full", shift)
     with pytest.raises(AbiError, match="ori_slot_mapping_full"):
-        build_real(k=7, max_new=4).run(1)
+        build_lockstep(k=7, max_new=4).run(1)
 
 
 def test_bad_inputs_name_the_argument():
     with pytest.raises(AbiError, match="kind"):
         RealFault("bitrot")
     with pytest.raises(AbiError, match="layer"):
-        build_real(fault=RealFault("weight", layer=99))
+        build_lockstep(fault=RealFault("weight", layer=99))
     with pytest.raises(AbiError, match="preset"):
-        build_real(preset="flash")
+        build_lockstep(preset="flash")
     with pytest.raises(AbiError, match="mode"):
-        build_real(mode="lenient")
+        build_lockstep(mode="lenient")
     assert set(EXPECTED_STAGES) == set(REAL_KINDS)
 
 
@@ -180,4 +180,4 @@ def test_golden_checks_every_staged_position(monkeypatch):
         a[0, 5] += 1
     _corrupt_first_prefill(monkeypatch, "position_ids_full", bump)
     with pytest.raises(AbiError, match="position_ids_full"):
-        build_real(k=7, max_new=4).run(1)
+        build_lockstep(k=7, max_new=4).run(1)

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from hw.records import Record, RecordStore  # noqa: E402
-from twin.functional.parity import build_lockstep as build_real  # noqa: E402
+from twin.functional.parity import build_lockstep  # noqa: E402
 from twin.functional.parity import replay_records as replay  # noqa: E402
 from killed_run import ROOT, env, kill_after  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
@@ -24,7 +24,7 @@ N = 14                     # prefill, seed and fused K=7 dispatches
 
 def _run(run_dir, **kw):
     # the CLI's budget for --steps N (twin/commands/lockstep.py), so the CLI run below is the same run
-    return build_real(max_new=max(8, N), run_dir=run_dir, **kw)
+    return build_lockstep(max_new=max(8, N), run_dir=run_dir, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def test_a_failing_continuous_run_replays_and_resumes_identically(tmp_path):
     from hw.real.faults import RealFault
 
     def run(d, crash=None):
-        lr = build_real(max_new=10, run_dir=d, mode="continuous", fault=RealFault("kv_row", at=5, layer=3))
+        lr = build_lockstep(max_new=10, run_dir=d, mode="continuous", fault=RealFault("kv_row", at=5, layer=3))
         lr.crash_after = crash
         return lr.run(10)
 

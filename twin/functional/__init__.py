@@ -1,8 +1,9 @@
 """twin.functional: the simulator's scheduler driving golden with real tokens (docs/functional.md).
 
 One system, not three: the same scheduler, lowering and ABI as the capacity twin, with a numeric
-executor in place of the cost model.  It composes `twin.sim` and `golden`, which may not import
-each other (DESIGN.md).
+executor in place of the cost model: golden alone, or the lockstep checker (`hw.real`) running each
+dispatch on a device and on golden (parity runs).  It composes `twin.sim`, `golden` and `hw`, which
+may not import each other (DESIGN.md).
 
     GoldenExecutor(dep, slots, golden, cost=None, draft_policy=None)   .execute(plan) -> StepResult
     functional_simulate(dep, requests, golden, recompute="prompt"|"replay") -> FunctionalResult
