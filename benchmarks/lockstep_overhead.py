@@ -1,16 +1,18 @@
-"""Lockstep overhead: lockstep time / device-only time over the same dispatch stream, side by side
-in one process, printed as JSON.  Target on CPU: <= 2.5x.
+"""Lockstep overhead: a parity run's wall time over the device-only run of the same workload, side by
+side in one process, printed as JSON.  Target on CPU: at most 2.
 
-Device-only = the device side (golden's compositions with every GEMM on torch, `hw.real`) running
-every dispatch of the stream, which it drives.
+Both runs serve the same seeded workload through the simulator's scheduler (`twin.functional.parity`):
 
-Lockstep = the same, plus the golden re-synced from the device, every comparison, and the
-content-addressed dispatch records and the JSONL report (what a real parity run pays).
-Each side runs `--repeats` times, alternating, and the fastest run of each is kept, so a noisy
-shared machine penalizes neither.  Both wall and process CPU time are reported; `ratio` is the CPU
-ratio (the work each side does), since wall time on a shared runner also measures the neighbours.
+  device-only  the self-check device (golden's compositions with every GEMM on torch) runs every
+               dispatch the scheduler issues and the scheduler commits its outputs
+  lockstep     the same, plus golden on every dispatch re-synced from the device, every comparison,
+               the content-addressed dispatch records and the JSONL report (what `dspark-twin
+               lockstep` pays)
 
-    python benchmarks/lockstep_overhead.py --preset tiny --dispatches 60
+Each runs `--repeats` times, alternating, and the fastest of each is kept, so a noisy shared machine
+penalizes neither.  Wall and process CPU seconds are both printed; `ratio` is the wall ratio.
+
+    python benchmarks/lockstep_overhead.py --preset tiny --dispatches 40
 """
 from __future__ import annotations
 
@@ -27,73 +29,62 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+TARGET = 2.0
 
-def real_device_only(preset: str, n: int, seed: int) -> tuple[float, float]:
-    from hw.real.lockstep import build_real
 
-    lr = build_real(preset=preset, seed=seed, max_new=max(8, n), record=False)
-    st, dev = lr.stream, lr.dev
+def _build(preset: str, n: int, seed: int, **kw):
+    from twin.functional.parity import build_lockstep
+
+    return build_lockstep(preset=preset, seed=seed, max_new=max(8, n), **kw)
+
+
+def device_only(preset: str, n: int, seed: int) -> tuple[tuple[float, float], int]:
+    run = _build(preset, n, seed, record=False)
     t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        rd = st.next(dev)
-        if rd is None:
-            break
-        st.execute(dev, rd)
-        st.advance(rd)
-    return time.perf_counter() - t0, time.process_time() - c0
+    done = run.device_only(n)
+    return (time.perf_counter() - t0, time.process_time() - c0), done
 
 
-def real_lockstep(preset: str, n: int, seed: int, record: bool) -> tuple[tuple[float, float], dict]:
-    from hw.real.lockstep import build_real
-
-    tmp = tempfile.mkdtemp(prefix="real-lockstep-bench-")
+def lockstep(preset: str, n: int, seed: int) -> tuple[tuple[float, float], dict]:
+    tmp = tempfile.mkdtemp(prefix="lockstep-bench-")
     try:
-        lr = build_real(preset=preset, seed=seed, max_new=max(8, n), run_dir=tmp, record=record)
+        run = _build(preset, n, seed, run_dir=tmp)
         t0, c0 = time.perf_counter(), time.process_time()
-        s = lr.run(n)
+        s = run.run(n)
         return (time.perf_counter() - t0, time.process_time() - c0), s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _timings(dev_t, ls_t, norec_t) -> dict:
-    """Best-of-repeats wall and CPU seconds of the three variants, and the lockstep/device ratios."""
-    def best(ts, i):
-        return min(t[i] for t in ts)
-
-    out = {k: {"device_only": round(best(dev_t, i), 4), "lockstep": round(best(ls_t, i), 4),
-               "lockstep_no_records": round(best(norec_t, i), 4)} for i, k in ((0, "wall_s"), (1, "cpu_s"))}
-    out["ratio_wall"] = round(best(ls_t, 0) / best(dev_t, 0), 3)
-    out["ratio_cpu"] = round(best(ls_t, 1) / best(dev_t, 1), 3)
-    out["ratio_cpu_no_records"] = round(best(norec_t, 1) / best(dev_t, 1), 3)
-    # CPU time is the work each side does; wall time on a shared runner also measures the neighbours
-    out["ratio"] = out["ratio_cpu"]
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--dispatches", type=int, default=60)
+    p.add_argument("--dispatches", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     import torch
 
-    torch.set_num_threads(1)
-    real_device_only(a.preset, 2, a.seed)                   # warm-up: imports, allocator, kernels
-    dev_t, ls_t, ls_norec_t, summary = [], [], [], None
-    for _ in range(a.repeats):
-        dev_t.append(real_device_only(a.preset, a.dispatches, a.seed))
-        t, summary = real_lockstep(a.preset, a.dispatches, a.seed, record=True)
-        ls_t.append(t)
-        ls_norec_t.append(real_lockstep(a.preset, a.dispatches, a.seed, record=False)[0])
+    from hw.threads import limit_cpu_threads
 
-    out = {"benchmark": "lockstep_overhead", "preset": a.preset, "device": "cpu", "dispatches": summary["dispatches"],
-           "repeats": a.repeats, "verdict": summary["verdict"], "target_ratio": 2.5,
-           "programs": {k: v["dispatches"] for k, v in summary["programs"].items()},
-           **_timings(dev_t, ls_t, ls_norec_t)}
-    out["meets_target"] = out["ratio"] <= out["target_ratio"]
+    torch.set_num_threads(1)
+    limit_cpu_threads(1)
+    device_only(a.preset, 2, a.seed)                        # warm-up: imports, allocator, kernels
+    dev, ls, summary, n_dev = [], [], None, 0
+    for _ in range(a.repeats):
+        t, n_dev = device_only(a.preset, a.dispatches, a.seed)
+        dev.append(t)
+        t, summary = lockstep(a.preset, a.dispatches, a.seed)
+        ls.append(t)
+    best = {k: (min(t[i] for t in dev), min(t[i] for t in ls)) for i, k in ((0, "wall_s"), (1, "cpu_s"))}
+    out = {"benchmark": "lockstep_overhead", "preset": a.preset, "device": "cpu", "backend": summary["config"]["device"],
+           "dispatches": summary["dispatches"], "device_only_dispatches": n_dev, "repeats": a.repeats,
+           "verdict": summary["verdict"], "programs": {k: v["dispatches"] for k, v in summary["programs"].items()},
+           **{k: {"device_only": round(d, 4), "lockstep": round(l, 4)} for k, (d, l) in best.items()},
+           "ratio_wall": round(best["wall_s"][1] / best["wall_s"][0], 3),
+           "ratio_cpu": round(best["cpu_s"][1] / best["cpu_s"][0], 3), "target_ratio": TARGET}
+    out["ratio"] = out["ratio_wall"]
+    out["meets_target"] = out["ratio"] <= TARGET
     print(json.dumps(out, indent=2))
     return 0
 

@@ -1,8 +1,8 @@
 """Fault detection and localization on the real-golden lockstep (hw.real), printed as JSON.
 
 Every kind of `hw.real.faults` is injected over seeds x dispatch indices x layers
-(`hw.real.faults.sweep_layers`), each injection a strict lockstep run (`hw.real.faults.run_case`)
-that stops at its first failure.  Per kind: injections, how many fired (a kind fires at the first
+(`hw.real.faults.sweep_layers`), each injection a strict parity run through the scheduler
+(`twin.functional.parity.run_case`) that stops at its first failure.  Per kind: injections, how many fired (a kind fires at the first
 dispatch >= AT that can host it; the five weight/store kinds only at AT exactly), detection rate
 (failed at the dispatch it fired at, never before) and localization rate (the first divergence
 names the expected layer and stage), with every miss listed.  Issue 8 asks 100 % detection and
@@ -11,8 +11,8 @@ names the expected layer and stage), with every miss listed.  Issue 8 asks 100 %
     python benchmarks/real_fault_sweep.py                       # TINY: 3 seeds x 3 dispatch indices
     python benchmarks/real_fault_sweep.py --preset small --seeds 0 --ats 0,6
 
-`--clean` instead runs clean locksteps (continuous mode, the default policy, `--max-new` 100 gives
-103 dispatches: 2 packed prefills, 2 seeding waves, 99 fused K=7) per preset and seed and reports
+`--clean` instead runs clean parity runs (continuous mode, the default policy, four seeded requests
+of `--max-new` tokens each, served to completion) per preset and seed and reports
 false alarms plus the measurement behind the policy's depth-scaled tie margins: per layer depth, the
 largest golden-score gap of a route the device chose differently, the residual stream's largest
 per-row rel-L2 divergence (the `attn_in` taps; the head's `hidden`), the largest greedy-sample gap,
@@ -36,7 +36,7 @@ import time  # noqa: E402
 def clean(presets, seeds, max_new: int) -> dict:
     import numpy as np
 
-    from hw.real.lockstep import build_real
+    from twin.functional.parity import build_lockstep
     from hw.tolerance import Policy
     from twin.abi.presets import get_preset
 
@@ -46,7 +46,7 @@ def clean(presets, seeds, max_new: int) -> dict:
         head = get_preset(preset).num_hidden_layers
         for seed in seeds:
             c0 = time.process_time()
-            lr = build_real(preset=preset, seed=seed, k=7, max_new=max_new, mode="continuous")
+            lr = build_lockstep(preset=preset, seed=seed, k=7, max_new=max_new, mode="continuous")
             check = lr.check
 
             def measured(rd, check=check, lr=lr, head=head):
@@ -93,7 +93,8 @@ def clean(presets, seeds, max_new: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    from hw.real.faults import REAL_KINDS, run_case, sweep_layers
+    from hw.real.faults import REAL_KINDS, sweep_layers
+    from twin.functional.parity import run_case
     from twin.abi.presets import get_preset
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

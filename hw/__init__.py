@@ -12,11 +12,13 @@ Public API (see docs/lockstep.md):
     RecordStore, Record, content_hash          hw.records      content-addressed dispatch records
     check_run_dir                              hw.run_format   refuses a run directory of another format
     limit_cpu_threads                          hw.threads      one BLAS / torch thread where golden and device share a CPU
-    RealLockstep, build_real, TorchNumerics    hw.real         the lockstep against golden's compositions through the
-                                                               real lowering (small presets)
+    RealLockstep, SelfCheckBackend             hw.real         the lockstep checker against golden's compositions; the
+                                                               self-check device (golden with its GEMMs on torch)
+    TorchBackend                               hw.torchdev     the independent torch device (imports no golden)
 
 The golden side is golden's own compositions (`golden.compose`, `golden.dspark`) run from
-dispatches that `twin.abi.lowering` lowers and validates (`hw.real`).
+dispatches that `twin.abi.lowering` lowers and validates (`hw.real`); a parity run drives it
+through the simulator's scheduler (`twin.functional.parity.build_lockstep`).
 
 Imports only twin.abi and golden (DESIGN.md); torch is imported when a torch device computes,
 torch_npu only for device "npu", the PyPTO runtime only when a `PyptoBackend` is built on it.
@@ -36,4 +38,5 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "records": ("RecordStore", "Record", "content_hash"),
     "run_format": ("check_run_dir",),
     "threads": ("limit_cpu_threads",),
+    "torchdev": ("TorchBackend",),
 })

@@ -394,6 +394,28 @@ def _rows():
         "--inject", "--inject='kv_row@2'", "no value with --replay")
     add("lockstep --replay with --steps", ["lockstep", "--replay", "--steps", "5", "--run-dir", "{d}/run-keys"],
         "--steps", "--steps=5", "no value with --replay")
+    # the parity run's workload and page budget (simulate's options)
+    LW = ["lockstep", "--steps", "2", "--no-records", "--run-dir", "{d}/ls-wl"]
+    add("lockstep --workload missing", LW + ["--workload", "{d}/nope.json"], "--workload",
+        "--workload='{d}/nope.json'", "an existing file")
+    add("lockstep --workload unknown key", LW + ["--workload", "{d}/wl-unknown.json"], "--workload",
+        ["{d}/wl-unknown.json", "requests"], "")
+    add("lockstep --trace missing", LW + ["--trace", "{d}/nope.jsonl"], "--trace", "--trace='{d}/nope.jsonl'",
+        "an existing file")
+    add("lockstep --trace not JSON", LW + ["--trace", "{d}/tr-line.jsonl"], "--trace", "{d}/tr-line.jsonl:2",
+        "one JSON object per line")
+    add("lockstep --requests 0", LW + ["--requests", "0"], "--requests", "--requests=0", ">= 1")
+    add("lockstep --requests word", LW + ["--requests", "some"], "--requests", ["--requests", "'some'"], "an integer")
+    add("lockstep -k 3", LW + ["-k", "3"], "-k", "num_speculative_tokens=3", "0 (target only) or 7")
+    add("lockstep --slots 0", LW + ["--slots", "0"], "--slots", "--slots=0", "1..64")
+    add("lockstep --slots with --total-kv-pages", LW + ["--slots", "2", "--total-kv-pages", "100"], "--slots",
+        "--slots=2", "not together with --total-kv-pages")
+    add("lockstep --total-kv-pages -3", LW + ["--total-kv-pages", "-3"], "--total-kv-pages",
+        "--total-kv-pages='-3'", "a positive page count")
+    add("lockstep --total-kv-pages below one request", LW + ["--total-kv-pages", "2"], "--total-kv-pages",
+        "--total-kv-pages=2", "an integer >= ori blocks per request")
+    for flag in ("--measured-free-bytes", "--measured-used-bytes", "--measured-slots"):
+        add(f"lockstep {flag}", LW + [flag, "3"], flag, f"{flag}=3", "--total-kv-pages or --slots")
     L = LS + ["--run-dir", "{d}/ls-pol", "--policy"]
     json_file("lockstep", "--policy", L, "{d}/list.json", "--policy='{d}/list.json'", "not a JSON object")
     add("lockstep --policy key", L + ["{d}/pol-key.json"], "--policy", ["{d}/pol-key.json", "key='matmul'"],

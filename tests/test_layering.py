@@ -11,8 +11,9 @@ ALLOWED = {
     "hw": {"twin.abi", "golden", "hw"},
     # the torch device is the one independent second implementation: the ABI and itself, never golden
     "hw/torchdev": {"twin.abi", "hw.torchdev"},
-    # the functional twin plugs golden into the simulator's executor slot: a composition layer
-    "twin/functional": {"twin.abi", "twin.sim", "golden", "twin.functional"},
+    # the functional twin plugs golden into the simulator's executor slot, and a parity run plugs in
+    # the lockstep checker (hw) the same way: a composition layer, the one place the three meet
+    "twin/functional": {"twin.abi", "twin.sim", "golden", "hw", "twin.functional"},
 }
 
 

@@ -164,7 +164,9 @@ def owner_rank(s: Seq, tp: int = C.TP_SIZE) -> int:
     return tp * s.group + ((s.lease if s.lease is not None else s.index) % tp)
 
 
-def _forward(g: Golden, run: Run, spans, form):
+def forward_spans(g: Golden, run: Run, spans, form):
+    """The target forward over `spans` (golden's lowering, form PREFILL or DECODE) on `run`'s caches:
+    (sampled token per row, the captured target hidden per row)."""
     taps = Taps(stages={"x_hc", "attn_in"})
     meta = lower(g.cfg, spans, form=form)
     tp = g.tp
@@ -223,7 +225,7 @@ def prefill_and_seed(g: Golden, run: Run, *, k: int, chunk: int | None = None) -
             b = len(s.req.prompt) if chunk is None else min(len(s.req.prompt), a + chunk)
             spans.append(Span(s.index, a, tuple(s.req.prompt[a:b]), run.blocks[s.index]))
             parts.append((s, a, b))
-        sampled, mh = _forward(g, run, spans, PREFILL)
+        sampled, mh = forward_spans(g, run, spans, PREFILL)
         row = 0
         for i, (s, a, b) in enumerate(parts):
             pos = np.arange(a, b)
@@ -255,7 +257,7 @@ def seed_wave(g: Golden, run: Run, wave) -> None:
             continue
         row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=owner_rank(s, g.tp))
         mh = np.stack([s.tail[p] for p in want])
-        drafts, conf = _draft(g, run, s.group, [row], mh, num_sampled=0)
+        drafts, conf = draft_rows(g, run, s.group, [row], mh, num_sampled=0)
         s.draft_anchor, s.confidence_logit = a, conf[0]
         run.state = seed(run.state, s.ref, s.current, drafts[0], prompt_len=L, position_limit=g.max_model_len)
 
@@ -271,7 +273,9 @@ def pad_rows(rows, group: int, tp: int) -> list:
     return list(rows) + [DraftRow(None, 0, 0, (), owner_rank=r) for r, n in per_rank.items() for _ in range(B - n)]
 
 
-def _draft(g: Golden, run: Run, group: int, rows, main_hidden, *, num_sampled: int):
+def draft_rows(g: Golden, run: Run, group: int, rows, main_hidden, *, num_sampled: int):
+    """One drafter call of `group` (its `DraftRow`s, their context hidden rows) then the Markov
+    sampler: (drafts, confidence logits) of the real rows; the group's drafter pool is replaced."""
     real = len(rows)
     if g.pad_drafter_batch:
         rows = pad_rows(rows, group, g.tp)
@@ -300,7 +304,7 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
     prep = prepare(run.state, refs)
     spans = [Span(s.index, int(prep.anchor[i]), tuple(int(t) for t in prep.tokens[i, :prep.active_width[i]]),
                   run.blocks[s.index]) for i, s in enumerate(seqs)]
-    flat, mh = _forward(g, run, spans, DECODE)          # eager publication: every live row writes
+    flat, mh = forward_spans(g, run, spans, DECODE)          # eager publication: every live row writes
     sampled = np.full((len(seqs), C.DECODE_SEQ), -1, np.int64)
     starts = np.concatenate([[0], np.cumsum(prep.active_width)])
     for i in range(len(seqs)):
@@ -320,7 +324,7 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
     for group, items in sorted(by_group.items()):
         rows = [DraftRow(s.lease, int(acc.drafter_anchor[i]), int(acc.next_token[i]), tuple(int(p) for p in pos),
                          owner_rank=owner_rank(s, g.tp)) for i, s, _, pos in items]
-        drafts, conf = _draft(g, run, group, rows, np.concatenate([h for _, _, h, _ in items]), num_sampled=1)
+        drafts, conf = draft_rows(g, run, group, rows, np.concatenate([h for _, _, h, _ in items]), num_sampled=1)
         for j, (_, s, _, _) in enumerate(items):
             s.confidence_logit = conf[j]
         if draft_policy is not None:
@@ -334,7 +338,7 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
 def plain_step(g: Golden, run: Run, seqs) -> None:
     """K=0: one row per request (the current token at its anchor), one new token each."""
     spans = [Span(s.index, s.anchor, (s.current,), run.blocks[s.index]) for s in seqs]
-    flat, mh = _forward(g, run, spans, DECODE)
+    flat, mh = forward_spans(g, run, spans, DECODE)
     for i, s in enumerate(seqs):
         _log_hidden(run, s, [s.anchor], mh[i:i + 1])
         s.anchor, s.current = s.anchor + 1, int(flat[i])

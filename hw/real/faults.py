@@ -52,9 +52,10 @@ uncommitted row written into the drafter ring at its own position, which the sam
 query block overwrites before any read (the publication above moves the anchor, as a wrong count
 does).
 
-`run_case(kind, seed=, at=, layer=)` runs one injection and says whether it fired, was detected at
-the dispatch it fired at (and not before) and localized to `expected`; `sweep_layers(cfg, kind)`
-are the layers a sweep injects at (benchmarks/real_fault_sweep.py measures every kind).
+`twin.functional.parity.run_case(kind, seed=, at=, layer=)` runs one injection on a parity run and
+says whether it fired, was detected at the dispatch it fired at (and not before) and localized to
+`expected`; `sweep_layers(cfg, kind)` are the layers a sweep injects at
+(benchmarks/real_fault_sweep.py measures every kind).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ from golden.paged import Span, families, lower
 from twin.abi.errors import AbiError
 from twin.abi.presets import CSA, HCA
 
-from .stream import mapped_rows
+from .side import mapped_rows
 
 ISSUE8_KINDS = ("bitflip", "stale_draft_kv", "wrong_slot", "dropped_boundary", "off_by_one_position",
                 "flipped_route", "uncommitted_publish", "ring_alias")
@@ -198,16 +199,21 @@ class RealFault:
         kind = cfg.layer_kind(self.layer)
         fam, stage = RING_OF_KIND[kind]
         first = min(l for l in range(cfg.num_hidden_layers) if cfg.layer_kind(l) == kind)
-        seqs = side.run.seqs
-        here = [int(b) for b in np.unique(meta.req)]
-        pairs = [(a, b) for a in here for b in range(len(seqs)) if b != a and seqs[b].group == seqs[a].group]
+        seqs = {s.index: s for s in side.run.seqs}          # block-table row -> request
+        page = families(cfg)[fam].page_tokens
+        blocks_of = side.run.blocks
+        pairs = []
+        for a in (int(r) for r in np.unique(meta.req)):
+            mine = blocks_of[a].get(fam, ())
+            j = (int(meta.first_pos[a]) // page) % len(mine) if mine else 0
+            # a page of another request of the partition, not one the two share (a prefix hit)
+            pairs += [(a, b, j) for b in sorted(seqs) if b != a and seqs[b].group == seqs[a].group
+                      and len(blocks_of[b].get(fam, ())) > j and blocks_of[b][fam][j] != mine[j]]
         if not pairs:
             return meta
-        a, b = pairs[int(self.rng.integers(len(pairs)))]
-        page = families(cfg)[fam].page_tokens
-        mine = list(side.run.blocks[a][fam])
-        j = (int(meta.first_pos[a]) // page) % len(mine)
-        other = side.run.blocks[b][fam][j]
+        a, b, j = pairs[int(self.rng.integers(len(pairs)))]
+        mine = list(blocks_of[a][fam])
+        other = blocks_of[b][fam][j]
         mine[j] = other
         blocks = list(side.run.blocks)
         blocks[a] = {**blocks[a], fam: mine}
@@ -330,7 +336,8 @@ class RealFault:
             return out
         g, run = side.g, side.run
         meta, taps, sampled = side.par.calls[-1]
-        seqs = [run.seqs[i] for i in rd.rows]
+        by_row = {s.index: s for s in run.seqs}
+        seqs = [by_row[i] for i in rd.rows]
         groups: dict[int, list] = {}
         for s, c in zip(seqs, np.asarray(out["accepted_counts"]).tolist()):
             if s.draft_anchor == s.anchor - 1:          # it redrafted this step
@@ -363,7 +370,7 @@ class RealFault:
         dr = side.par.draft_routes
         n0, at = len(dr), sorted(groups).index(grp) * g.cfg.dspark_num_layers
         run.pools[grp] = self._pools[grp]
-        drafts, conf = S._draft(g, run, grp, rows_, np.concatenate(hidden), num_sampled=1)
+        drafts, conf = S.draft_rows(g, run, grp, rows_, np.concatenate(hidden), num_sampled=1)
         # the re-run's drafter routes replace the first run's (the golden adopts drafter ties call by call)
         new = dr[n0:]
         del dr[n0:]
@@ -394,25 +401,3 @@ def sweep_layers(cfg, kind: str) -> tuple[int, ...]:
     if kind == "ring_alias":
         return tuple(min(ls) for ls in (cfg.swa_layers, cfg.csa_layers, cfg.hca_layers))
     return tuple(dict.fromkeys((0, n // 2, n - 1)))
-
-
-def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny", max_new: int = 40,
-             horizon: int = 60, **build) -> dict:
-    """One injection: a strict real-golden lockstep with the fault, run until it stops (the first
-    failure) or `horizon` dispatches.  detected: the run failed at the dispatch the fault fired at and
-    not before; localized: the first divergence names the fault's expected (layer, stage)."""
-    from .lockstep import build_real
-
-    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer)
-    lr = build_real(preset=preset, seed=seed, k=7, max_new=max_new, fault=f, **build)
-    s = lr.run(horizon)
-    fd = s["first_divergence"]
-    fails = [e["index"] for e in lr.entries if e["verdict"] == "fail"]
-    out = {"kind": kind, "seed": seed, "at": at, "layer": layer, "fired_at": f.fired_at, "fired": f.fired,
-           "dispatches": s["dispatches"],
-           "expected": None if f.expected is None else [f.expected[0], list(f.expected[1])],
-           "got": None if fd is None else [fd["dispatch"], fd["layer"], fd["stage"]]}
-    out["false_alarm"] = bool(fails) and (f.fired_at is None or fails[0] < f.fired_at)
-    out["detected"] = f.fired_at is not None and fails[:1] == [f.fired_at]
-    out["localized"] = bool(out["detected"] and fd["layer"] == f.expected[0] and fd["stage"] in f.expected[1])
-    return out

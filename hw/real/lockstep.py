@@ -1,33 +1,40 @@
-"""The real-golden lockstep: every dispatch of a `Stream` runs on the device side, then on the
-golden side re-synced from the device's decisions, and outputs, per-stage taps and every touched
-pool are compared under the tolerance policy; a failure is localized to the first (layer, stage)
-of golden.compose's taps, in dependency order, whose device value disagrees.
+"""The real-golden lockstep: a dispatch host for the one scheduler.
+
+The simulator's scheduler and worker decide, `twin.functional.GoldenExecutor` lowers and validates,
+and this checker is the executor's host: every dispatch runs on the device backend, then on golden
+(`golden.dispatch.run_dispatch`) re-synced from the device's decisions, and outputs, per-stage taps
+and every touched pool are compared under the tolerance policy; a failure is localized to the first
+(layer, stage) of golden.compose's taps, in dependency order, whose device value disagrees.  The
+device's outputs are what the scheduler commits, so prefix hits, chunked and packed prefill,
+preemption and re-prefill, lease reuse, seeding waves and the K=7 fallback all run in parity.
 
 Re-sync (recorded in each report entry): before a dispatch the golden adopts the device's decision
 state (the K=7 device state, each request's current token, anchor, generated tokens), so one tie
 flip does not cascade; pools and taps are never re-synced in a clean run, they are compared.
-Target samples are judged with ties: a device token whose golden logit is within `tie_tol` of the
-golden's best is a tie (re-sync), anything else a failure at ("head", "sample").  New drafts that
-differ are adopted as a "draft" re-sync (a draft never changes an output token; the drafter's
-pools are compared numerically).  In continuous mode a failing dispatch re-syncs the golden's
-whole run from the device.
+Top-k selections (routes, indexer rows) that differ only among exactly tied scores are equal
+(`golden.ties`, kind "tie"); near-ties within the documented margins are adopted too (the
+self-check device's FP32 sums legitimately move scores).  Target samples are judged with ties: a
+device token whose golden logit is within `tie_tol` of the golden's best is a tie (re-sync),
+anything else a failure at ("head", "sample").  New drafts that differ are adopted as a "draft"
+re-sync (a draft never changes an output token; the drafter's pools are compared numerically).
+In continuous mode a failing dispatch re-syncs the golden's whole run from the device.
 
-With a run directory, `run` writes `report.jsonl`, `summary.{json,md,html}`, `run.json` and (unless
-record=False) one dispatch record per dispatch (`hw.real.records`), the record before its report
-line; a run directory that already has a report resumes after its last line (`hw.real.replay`).
-`device_step` is the one place the device side runs, so an offline replay substitutes the recorded
-step and the same `check` judges it.
+With a run directory, each dispatch appends its record (`hw.real.records`) and then its report line;
+`finish` writes `summary.{json,md,html}` and `run.json`.  `device_step` is the one place the device
+runs, so a resume or an offline replay substitutes the recorded step and the same `check` judges it.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from golden.dispatch import Halt, Ran, run_dispatch
 from golden.kernels.compressor import EAGER_PUBLISH
+from twin.abi.batches import Dispatch
 from twin.abi.errors import AbiError
 from twin.abi.outputs import write_text
 
@@ -36,7 +43,7 @@ from ..localize import compose_kind, first_divergent_tap
 from ..options import MODES
 from ..report import ReportWriter, write_summary
 from ..tolerance import Policy
-from .stream import mapped_rows
+from .side import install_state, mapped_rows, side_state
 
 OUTPUT_KIND = {"main_hidden": ("activation", "bf16", "w8a8"), "state_meta": ("index", "i32", "none")}
 # where a mismatching output is localized: the target's final hidden rows, or the K=7 drafter state
@@ -70,28 +77,43 @@ class DeviceStep:
     draft_routes: list
 
 
+@dataclass
+class RealDispatch:
+    index: int
+    kind: str                          # prefill | seed | decode
+    dispatch: Dispatch
+    rows: list                         # block-table rows of its requests, in the order the sides run them
+    items: list = field(default_factory=list)
+
+
 def _resync(kind, site, detail) -> dict:
     return {"kind": kind, "site": site, "row": -1, "golden": detail, "device": detail}
 
 
 class RealLockstep:
-    def __init__(self, stream, device, golden, *, policy: Policy | None = None, mode: str = "strict",
+    """backend: the device (`SelfCheckBackend` or any `hw.backend.Backend` that follows the request
+    lifecycle); dev: the backend's side (its state and bookkeeping); gold: golden's side.
+    steps: dispatches to check before the run halts (`golden.dispatch.Halt`)."""
+
+    def __init__(self, backend, device, golden, *, policy: Policy | None = None, mode: str = "strict",
                  fault=None, run_dir=None, config: dict | None = None, carry: str = "device",
-                 record: bool = True, build: dict | None = None):
+                 record: bool = True, build: dict | None = None, steps: int | None = None):
         if mode not in MODES:
             raise AbiError("mode", mode, f"one of {MODES}", where="hw.real lockstep")
         if carry not in CARRY:
             raise AbiError("carry", carry, f"one of {CARRY}", where="hw.real lockstep")
-        self.carry = carry
+        if steps is not None and steps < 1:
+            raise AbiError("steps", steps, ">= 1", where="hw.real lockstep")
+        self.carry, self.steps = carry, steps
         self.index_tie_tol = INDEX_TIE_TOL
-        self.stream, self.dev, self.gold = stream, device, golden
+        self.backend, self.dev, self.gold = backend, device, golden
         self.policy, self.mode, self.fault = policy or Policy(), mode, fault
         self.dir = None if run_dir is None else Path(run_dir)
         # both sides compose golden's kernels, whose compressors run serving's eager-publish contract
-        self.config = {**(config or {}), "golden": "real", "mode": mode, "carry": carry, "device": device.name,
+        self.config = {**(config or {}), "golden": "real", "mode": mode, "carry": carry, "device": backend.name,
                        "golden_side": golden.name, "compressor_contract": EAGER_PUBLISH}
         self.entries: list[dict] = []
-        # records need a run directory and the build_real arguments that rebuild this run offline
+        # records need a run directory and the arguments that rebuild this run offline
         self.build = build
         self.recorder = None
         if self.dir is not None and record and build is not None:
@@ -99,12 +121,68 @@ class RealLockstep:
             self.recorder = RealRecorder(self.dir / "records", build)
         self.crash_after: int | None = None        # tests: die after this many records, before the report line
         self.last_step: DeviceStep | None = None    # the device's step of the dispatch just checked (recorded)
+        self.progress = None                        # progress(entry) after each dispatch
+        self.resumed: list[dict] = []               # report entries of a resumed run not yet re-driven
+        self.report = None
+        self.index = 0
+        self.t0 = time.perf_counter()
         self._opened = False
-        stream.setup(device)
-        stream.setup(golden)
-        if fault is not None:
-            fault.attach(device)
 
+    # ---- the host interface (twin.functional.GoldenExecutor) ------------------------------------------
+    @property
+    def seqs(self) -> dict:
+        return self.dev.served.seqs
+
+    def admit(self, rid, prompt, max_new_tokens) -> None:
+        self.backend.admit(rid, prompt, max_new_tokens)
+        self.gold.served.admit(rid, prompt, max_new_tokens)
+
+    def drop(self, rid) -> None:
+        self.backend.drop(rid)
+        self.gold.served.drop(rid)
+
+    def last_token(self, rid) -> int:
+        return self.dev.served.last_token(rid)
+
+    def speculation(self) -> dict:
+        return self.dev.served.speculation()
+
+    def dispatch(self, kind: str, d, items):
+        """One lowered dispatch: checked (or, resuming, replayed from its record); the device's
+        outputs go back to the scheduler."""
+        if self.dir is not None and not self._opened:
+            self._open()
+        if d is None:
+            # a seeding wave none of whose rows fits the context: no dispatch, both sides seed without drafts
+            ran = run_dispatch(self.dev.served, kind, d, items)
+            run_dispatch(self.gold.served, kind, d, items)
+            return ran
+        rd = RealDispatch(self.index, kind, Dispatch(d.program, d.args, {**d.meta, "index": self.index}), [],
+                          list(items))
+        self.index += 1
+        if self.resumed:
+            from .replay import fast_forward
+            return fast_forward(self, rd, self.resumed.pop(0))
+        e = self.check(rd)
+        if self.recorder is not None:
+            self.recorder.record(self, rd, e)
+        if self.crash_after is not None and len(self.entries) == self.crash_after:
+            raise KeyboardInterrupt("simulated kill between the record and its report line")
+        self.entries.append(e)
+        if self.report is not None:
+            self.report.append(e)
+        if self.progress:
+            self.progress(e)
+        self.halt_after(e)
+        return self.last_ran
+
+    def halt_after(self, e: dict) -> None:
+        """End the run once `steps` dispatches are checked, or (strict) at the first failure."""
+        if (self.steps is not None and len(self.entries) >= self.steps) or \
+                (self.mode == "strict" and e["verdict"] == "fail"):
+            raise Halt(f"{len(self.entries)} dispatches checked")
+
+    # ---- decisions ---------------------------------------------------------------------------------
     # ---- decisions ---------------------------------------------------------------------------------
     def _adopt_decisions(self) -> list[dict]:
         out, d, g = [], self.dev.run, self.gold.run
@@ -144,14 +222,14 @@ class RealLockstep:
 
     # ---- one dispatch ------------------------------------------------------------------------------
     def device_step(self, rd) -> DeviceStep:
-        """The device side runs the dispatch (a replay substitutes the recorded step)."""
-        if self.fault is not None:
-            self.fault.arm(rd.index)
-        r = self.stream.execute(self.dev, rd)
-        if self.fault is not None:
-            r = self.fault.after(self.dev, rd, r)
-        dcalls = list(self.dev.par.calls)
-        return DeviceStep(r, dcalls[-1][1] if dcalls else {}, [c[2] for c in dcalls], list(self.dev.par.draft_routes))
+        """The device runs the dispatch (a resume or a replay substitutes the recorded step)."""
+        d = Dispatch(rd.dispatch.program, rd.dispatch.args, {**rd.dispatch.meta, "kind": rd.kind, "items": rd.items})
+        r = self.backend.run(d, side_state(self.dev))
+        if r.state:
+            install_state(self.dev, {**side_state(self.dev), **r.state})
+        rd.rows = [s.index for s in r.seqs]
+        self.last_ran = Ran(r.outputs, list(r.seqs))
+        return DeviceStep(r.outputs, r.taps, r.sampled, r.draft_routes)
 
     def check(self, rd) -> dict:
         resyncs = self._adopt_decisions()
@@ -169,7 +247,8 @@ class RealLockstep:
         # the sampler's near-tie margin at the head's depth: the golden's adoption and the check below share it
         gp.tie_samples = self.policy.lookup("sample", "i32", depth=self.dev.g.cfg.num_hidden_layers).tie_tol or 0.0
         gp.index_tie_tol = self.index_tie_tol
-        g = self.stream.execute(self.gold, rd)
+        gp.reset()
+        g = run_dispatch(self.gold.served, rd.kind, rd.dispatch, rd.items).outputs
         resyncs += gp.resyncs
         gcalls = list(gp.calls)
         gtaps = gcalls[-1][1] if gcalls else {}
@@ -177,7 +256,7 @@ class RealLockstep:
         self._samples(dtaps, gtaps, findings, gp.tie_samples)
         for name, e in g.items():
             a = r.get(name, np.zeros(0))
-            if name in ("drafts", "accepted_ids", "accepted_counts", "sampled_ids"):
+            if name in ("drafts", "accepted_ids", "accepted_counts", "num_draft_tokens", "sampled_ids"):
                 if not np.array_equal(a, e):
                     # near-tie samples were adopted by the golden before acceptance (TapPar), so tokens that
                     # still differ are wrong (a tie excuse here hid a corrupted output token)
@@ -235,7 +314,6 @@ class RealLockstep:
                  "findings": [f.to_dict() for f in findings],
                  "first_divergence": self.localize(list(gtaps), dtaps, gtaps, failed) if failed else None,
                  "resyncs": resyncs}
-        self.stream.advance(rd)
         if failed and self.mode == "continuous":
             self.gold.adopt(self.dev.run)
             entry["resyncs"].append(_resync("state", None, "whole run"))
@@ -265,10 +343,11 @@ class RealLockstep:
 
     # ---- a run -------------------------------------------------------------------------------------
     def _open(self) -> None:
-        """First call of `run` with a run directory: resume from its report and records, or start both."""
+        """The first dispatch with a run directory: resume from its report and records, or start both."""
         self._opened = True
         self.dir.mkdir(parents=True, exist_ok=True)
         entries = ReportWriter(self.dir).entries()
+        self.report = ReportWriter(self.dir)
         if not entries:
             if self.recorder is not None:
                 self.recorder.start(self)
@@ -280,37 +359,20 @@ class RealLockstep:
 
         restore(self, entries)
 
-    def run(self, steps: int, progress=None) -> dict:
-        if steps < 1:
-            raise AbiError("steps", steps, ">= 1", where="hw.real lockstep")
-        t0 = time.perf_counter()
+    def finish(self, serving: dict | None = None) -> dict:
+        """The summary of the dispatches checked (serving: the scheduler's counts, kept in the summary's
+        config); with a run directory also summary.{json,md,html} and run.json."""
         if self.dir is not None and not self._opened:
             self._open()
-        report = ReportWriter(self.dir) if self.dir else None
-        while len(self.entries) < steps:
-            if self.mode == "strict" and any(e["verdict"] == "fail" for e in self.entries):
-                break
-            rd = self.stream.next(self.dev)
-            if rd is None:
-                break
-            e = self.check(rd)
-            if self.recorder is not None:
-                self.recorder.record(self, rd, e)
-            if self.crash_after is not None and len(self.entries) == self.crash_after:
-                raise KeyboardInterrupt("simulated kill between the record and its report line")
-            self.entries.append(e)
-            if report:
-                report.append(e)
-            if progress:
-                progress(e)
-        wall = round(time.perf_counter() - t0, 3)
+        config = {**self.config, **({"serving": serving} if serving is not None else {})}
+        wall = round(time.perf_counter() - self.t0, 3)
         if self.dir:
             # timings stay out of the report and summary, so a resumed run writes the same bytes
-            write_text(self.dir / "run.json", json.dumps({"wall_s_this_session": wall, "config": self.config},
+            write_text(self.dir / "run.json", json.dumps({"wall_s_this_session": wall, "config": config},
                                                          indent=2, sort_keys=True) + "\n")
-            return write_summary(self.dir, self.entries, self.config)
+            return write_summary(self.dir, self.entries, config)
         from ..report import summarize
-        return summarize(self.entries, {**self.config, "wall_s": wall})
+        return summarize(self.entries, {**config, "wall_s": wall})
 
 
 def _rows_ne(a, b):
@@ -326,41 +388,32 @@ def parse_real_fault(spec: str):
     return RealFault(kind, at=at, layer=layer, seed=at)
 
 
-def build_real(*, preset: str = "tiny", device: str = "cpu", mode: str = "strict", seed: int = 0,
-               golden_mode: str = "device", k: int = 7, n_requests: int = 4, max_new: int = 24, slots: int = 2,
-               chunk: int = 64, fault=None, policy: Policy | None = None, run_dir=None,
-               carry: str = "device", record: bool = True) -> RealLockstep:
-    """A real-golden lockstep over `n_requests` seeded prompts on a small preset's deployment (TP4,
-    EP8: two cache partitions).  The device side is `TorchNumerics(golden_mode, device)`."""
+def build_checker(ctx, *, device: str = "cpu", mode: str = "strict", seed: int = 0, golden_mode: str = "device",
+                  fault=None, policy: Policy | None = None, run_dir=None, carry: str = "device",
+                  record: bool = True, build: dict | None = None, steps: int | None = None,
+                  config: dict | None = None) -> RealLockstep:
+    """The checker of a parity run on `ctx` (a `twin.abi.lowering.LoweringContext` of a small
+    preset's deployment): golden's side in `golden_mode` numerics, and the self-check device
+    (`SelfCheckBackend`: the same compositions with `TorchNumerics(golden_mode, device)`), both on
+    the synthetic checkpoint of `seed`."""
     from golden.checkpoint import SyntheticCheckpoint
     from golden.dspark.weights import DrafterCheckpoint
-    from twin.abi.presets import get_preset
-    from twin.abi.topology import deployment
 
     from .numerics import TorchNumerics
+    from .selfcheck import SelfCheckBackend
     from .side import Side
-    from .stream import Stream
 
-    cfg = get_preset(preset)
+    dep = ctx.deployment
+    cfg = dep.model
     if not cfg.small:
-        raise AbiError("preset", preset, "a small preset (tiny or small): the real path runs whole models",
+        raise AbiError("preset", cfg.name, "a small preset (tiny or small): the real path runs whole models",
                        where="hw.real")
-    dep = deployment(cfg, ep=8, max_model_len=512, long_prefill_token_threshold=chunk, max_num_seqs=2 * slots,
-                     max_num_batched_tokens=256, num_speculative_tokens=k)
-    rng = np.random.default_rng(seed)
-    lens = (80, 40, 100, 30, 60, 50, 70, 20)
-    prompts = [rng.integers(2, cfg.vocab_size - 1, lens[i % len(lens)]) for i in range(n_requests)]
-    stream = Stream(dep, slots, prompts, max_new=max_new, chunk=chunk)
     ck = SyntheticCheckpoint(cfg, seed)
-    dk = DrafterCheckpoint(cfg) if k else None
-    dev = Side(f"torch:{device}", cfg, ck, dk, TorchNumerics(golden_mode, device=device), dep, stream.pool_pages)
-    gold = Side(f"golden:{golden_mode}", cfg, ck, dk, golden_mode, dep, stream.pool_pages)
-    config = {"preset": cfg.name, "seed": seed, "k": k, "requests": n_requests, "max_new": max_new,
-              "golden_mode": golden_mode,
+    dk = DrafterCheckpoint(cfg) if dep.k else None
+    dev = Side(f"torch:{device}", cfg, ck, dk, TorchNumerics(golden_mode, device=device), ctx)
+    gold = Side(f"golden:{golden_mode}", cfg, ck, dk, golden_mode, ctx)
+    backend = SelfCheckBackend(dev, device, fault)
+    config = {**(config or {}), "preset": cfg.name, "seed": seed, "k": dep.k, "golden_mode": golden_mode,
               "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer}}
-    # what rebuilds this run (records/config.json): resume checks it, replay rebuilds the golden from it
-    build = {"preset": preset, "device": device, "mode": mode, "seed": seed, "golden_mode": golden_mode, "k": k,
-             "n_requests": n_requests, "max_new": max_new, "slots": slots, "chunk": chunk, "carry": carry,
-             "fault": config["fault"]}
-    return RealLockstep(stream, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config,
-                        carry=carry, record=record, build=build)
+    return RealLockstep(backend, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config,
+                        carry=carry, record=record, build=build, steps=steps)

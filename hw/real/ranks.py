@@ -3,8 +3,8 @@
 Every process runs `golden.ranks.forward_ranks` with a `DistPar` (`hw.real.dist_par`): each rank
 computes only its share (its CP band, its o_proj groups, the experts it owns, its vocab shard) and
 the all-gathers, the TP reduction and the EP all-to-all dispatch and combine are torch.distributed
-collectives.  The inputs are the real lockstep's first packed prefill dispatch (a `hw.real.Stream`
-over the deployment of `world` ranks, lowered and validated by twin.abi.lowering); rank 0 runs the
+collectives.  The inputs are a packed prefill dispatch over the deployment of `world` ranks (lowered and
+validated by twin.abi.lowering, run by `golden.dispatch` as a parity run's first dispatch is); rank 0 runs the
 single-process golden forward of the same dispatch and compares every tap in dependency order, the
 logits, the sampled tokens and every pool under the tolerance policy, and requires every tap, pool
 and output to be bit-identical to `RankEmulation` of the same split in one process (what the
@@ -31,26 +31,21 @@ __all__ = ["DistPar", "first_prefill", "rank_forward", "spawn_local", "worker"]
 
 
 # ---- the check ----------------------------------------------------------------------------------------
-class _Bookkeeping:
-    """The one part of a lockstep side the stream's scheduler reads: the run's requests and tables."""
-
-    def __init__(self, run):
-        self.run = run
-
-
 def first_prefill(preset: str, world: int, seed: int, mode: str):
-    """(cfg, ckpt, meta, caches, owners, layout) of the real lockstep's first packed prefill on a
-    deployment of `world` ranks (TP4, EP = world)."""
+    """(cfg, ckpt, meta, caches, owners, layout) of a packed prefill on a deployment of `world` ranks
+    (TP4, EP = world): the first 64-token chunk of two seeded prompts per cache partition, each
+    request on its own slot's pages, lowered and validated by twin.abi.lowering; golden runs it
+    through `golden.dispatch` (what a parity run's first dispatch is)."""
     from golden.checkpoint import SyntheticCheckpoint
-    from golden.paged import PREFILL, alloc_caches, lower
+    from golden.dispatch import Served, run_dispatch
+    from golden.dspark import step as S
+    from golden.paged import PREFILL, lower
     from golden.ranks import layout_for
     from golden.ranks.target import cp_owners
-    from golden.dspark import step as S
-    from golden.numerics import numerics
+    from twin.abi.batches import PrefillBatch, PrefillItem
+    from twin.abi.lowering import LoweringContext, lower as lower_batch, validate
     from twin.abi.presets import get_preset
     from twin.abi.topology import deployment
-
-    from .stream import Stream
 
     cfg = get_preset(preset)
     if not cfg.small:
@@ -62,19 +57,29 @@ def first_prefill(preset: str, world: int, seed: int, mode: str):
     except (ValueError, AbiError) as e:
         raise AbiError("world", world, f"a rank count the preset's topology allows (4, 8 or 16): {e}",
                        where="hw.real.ranks") from None
+    slots, chunk = 2, 64
+    ctx = LoweringContext(dep, slots)
     rng = np.random.default_rng(seed)
     lens = (80, 40, 100, 30, 60, 50, 70, 20)
-    prompts = [rng.integers(2, cfg.vocab_size - 1, lens[i % len(lens)]) for i in range(2 * dep.partitions)]
-    stream = Stream(dep, 2, prompts, chunk=64)
-    ckpt = SyntheticCheckpoint(cfg, seed)
-    nm = numerics(mode, cfg=cfg)
-    run = S.Run(alloc_caches(cfg, stream.pool_pages, nm), [], [])
-    side = _Bookkeeping(run)
-    stream.setup(side)
-    rd = stream.next(side)
-    meta = lower(cfg, stream.spans_from_dispatch(rd, run), form=PREFILL)
-    owners = cp_owners(meta, {s.index: s.group for s in run.seqs}, layout.tp)
-    return cfg, ckpt, meta, run.caches, owners, layout, nm
+    G = dep.partitions
+    served = Served(S.Golden(cfg, SyntheticCheckpoint(cfg, seed), None, mode), ctx)
+    per = {f: n // slots for f, n in ctx.num_blocks.items()}
+    items = []
+    for i in range(slots * G):
+        prompt = rng.integers(2, cfg.vocab_size - 1, lens[i % len(lens)])
+        served.admit(f"r{i}", prompt, 8)
+        part, slot = i % G, i // G
+        blocks = {f: tuple(range(slot * n, (slot + 1) * n)) for f, n in per.items()}
+        items.append(PrefillItem(f"r{i}", tuple(int(t) for t in prompt[:chunk]), 0, len(prompt), blocks, part))
+    d = lower_batch(PrefillBatch(tuple(items)), ctx)
+    validate(d, ctx)
+    caches = served.run.caches
+    run_dispatch(served, "prefill", d, items)          # golden's own run of it, cross-checked against the dispatch
+    spans = [S.Span(served.seqs[it.request_id].index, 0, it.chunk_tokens, served.run.blocks[served.seqs[it.request_id].index])
+             for it in items]
+    meta = lower(cfg, spans, form=PREFILL)
+    owners = cp_owners(meta, {s.index: s.group for s in served.run.seqs}, layout.tp)
+    return cfg, served.g.ckpt, meta, caches, owners, layout, served.g.nm
 
 
 def rank_forward(rank: int, world: int, *, preset: str = "tiny", seed: int = 0, mode: str = "device",

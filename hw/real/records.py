@@ -1,12 +1,12 @@
-"""Dispatch records of the real-golden lockstep: what a run writes so that any dispatch can be
-replayed against golden offline and a killed run resumes to the same report.
+"""Dispatch records of the real-golden lockstep: what a run writes so that a killed run resumes to
+the same report and any run's dispatches can be re-judged against golden offline.
 
 One `hw.records.Record` per dispatch, content-addressed in `<run>/records/` (`RecordStore`):
 
     inputs              the lowered dispatch's arguments (name -> hash)
-    meta                the dispatch's meta, plus `real`: the dispatch kind, its rows, the scheduler
-                        items, the stream's counters after it and each side's per-request bookkeeping
-                        after it (anchor, tokens, lease; the captured hidden tail as hashes)
+    meta                the dispatch's meta, plus `real`: the dispatch kind, its rows, the scheduler's
+                        items and each side's per-request bookkeeping after it (anchor, tokens, lease,
+                        partition; the captured hidden tail as hashes)
     outputs             the device's outputs and what the golden re-syncs from: the taps `moe_indices`,
                         `idx_topk` of every layer and the head logits (`tap:LAYER/STAGE`), the sampled
                         tokens of each target forward (`sampled:I`), the drafter's routes (`route:N`);
@@ -15,58 +15,42 @@ One `hw.records.Record` per dispatch, content-addressed in `<run>/records/` (`Re
                         (`LAYER/POOL`), drafter pools (`draft/GROUP`), the K=7 state (`dspark/tokens|meta`)
     golden_state_delta  the same for the golden (after its re-syncs and carry)
 
-`records/config.json` holds the `build_real` arguments of the run.  A pool neither side wrote keeps
-its identity from one record to the next (copy-on-write), as in a live run.
+`records/config.json` holds the arguments that rebuild the parity run (`BUILD_KEYS`, the workload's
+requests among them): a resume or a replay re-drives the same scheduler with the recorded device
+outputs, so the dispatches come out the same and are checked against the recorded input hashes.  A
+pool neither side wrote keeps its identity from one record to the next (copy-on-write), as live.
 """
 from __future__ import annotations
 
-import inspect
 import json
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from golden.dspark.state import DeviceState
-from twin.abi.batches import DecodeItem, Dispatch, DrafterItem, PrefillItem
+from twin.abi.batches import DecodeItem, PrefillItem
 from twin.abi.errors import AbiError
 from twin.abi.inputs import read_json
 from twin.abi.outputs import write_text
 
 from ..records import Record, RecordStore, changed_rows, content_hash
-from .lockstep import DECISION_STAGES, DeviceStep, build_real
+from .lockstep import DECISION_STAGES, DeviceStep
+from .side import side_state
 
-ITEM = {"prefill": PrefillItem, "decode": DecodeItem, "seed": DrafterItem}
+ITEM = {"prefill": PrefillItem, "decode": DecodeItem, "seed": PrefillItem}
 TUPLES = ("chunk_tokens", "pending_drafts", "context_positions")
-SEQ_KEYS = ("anchor", "current", "draft_anchor", "released", "lease", "generation")
-
-
-# ---- a side's state as named arrays ------------------------------------------------------------------
-def side_state(side) -> dict:
-    run = side.run
-    out = {f"{layer}/{pool}": a for layer, pools in enumerate(run.caches) for pool, a in pools.items()}
-    if run.pools is not None:
-        out.update({f"draft/{g}": a for g, a in enumerate(run.pools)})
-    if run.state is not None:
-        out["dspark/tokens"], out["dspark/meta"] = run.state.tokens, run.state.meta
-    return out
-
-
-def install_state(side, arrays: dict) -> None:
-    run = side.run
-    run.caches = [{pool: arrays[f"{layer}/{pool}"] for pool in pools} for layer, pools in enumerate(run.caches)]
-    if run.pools is not None:
-        run.pools = [arrays[f"draft/{g}"] for g in range(len(run.pools))]
-    if run.state is not None:
-        run.state = DeviceState(arrays["dspark/tokens"], arrays["dspark/meta"], run.state.noise_token)
+SEQ_KEYS = ("anchor", "current", "draft_anchor", "released", "lease", "generation", "group")
+# records/config.json: the arguments that rebuild the parity run (twin.functional.parity.build_lockstep)
+BUILD_KEYS = ("preset", "device", "mode", "seed", "golden_mode", "k", "slots", "total_kv_pages", "chunk",
+              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "ep", "carry", "requests", "fault")
 
 
 def seqs_state(store: RecordStore, seqs) -> list[dict]:
     out = []
     for s in seqs:
         d = {k: getattr(s, k) for k in SEQ_KEYS}
+        d["id"] = s.req.request_id
         d["generated"] = [int(t) for t in s.generated]
-        d["seeded"] = bool(getattr(s, "_seeded", False))
         pos = sorted(s.tail)
         d["tail"] = [store.put(np.asarray(pos, np.int64)),
                      store.put(np.stack([np.asarray(s.tail[p]) for p in pos]) if pos else np.zeros((0, 0)))]
@@ -76,25 +60,16 @@ def seqs_state(store: RecordStore, seqs) -> list[dict]:
 
 
 def install_seqs(store: RecordStore, seqs, states: list[dict]) -> None:
+    if [s.req.request_id for s in seqs] != [d["id"] for d in states]:
+        raise AbiError("records", [d["id"] for d in states], f"the requests the scheduler runs now "
+                       f"{[s.req.request_id for s in seqs]}", where="hw.real records")
     for s, d in zip(seqs, states, strict=True):
         for k in SEQ_KEYS:
             setattr(s, k, d[k])
         s.generated = list(d["generated"])
-        if d["seeded"]:
-            s._seeded = True
-        elif hasattr(s, "_seeded"):
-            del s._seeded
         pos, rows = store.get(d["tail"][0]), store.get(d["tail"][1])
         s.tail = {int(p): rows[i] for i, p in enumerate(pos)}
         s.confidence_logit = None if d["confidence_logit"] is None else store.get(d["confidence_logit"])
-
-
-def stream_state(stream) -> dict:
-    return {"computed": list(stream.computed), "seeded": bool(stream.seeded), "index": stream.index}
-
-
-def install_stream(stream, d: dict) -> None:
-    stream.computed, stream.seeded, stream.index = list(d["computed"]), d["seeded"], d["index"]
 
 
 def _put_outputs(store, step, *, all_taps: bool) -> dict:
@@ -135,19 +110,6 @@ def outputs_step(arrays: dict):
 
 def _items_json(items) -> list:
     return [asdict(it) for it in items]
-
-
-def _items(kind: str, rows: list) -> list:
-    out = []
-    for d in rows:
-        d = dict(d)
-        for k in TUPLES:
-            if k in d:
-                d[k] = tuple(d[k])
-        if "block_ids" in d:
-            d["block_ids"] = {f: tuple(v) for f, v in d["block_ids"].items()}
-        out.append(ITEM[kind](**d))
-    return out
 
 
 # ---- writing ----------------------------------------------------------------------------------------
@@ -194,7 +156,6 @@ class RealRecorder:
         s, step = self.store, lockstep.last_step
         self._deltas.clear()
         real = {"kind": rd.kind, "rows": list(rd.rows), "items": _items_json(rd.items),
-                "stream": stream_state(lockstep.stream),
                 "dev_seqs": seqs_state(s, lockstep.dev.run.seqs), "gold_seqs": seqs_state(s, lockstep.gold.run.seqs)}
         rec = Record(index=rd.index, program=rd.dispatch.program, meta={**rd.dispatch.meta, "real": real},
                      inputs=s.put_all(dict(rd.dispatch.args)),
@@ -210,10 +171,6 @@ class RealRecorder:
 
 
 # ---- reading ----------------------------------------------------------------------------------------
-# records/config.json holds build_real's arguments but these (they are not the run's: the tolerance
-# policy, the run directory, whether to record)
-BUILD_KEYS = tuple(k for k in inspect.signature(build_real).parameters if k not in ("policy", "run_dir", "record"))
-
 def read_config(run_dir) -> dict:
     path = Path(run_dir) / "records" / "config.json"
     if not path.exists():
@@ -245,17 +202,16 @@ def apply_deltas(store: RecordStore, arrays: dict, deltas: dict, *, verify: bool
     return out
 
 
-def dispatch_of(store: RecordStore, rec: Record, *, verify: bool = False):
-    """The recorded dispatch as the stream's `RealDispatch`."""
-    from .stream import RealDispatch
-
-    meta = dict(rec.meta)
-    real = meta.pop("real")
-    get = (lambda k, h: checked_get(store, h, f"dispatch {rec.index} input {k}")) if verify else \
-        (lambda k, h: store.get(h))
-    args = {k: get(k, h) for k, h in rec.inputs.items()}
-    return RealDispatch(rec.index, real["kind"], Dispatch(rec.program, args, meta), list(real["rows"]),
-                        _items(real["kind"], real["items"]))
+def check_inputs(store: RecordStore, rec: Record, rd) -> None:
+    """The regenerated dispatch is the recorded one: same program, same argument names and bytes."""
+    where = f"dispatch {rd.index}"
+    if rec.program != rd.dispatch.program or set(rec.inputs) != set(rd.dispatch.args):
+        raise AbiError("records", f"{where}: {rec.program}", f"the dispatch the scheduler issues now "
+                       f"({rd.dispatch.program})", where="hw.real records")
+    bad = [k for k, h in rec.inputs.items() if content_hash(np.asarray(rd.dispatch.args[k])) != h]
+    if bad:
+        raise AbiError("records", f"{where} input {bad[0]}", "the bytes the scheduler's dispatch stages now "
+                       "(the run's workload or code changed: start afresh with --fresh)", where="hw.real records")
 
 
 def share_equal(dev: dict, gold: dict) -> dict:

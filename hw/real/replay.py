@@ -1,26 +1,28 @@
 """Resume and offline replay of a real-golden lockstep run from its records (`hw.real.records`).
 
-resume   a killed run continues where its report stops: the records past the last report line
-         are dropped, both sides' state (pools from the deltas, per-request bookkeeping, the
-         stream's counters) is rebuilt as it was after that dispatch, and the next dispatch is the
-         first without a report line, so the report is byte-identical to an uninterrupted run's.
-replay   no device: a fresh golden (rebuilt from `records/config.json`) runs every recorded
-         dispatch from the device's recorded state and is judged against the device's recorded
-         outputs and state by the same lockstep; every blob read is re-hashed, so bytes that no
-         longer match their address stop the replay with an error naming dispatch and tensor.
-         A recorded run replays to the same report entries; a range of dispatches replays on its
-         own from the recorded state before it (fan a long run out over workers).
+Both re-drive the parity run's scheduler from the start (`twin.functional.parity.rebuild`) with
+the device's recorded outputs, so the scheduler makes the same decisions and issues the same
+dispatches; each regenerated dispatch is held to its record's input hashes.
+
+resume   a killed run continues where its report stops: the records past the last report line are
+         dropped; each dispatch that has a report line is fast-forwarded (both sides' state and
+         per-request bookkeeping installed from its record, the device's recorded outputs committed,
+         its report line kept), and the first dispatch without one is checked live, so the report is
+         byte-identical to an uninterrupted run's.
+replay   no device: golden runs every recorded dispatch live from the device's recorded state and
+         is judged against the device's recorded outputs and state by the same `check`; every blob
+         read is re-hashed, so bytes that no longer match their address stop the replay with an
+         error naming dispatch and tensor.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
+from golden.dispatch import Ran
 from twin.abi.errors import AbiError
 
 from ..records import RecordStore, content_hash
-from ..tolerance import Policy
-from .records import (apply_deltas, checked_get, dispatch_of, install_seqs, install_state, install_stream,
-                      outputs_step, read_config, share_equal, side_state)
+from .records import (apply_deltas, check_inputs, checked_get, install_seqs, outputs_step, read_config,
+                      share_equal)
+from .side import install_state, side_state
 
 
 def _check_initial(store: RecordStore, side, where: str) -> None:
@@ -31,27 +33,8 @@ def _check_initial(store: RecordStore, side, where: str) -> None:
         raise AbiError("initial state", bad[:4], "the recorded pools before dispatch 0", where=where)
 
 
-def _install_after(lr, store: RecordStore, recs) -> dict:
-    """Both sides and the stream as they were after the last of `recs` (the records from dispatch 0 on);
-    returns the device's arrays."""
-    dev, gold = side_state(lr.dev), side_state(lr.gold)
-    for r in recs:
-        dev = apply_deltas(store, dev, r.state_delta)
-        gold = apply_deltas(store, gold, r.golden_state_delta)
-    if not recs:
-        return dev
-    gold = share_equal(dev, gold)
-    install_state(lr.dev, dev)
-    install_state(lr.gold, gold)
-    real = recs[-1].meta["real"]
-    install_seqs(store, lr.dev.run.seqs, real["dev_seqs"])
-    install_seqs(store, lr.gold.run.seqs, real["gold_seqs"])
-    install_stream(lr.stream, real["stream"])
-    return dev
-
-
 def restore(lr, entries: list[dict]) -> None:
-    """Bring a freshly built `RealLockstep` to the state after its report's last line."""
+    """Prepare a freshly built `RealLockstep` to fast-forward through its report's lines."""
     rec, where = lr.recorder, f"hw.real resume {lr.dir}"
     store = rec.store
     built = read_config(lr.dir)
@@ -63,48 +46,54 @@ def restore(lr, entries: list[dict]) -> None:
     if len(recs) < len(entries):
         raise AbiError("records", len(recs), f">= {len(entries)} (one per report line)", where=where)
     store.truncate(len(entries))          # a record written after the last report line is redone
-    recs = recs[:len(entries)]
     _check_initial(store, lr.dev, where)
-    _install_after(lr, store, recs)
-    rec.last = {"dev": side_state(lr.dev), "gold": side_state(lr.gold)}
-    lr.entries = list(entries)
+    lr.resumed = list(entries)
+    lr.ff = {"recs": recs[:len(entries)], "dev": side_state(lr.dev), "gold": side_state(lr.gold)}
 
 
-def replay(run_dir, *, policy: Policy | None = None, start: int = 0, limit: int | None = None) -> list[dict]:
-    """Report entries of the recorded dispatches `start` .. `start + limit - 1` (or to the end),
-    re-judged offline.  A range starts from both sides' recorded state after dispatch `start - 1`, so
-    ranges replay independently: fan a long run out over workers (processes, Ray tasks), one range each."""
-    from .lockstep import build_real
+def fast_forward(lr, rd, entry: dict):
+    """Dispatch `rd` of a resumed run: its record's state on both sides, its recorded device outputs."""
+    store, ff = lr.recorder.store, lr.ff
+    rec = ff["recs"][rd.index]
+    check_inputs(store, rec, rd)
+    dev = apply_deltas(store, ff["dev"], rec.state_delta)
+    gold = share_equal(dev, apply_deltas(store, ff["gold"], rec.golden_state_delta))
+    install_state(lr.dev, dev)
+    install_state(lr.gold, gold)
+    real = rec.meta["real"]
+    install_seqs(store, lr.dev.run.seqs, real["dev_seqs"])
+    install_seqs(store, lr.gold.run.seqs, real["gold_seqs"])
+    ff["dev"], ff["gold"] = dev, gold
+    lr.recorder.last = {"dev": side_state(lr.dev), "gold": side_state(lr.gold)}
+    rd.rows = list(real["rows"])
+    step = outputs_step({k: store.get(h) for k, h in rec.outputs.items()})
+    lr.entries.append(entry)
+    lr.halt_after(entry)
+    return Ran(step.outputs, [])
 
-    run_dir = Path(run_dir)
-    build = dict(read_config(run_dir))
-    build.pop("fault", None)              # the device side is the records
+
+def use_records(lr, run_dir) -> int:
+    """Make `lr` (a checker rebuilt from the run's records/config.json) replay the records offline:
+    its device step installs each record's device state and returns its recorded outputs.  Returns
+    the number of records (the dispatches to replay)."""
     store = RecordStore(run_dir / "records")
-    lr = build_real(**build, policy=policy, record=False)
     _check_initial(store, lr.dev, f"hw.real replay {run_dir}")
     recs = store.records()
-    if not 0 <= start <= len(recs):
-        raise AbiError("start", start, f"0..{len(recs)} (the run has {len(recs)} records)", where="hw.real replay")
-    dev = _install_after(lr, store, recs[:start])
-    prev = recs[start - 1].meta["real"] if start else None
-    out = []
-    for rec in recs[start:None if limit is None else start + limit]:
-        where = f"dispatch {rec.index}"
-        if prev is not None:              # the device as it was before this dispatch
-            install_state(lr.dev, dev)
-            install_seqs(store, lr.dev.run.seqs, prev["dev_seqs"])
-            install_stream(lr.stream, prev["stream"])
-        rd = dispatch_of(store, rec, verify=True)
-        after = apply_deltas(store, dev, rec.state_delta, verify=True, where=where)
-        step = outputs_step({k: checked_get(store, h, f"{where} output {k}") for k, h in rec.outputs.items()})
+    state = {"dev": side_state(lr.dev)}
+
+    def recorded(rd):
+        if rd.index >= len(recs):
+            raise AbiError("records", len(recs), f"a record of dispatch {rd.index}", where=f"hw.real replay {run_dir}")
+        rec, where = recs[rd.index], f"dispatch {rd.index}"
+        check_inputs(store, rec, rd)
+        state["dev"] = after = apply_deltas(store, state["dev"], rec.state_delta, verify=True, where=where)
+        install_state(lr.dev, after)
         real = rec.meta["real"]
+        install_seqs(store, lr.dev.run.seqs, real["dev_seqs"])
+        rd.rows = list(real["rows"])
+        step = outputs_step({k: checked_get(store, h, f"{where} output {k}") for k, h in rec.outputs.items()})
+        lr.last_ran = Ran(step.outputs, [])
+        return step
 
-        def recorded(rd, after=after, step=step, seqs=real["dev_seqs"]):
-            install_state(lr.dev, after)
-            install_seqs(store, lr.dev.run.seqs, seqs)
-            return step
-
-        lr.device_step = recorded
-        out.append(lr.check(rd))
-        dev, prev = after, real
-    return out
+    lr.device_step = recorded
+    return len(recs)

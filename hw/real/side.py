@@ -3,8 +3,9 @@
 `TapPar` is golden's single-rank `par` with the target forward tapped at every stage (golden's own
 step keeps only the two stages the drafter needs); it remembers each forward's lowered `StepMeta`
 and taps, which the lockstep compares and localizes against and whose slot mappings are the rows
-a dispatch maps.  `Side` holds config + weights (`golden.dspark.step.Golden`) apart from the run
-state (`golden.dspark.step.Run`), so a re-sync replaces the run and nothing else.
+a dispatch maps.  `Side` holds golden's served run state (`golden.dispatch.Served`): config +
+weights (`golden.dspark.step.Golden`) apart from the run state (`golden.dspark.step.Run`), so a
+re-sync replaces the run and nothing else.
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import numpy as np
 from golden.compose import Taps, forward
 from golden.kernels.indexer import lightning_indexer
 from golden.kernels.moe import gate, moe_experts
+from golden.ties import adopt_equivalent, equivalent_rows
 from golden.dspark import step as S
 from golden.dspark.parallel import SINGLE
-from golden.dspark.ring import new_pools
-from golden.dspark.state import new_state
-from golden.paged import alloc_caches
+from golden.dispatch import Served
+from golden.dspark.state import DeviceState
 
 
 class LayerTaps(Taps):
@@ -109,6 +110,7 @@ class TapPar:
         if dev is None or np.shape(dev) != topk.shape:
             return topk
         dev, score = np.asarray(dev), np.asarray(score, np.float64)
+        topk = self._exact_ties(score, topk, dev, [layer, "idx_topk"])
         rows = np.flatnonzero((np.sort(topk, -1) != np.sort(dev, -1)).any(-1))
         tie = []
         for r in rows:
@@ -127,6 +129,15 @@ class TapPar:
         self.resyncs.append({"kind": "index", "site": [layer, "idx_topk"], "row": tie[0],
                              "golden": f"{len(tie)} near-tie rows", "device": tie[:8]})
         return topk
+
+    def _exact_ties(self, scores, mine, dev, site):
+        """The project's tie rule (golden.ties): rows whose selections differ only among exactly tied
+        scores (golden's scores) are equal; the golden takes the device's choice, recorded as "tie"."""
+        out, rows = adopt_equivalent(scores, mine, dev)
+        if rows.size:
+            self.resyncs.append({"kind": "tie", "site": list(site), "row": int(rows[0]),
+                                 "golden": f"{rows.size} exactly tied rows", "device": rows[:8].tolist()})
+        return out
 
     def _adopt_samples(self, taps, sampled, dev):
         """Greedy samples: where the device's token is within tie_tol (relative) of the golden's best
@@ -170,11 +181,22 @@ class TapPar:
         rows = np.flatnonzero((np.sort(idx, -1) != np.sort(dev, -1)).any(-1))
         if not rows.size:
             return idx, wts
-        x = np.asarray(x_mixed, np.float64)[rows]
-        inv_rms = 1.0 / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
-        logits = inv_rms * ((x * np.asarray(lw["norm_w"], np.float64)) @ np.asarray(lw["gate_w"], np.float64).T)
-        score = np.sqrt(np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits))))
-        biased = score + np.asarray(lw["gate_bias"], np.float64)
+        biased = self._biased(np.asarray(x_mixed)[rows], lw, cfg)       # of the rows that differ
+        tied = equivalent_rows(biased, idx[rows], dev[rows])
+        if tied.any():
+            idx, wts = np.array(idx), np.array(wts)
+            for j, r in zip(np.flatnonzero(tied), rows[tied]):
+                d = dev[r].astype(np.int64)
+                sel = biased[j, d] - np.asarray(lw["gate_bias"], np.float64)[d]
+                idx[r] = dev[r]
+                wts[r] = nm.r32(sel / sel.sum() * cfg.routed_scaling_factor)
+            self.resyncs.append({"kind": "tie", "site": list(site[:2]), "row": int(rows[tied][0]),
+                                 "golden": f"{int(tied.sum())} exactly tied rows", "device": rows[tied][:8].tolist()})
+            rows, biased = rows[~tied], biased[~tied]
+            if not rows.size:
+                return idx, wts
+        # near-ties: the self-check device's FP32 sums legitimately move the scores, within a margin
+        score = biased - np.asarray(lw["gate_bias"], np.float64)
         kth = np.sort(biased, -1)[:, -cfg.num_experts_per_tok]
         chosen = np.take_along_axis(biased, dev[rows].astype(np.int64), -1).min(-1)
         scale = np.maximum(1.0, np.abs(biased).max(-1))
@@ -194,28 +216,85 @@ class TapPar:
         return idx, wts
 
 
+    @staticmethod
+    def _biased(x_mixed, lw, cfg):
+        """The router's biased scores in float64 (sqrt-softplus of the normed gate logits, plus bias)."""
+        x = np.asarray(x_mixed, np.float64)
+        inv_rms = 1.0 / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
+        logits = inv_rms * ((x * np.asarray(lw["norm_w"], np.float64)) @ np.asarray(lw["gate_w"], np.float64).T)
+        return np.sqrt(np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits)))) + np.asarray(lw["gate_bias"],
+                                                                                                 np.float64)
+
+
 def layer_of_draft(site, cfg) -> int:
     """A drafter MoE call's depth: the target layer id its routing carries (sites ("drafter", "moeN", id))."""
     return int(site[2]) if len(site) > 2 else cfg.num_hidden_layers
 
 
 class Side:
-    def __init__(self, name: str, cfg, ckpt, dckpt, nm, dep, pool_pages: dict):
+    """One side of the lockstep: golden's served run state (`golden.dispatch.Served`) over golden's
+    compositions with a tapped `par`; `g` (config, weights, numerics) and `run` (what a dispatch
+    mutates) are the served run's."""
+
+    def __init__(self, name: str, cfg, ckpt, dckpt, nm, ctx):
         self.name = name
         self.par = TapPar()
-        self.g = S.Golden(cfg, ckpt, dckpt, nm, max_model_len=dep.limits.max_model_len, groups=dep.partitions,
-                          par=self.par)
-        self.run = S.Run(alloc_caches(cfg, pool_pages, self.g.nm), [], [])
-        if dep.k:
-            self.run.state = new_state(dep.partitions, cfg.dspark_noise_token_id)
-            self.run.pools = new_pools(cfg, dep.partitions, self.g.nm)
+        g = S.Golden(cfg, ckpt, dckpt, nm, max_model_len=ctx.deployment.limits.max_model_len,
+                     groups=ctx.deployment.partitions, par=self.par)
+        self.served = Served(g, ctx)
 
-    def seq(self, index: int) -> S.Seq:
-        return self.run.seqs[index]
+    @property
+    def g(self) -> S.Golden:
+        return self.served.g
 
-    def snapshot(self) -> S.Run:
-        return copy.deepcopy(self.run)
+    @property
+    def run(self) -> S.Run:
+        return self.served.run
+
+    @run.setter
+    def run(self, run: S.Run) -> None:
+        self.served.run = run
+        self.served.seqs = {s.req.request_id: s for s in run.seqs}
+
+    def seq(self, rid: str) -> S.Seq:
+        return self.served.seqs[rid]
 
     def adopt(self, run: S.Run) -> None:
         """Re-sync: take the other side's run state (a copy) as this side's."""
         self.run = copy.deepcopy(run)
+
+
+# the golden slot key (golden.staging.SLOTS) that writes each pool
+POOL_SLOTS = {"kv_cache": "ori", "hca_compress_state": "hca_state", "csa_compress_state": "csa_state",
+              "csa_inner_compress_state": "csa_inner_state", "hca_cmp_kv": "hca_cmp", "csa_cmp_kv": "csa_cmp",
+              "idx_kv_cache": "csa_idx", "idx_kv_scale": "csa_idx"}
+
+
+def mapped_rows(calls) -> dict:
+    """pool -> flat rows the dispatch's target forwards write (every slot >= 0 of its family)."""
+    out = {}
+    for pool, key in POOL_SLOTS.items():
+        rows = [m.slots[key][m.slots[key] >= 0] for m, *_ in calls]
+        out[pool] = np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
+    return out
+
+
+# ---- a side's state as named arrays (what a backend receives and returns, what records store) ------
+def side_state(side) -> dict:
+    """'LAYER/POOL' target pools, 'draft/GROUP' drafter pools, 'dspark/tokens|meta' the K=7 state."""
+    run = side.run
+    out = {f"{layer}/{pool}": a for layer, pools in enumerate(run.caches) for pool, a in pools.items()}
+    if run.pools is not None:
+        out.update({f"draft/{g}": a for g, a in enumerate(run.pools)})
+    if run.state is not None:
+        out["dspark/tokens"], out["dspark/meta"] = run.state.tokens, run.state.meta
+    return out
+
+
+def install_state(side, arrays: dict) -> None:
+    run = side.run
+    run.caches = [{pool: arrays[f"{layer}/{pool}"] for pool in pools} for layer, pools in enumerate(run.caches)]
+    if run.pools is not None:
+        run.pools = [arrays[f"draft/{g}"] for g in range(len(run.pools))]
+    if run.state is not None:
+        run.state = DeviceState(arrays["dspark/tokens"], arrays["dspark/meta"], run.state.noise_token)

@@ -6,6 +6,6 @@ Written from kernel-math.md and the positional ABI (`twin.abi`) only: it imports
 per-layer composition across ranks (layers), one module per program (decode, prefill), the
 argument binding (args, paged) and the backend (backend, device).
 """
-from .backend import DeviceResult, TorchBackend
+from .backend import TorchBackend
 
-__all__ = ["DeviceResult", "TorchBackend"]
+__all__ = ["TorchBackend"]

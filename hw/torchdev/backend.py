@@ -12,23 +12,16 @@ golden's stage names.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
 
+from twin.abi.batches import DispatchResult
 from twin.abi.errors import AbiError
 from twin.abi.programs import OUTPUT, get_program
 
 from .args import Args, to_numpy
 from .device import torch_device
-
-
-@dataclass
-class DeviceResult:
-    outputs: dict
-    state: dict
-    taps: dict = field(default_factory=dict)
 
 
 def _program_runner(name: str):
@@ -66,7 +59,7 @@ class TorchBackend:
         self._staged: dict = {}
         self.name = f"torch-{self.device.type}"
 
-    def run(self, dispatch, state: Mapping[str, np.ndarray], weights: Mapping | None = None) -> DeviceResult:
+    def run(self, dispatch, state: Mapping[str, np.ndarray], weights: Mapping | None = None) -> DispatchResult:
         import torch
         weights = self.weights if weights is None else weights
         if weights is None:
@@ -86,4 +79,4 @@ class TorchBackend:
         outputs = {n: to_numpy(t, prog.arg(n).dtype) for n, t in outs.items()
                    if prog.arg(n).role == OUTPUT}
         touched = {n: to_numpy(a[n], a.bound[n].dtype) for n in a.state_names if not torch.equal(a[n], before[n])}
-        return DeviceResult(outputs, touched, {k: v.detach().cpu().numpy() for k, v in taps.items()})
+        return DispatchResult(outputs, touched, {k: v.detach().cpu().numpy() for k, v in taps.items()})

@@ -31,9 +31,15 @@ def test_lockstep_command_errors_name_what_is_allowed(tmp_path, capsys):
 
 def test_overhead_benchmark_prints_a_ratio_as_json():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lockstep_overhead.py"), "--dispatches", "6",
-                          "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert d["ratio"] == d["ratio_cpu"] > 1 and d["target_ratio"] == 2.5 and d["verdict"] == "PASS"
-    assert d["dispatches"] == 6 and d["cpu_s"]["lockstep"] > d["cpu_s"]["device_only"]
+    # both runs served the same workload to the same number of dispatches; the lockstep does strictly more
+    assert d["dispatches"] == d["device_only_dispatches"] == 6
+    assert d["ratio"] == d["ratio_wall"] > 1 and d["target_ratio"] == 2.0
+    assert d["verdict"] == "PASS"                     # the parity run's own verdict
+    # whether the target is met is the measured ratio, whatever this machine's load made it
+    assert d["meets_target"] == (d["ratio"] <= d["target_ratio"])
+    assert d["cpu_s"]["lockstep"] > d["cpu_s"]["device_only"] > 0 and d["wall_s"]["device_only"] > 0
+    assert d["backend"].startswith("selfcheck:")

@@ -40,7 +40,7 @@ def test_an_unknown_name_is_an_attribute_error_and_submodules_still_import(packa
     pkg = importlib.import_module(package)
     with pytest.raises(AttributeError, match=f"{package!r} has no attribute 'no_such_name'"):
         pkg.no_such_name
-    sub = "metrics" if package == "hw" else "stream"
+    sub = "metrics" if package == "hw" else "side"
     assert importlib.import_module(f"{package}.{sub}") is getattr(pkg, sub)
 
 

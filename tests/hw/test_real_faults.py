@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from golden.paged import lower  # noqa: E402
-from hw.real.faults import EXPECTED_STAGES, ISSUE8_KINDS, REAL_KINDS, RealFault, run_case, sweep_layers  # noqa: E402
-from hw.real.lockstep import build_real, parse_real_fault  # noqa: E402
+from hw.real.faults import EXPECTED_STAGES, ISSUE8_KINDS, REAL_KINDS, RealFault, sweep_layers  # noqa: E402
+from twin.functional.parity import run_case  # noqa: E402
+from hw.real.lockstep import parse_real_fault  # noqa: E402
+from twin.functional.parity import build_lockstep  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 from twin.abi.presets import get_preset  # noqa: E402
 
@@ -44,17 +46,32 @@ def test_any_issue8_fault_is_caught_where_it_fires(kind, at, pick, seed):
         assert c["detected"] and c["localized"], c
 
 
+def _each_dispatch(lr, before, after):
+    """Run `lr` with before(rd) / after(rd) around every dispatch its checker checks."""
+    check = lr.checker.check
+
+    def hooked(rd):
+        before(rd)
+        e = check(rd)
+        after(rd)
+        return e
+
+    lr.checker.check = hooked
+
+
 def test_drafter_rerun_is_exact_without_a_fault():
     """The drafter faults re-run a fused dispatch's drafter stage; unchanged, that re-run gives the
     device's own pools and drafts bit for bit, so the fault is the only difference it adds."""
     f = RealFault("stale_draft_kv", at=10_000)
-    lr = build_real(k=7, max_new=6, fault=f)
-    checked = 0
-    while (rd := lr.stream.next(lr.dev)) is not None and checked < 2:
+    lr = build_lockstep(k=7, max_new=6, fault=f)
+    checked = []
+
+    def before(rd):
         f._pools = list(lr.dev.run.pools)
-        lr.check(rd)
-        if rd.kind != "decode":
-            continue
+
+    def after(rd):
+        if rd.kind != "decode" or len(checked) >= 2:
+            return
         pools, tokens = list(lr.dev.run.pools), lr.dev.run.state.tokens.copy()
         routes = list(lr.dev.par.draft_routes)
         out = f._redraft(lr.dev, rd, lr.last_step.outputs, edit=None)
@@ -63,38 +80,44 @@ def test_drafter_rerun_is_exact_without_a_fault():
         assert np.array_equal(tokens, lr.dev.run.state.tokens)
         assert all(np.array_equal(x, y) for x, y in zip(routes, lr.dev.par.draft_routes))
         assert np.array_equal(out["drafts"], lr.last_step.outputs["drafts"])
-        checked += 1
-    assert checked == 2 and f.fired is None
+        checked.append(rd.index)
+
+    _each_dispatch(lr, before, after)
+    lr.run(12)
+    assert len(checked) == 2 and f.fired is None
 
 
 def test_relowering_reproduces_the_staged_meta():
     """off_by_one_position and ring_alias re-lower the staged dispatch with one change; with none,
     the re-lowering is the staged meta array for array."""
     f = RealFault("ring_alias", at=10_000)
-    lr = build_real(k=7, max_new=4, fault=f)
+    lr = build_lockstep(k=7, max_new=4, fault=f)
     seen = set()
-    while (rd := lr.stream.next(lr.dev)) is not None and len(seen) < 2:
-        lr.check(rd)
+
+    def after(rd):
         if not lr.dev.par.calls:
-            continue
+            return
         assert f._sites == {}               # store hooks never match an array after the forward (id reuse)
         meta = lr.dev.par.calls[-1][0]
         again = lower(TINY, f._spans(meta), form=meta.form).arrays()
         for k, v in meta.arrays().items():
             assert np.array_equal(v, again[k]), k
         seen.add(meta.form)
+
+    _each_dispatch(lr, lambda rd: None, after)
+    lr.run(8)
     assert seen == {"prefill", "decode"}
 
 
 def test_fault_definitions_and_bad_input():
     assert set(EXPECTED_STAGES) == set(REAL_KINDS) and set(ISSUE8_KINDS) <= set(REAL_KINDS)
     with pytest.raises(AbiError, match="layer.*compressed layer"):
-        build_real(fault=RealFault("dropped_boundary", layer=0))
+        build_lockstep(fault=RealFault("dropped_boundary", layer=0))
     with pytest.raises(AbiError, match="kind='bitrot'"):
         parse_real_fault("bitrot@3")
     f = parse_real_fault("wrong_slot@4:3")
     assert (f.kind, f.at, f.layer) == ("wrong_slot", 4, 3)
-    lr = build_real(k=7, max_new=4)
+    lr = build_lockstep(k=7, max_new=4)
     with pytest.raises(AbiError, match="device numerics"):
         RealFault("wrong_slot").attach(lr.gold)           # golden's NumPy numerics have no store hook
 
@@ -102,9 +125,24 @@ def test_fault_definitions_and_bad_input():
 def test_a_wrong_token_is_caught_in_a_dispatch_with_sample_ties():
     """A dispatch whose greedy samples tie-flip (adopted by the golden) still fails on a corrupted
     output token: ties are adopted before acceptance, so no output difference is excused."""
-    f = RealFault("token", at=12, seed=2120)
-    lr = build_real(seed=2, k=7, max_new=40, fault=f)
-    s = lr.run(14)
-    e = lr.entries[12]
+    f = RealFault("token", at=17, seed=2120)
+    lr = build_lockstep(seed=1, k=7, max_new=40, fault=f)
+    s = lr.run(19)
+    e = lr.entries[17]
     assert any(r["kind"] == "sample" for r in e["resyncs"])         # this dispatch has adopted ties
     assert e["verdict"] == "fail" and s["first_divergence"]["stage"] == "sample"
+
+
+def test_exactly_tied_selections_are_equal_and_adopted():
+    """golden.ties on the lockstep: a device top-k that differs from golden's only among exactly tied
+    scores is adopted as a "tie" (with the near-tie margin off); one that differs in a score is not."""
+    from hw.real.side import TapPar
+
+    par = TapPar()
+    par.index_tie_tol = -1.0                     # no near-tie margin: only the exact rule can adopt
+    score = np.array([[5.0, 3.0, 3.0, 1.0], [5.0, 3.0, 2.0, 1.0]])
+    golden = np.array([[0, 1], [0, 1]])          # ties to the lower index
+    par.route_from = {(2, "idx_topk"): np.array([[0, 2], [0, 2]])}
+    out = par._adopt_topk(2, score, golden)
+    assert out.tolist() == [[0, 2], [0, 1]]      # row 0: 3.0 == 3.0, adopted; row 1: 3.0 != 2.0, kept
+    assert [(r["kind"], r["row"]) for r in par.resyncs] == [("tie", 0)]

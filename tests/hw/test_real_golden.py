@@ -1,7 +1,8 @@
-"""Lockstep against golden's real compositions (hw.real): golden.compose / golden.dspark run from
-dispatches that twin.abi.lowering lowers and validates; the device side runs the same compositions
-with every GEMM on torch (FP32 accumulation).  A clean run has no false alarm; injected faults are
-detected at the dispatch they break and localized to the stage they corrupt."""
+"""Lockstep against golden's real compositions (hw.real) on parity runs driven by the one scheduler
+(twin.functional.parity): golden.compose / golden.dspark run from dispatches that twin.abi.lowering
+lowers and validates; the self-check device runs the same compositions with every GEMM on torch
+(FP32 accumulation).  A clean run has no false alarm; injected faults are detected at the dispatch
+they break and localized to the stage they corrupt."""
 from __future__ import annotations
 
 import json
@@ -14,13 +15,13 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from hw.real.faults import EXPECTED_STAGES, REAL_KINDS, RealFault  # noqa: E402
-from hw.real.lockstep import build_real  # noqa: E402
+from twin.functional.parity import build_lockstep  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def clean_k7():
-    lr = build_real(k=7, max_new=30)
+    lr = build_lockstep(k=7, max_new=30)
     return lr, lr.run(200)
 
 
@@ -51,13 +52,13 @@ def test_clean_k7_golden_used_dispatch_addressing(clean_k7):
 
 
 def test_clean_k0_run():
-    s = build_real(k=0, max_new=8).run(12)
+    s = build_lockstep(k=0, max_new=8).run(12)
     assert s["verdict"] == "PASS", s["first_divergence"]
     assert s["programs"]["l3_decode_fwd"]["dispatches"] >= 7
 
 
 def test_exact_mode_sides_agree_closely():
-    lr = build_real(k=7, max_new=4, golden_mode="exact")
+    lr = build_lockstep(k=7, max_new=4, golden_mode="exact")
     s = lr.run(6)
     assert s["verdict"] == "PASS", s["first_divergence"]
     assert s["resyncs"].get("route", 0) == 0 and s["resyncs"].get("sample", 0) == 0
@@ -65,11 +66,11 @@ def test_exact_mode_sides_agree_closely():
     assert h["max_rel_l2"] < 1e-9
 
 
-@pytest.mark.parametrize("kind,at,layer", [("weight", 4, 2), ("route", 0, 5), ("kv_row", 5, 3), ("stray", 1, 4),
+@pytest.mark.parametrize("kind,at,layer", [("weight", 5, 2), ("route", 0, 5), ("kv_row", 5, 3), ("stray", 6, 4),
                                            ("token", 6, 0), ("weight", 0, 6)])
 def test_fault_detected_and_localized(kind, at, layer):
     f = RealFault(kind, at=at, layer=layer)
-    lr = build_real(k=7, max_new=8, fault=f)
+    lr = build_lockstep(k=7, max_new=8, fault=f)
     s = lr.run(at + 4)
     assert f.fired
     assert s["verdict"] == "FAIL"
@@ -88,7 +89,7 @@ def test_any_fault_fires_and_is_caught_where_it_fires(kind, at, layer):
     """A fault that fires is reported at its dispatch and layer; one that finds nothing to break
     (a seed dispatch runs no target layer) leaves the run clean."""
     f = RealFault(kind, at=at, layer=layer)
-    lr = build_real(k=7, max_new=6, fault=f)
+    lr = build_lockstep(k=7, max_new=6, fault=f)
     s = lr.run(at + 2)
     if f.fired:
         fd = s["first_divergence"]
@@ -99,30 +100,49 @@ def test_any_fault_fires_and_is_caught_where_it_fires(kind, at, layer):
 
 def test_continuous_mode_resyncs_after_a_fault():
     f = RealFault("kv_row", at=5, layer=3)
-    lr = build_real(k=7, max_new=10, fault=f, mode="continuous")
+    lr = build_lockstep(k=7, max_new=10, fault=f, mode="continuous")
     s = lr.run(12)
     assert [e["index"] for e in lr.entries if e["verdict"] == "fail"] == [5]   # reported once, then in sync
     assert s["dispatches"] == 12 and s["resyncs"]["state"] == 1
 
 
-def test_golden_checks_the_staged_slots():
-    """Golden runs what the dispatch stages: a side whose pages disagree with the dispatch's
-    slot mappings is refused, naming the slot mapping."""
-    lr = build_real(k=7, max_new=4)
-    lr.dev.run.blocks[0] = {f: [b + 1 for b in ids] for f, ids in lr.dev.run.blocks[0].items()}
-    with pytest.raises(AbiError, match="slot_mapping_full"):
-        lr.run(1)
+def _corrupt_first_prefill(monkeypatch, arg, edit):
+    """Every prefill dispatch the executor lowers gets `edit` applied to its argument `arg`."""
+    import twin.functional.executor as ex
+
+    real = ex.lower
+
+    def bad(batch, ctx, **kw):
+        d = real(batch, ctx, **kw)
+        if d.program == "l3_prefill_fwd":
+            a = np.array(d.args[arg])
+            edit(a)
+            d = type(d)(d.program, {**d.args, arg: a}, d.meta)
+        return d
+
+    monkeypatch.setattr(ex, "lower", bad)
+    monkeypatch.setattr(ex, "validate", lambda d, ctx: None)
+
+
+def test_golden_checks_the_staged_slots(monkeypatch):
+    """Golden runs what the dispatch stages: a dispatch whose slot mapping disagrees with the pages
+    the scheduler gave the request is refused, naming the slot mapping."""
+    def shift(a):
+        a[0, 3] += 1
+    _corrupt_first_prefill(monkeypatch, "ori_slot_mapping_full", shift)
+    with pytest.raises(AbiError, match="ori_slot_mapping_full"):
+        build_lockstep(k=7, max_new=4).run(1)
 
 
 def test_bad_inputs_name_the_argument():
     with pytest.raises(AbiError, match="kind"):
         RealFault("bitrot")
     with pytest.raises(AbiError, match="layer"):
-        build_real(fault=RealFault("weight", layer=99))
+        build_lockstep(fault=RealFault("weight", layer=99))
     with pytest.raises(AbiError, match="preset"):
-        build_real(preset="flash")
+        build_lockstep(preset="flash")
     with pytest.raises(AbiError, match="mode"):
-        build_real(mode="lenient")
+        build_lockstep(mode="lenient")
     assert set(EXPECTED_STAGES) == set(REAL_KINDS)
 
 
@@ -153,19 +173,11 @@ def test_cli_golden_real(tmp_path, capsys):
     assert "kind='melt'" in capsys.readouterr().err
 
 
-def test_golden_checks_every_staged_position():
+def test_golden_checks_every_staged_position(monkeypatch):
     """The shared cross-check (golden.staging) also holds the dispatch's positions to golden's: a
     position staged out of order inside a chunk is refused, naming position_ids_full."""
-    lr = build_real(k=7, max_new=4)
-    nxt = lr.stream.next
-
-    def bad_next(dev):
-        rd = nxt(dev)
-        pos = np.array(rd.dispatch.args["position_ids_full"])
-        pos[0, 5] += 1
-        rd.dispatch.args["position_ids_full"] = pos
-        return rd
-
-    lr.stream.next = bad_next
+    def bump(a):
+        a[0, 5] += 1
+    _corrupt_first_prefill(monkeypatch, "position_ids_full", bump)
     with pytest.raises(AbiError, match="position_ids_full"):
-        lr.run(1)
+        build_lockstep(k=7, max_new=4).run(1)

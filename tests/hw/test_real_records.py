@@ -1,6 +1,7 @@
-"""Records of the real-golden lockstep: a recorded run replays offline to the same report entries,
-tampered records are flagged, and a killed run (SIGKILL) resumes to a byte-identical report with no
-dispatch lost or repeated."""
+"""Records of the real-golden lockstep on a parity run: a recorded run replays offline (its
+scheduler re-driven with the recorded device outputs) to the same report entries, tampered records
+are flagged, and a killed run (SIGKILL) resumes to a byte-identical report with no dispatch lost
+or repeated."""
 import json
 import shutil
 import subprocess
@@ -13,17 +14,17 @@ import pytest
 pytest.importorskip("torch")
 
 from hw.records import Record, RecordStore  # noqa: E402
-from hw.real.lockstep import build_real  # noqa: E402
-from hw.real.replay import replay  # noqa: E402
+from twin.functional.parity import build_lockstep  # noqa: E402
+from twin.functional.parity import replay_records as replay  # noqa: E402
 from killed_run import ROOT, env, kill_after  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 
-N = 14                     # 2 prefill, 2 seed, 10 fused K=7 dispatches
+N = 14                     # prefill, seed and fused K=7 dispatches
 
 
 def _run(run_dir, **kw):
     # the CLI's budget for --steps N (twin/commands/lockstep.py), so the CLI run below is the same run
-    return build_real(max_new=max(8, N), run_dir=run_dir, **kw)
+    return build_lockstep(max_new=max(8, N), run_dir=run_dir, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +67,8 @@ def test_replay_gives_the_recorded_entries(recorded, capsys):
 
     assert main(["lockstep", "--replay", "--run-dir", str(recorded)]) == 0      # all of it, in order
     assert f"{N} identical to the report" in " ".join(capsys.readouterr().out.split())
-    # ranges replay on their own from the recorded state before them (a fan-out over workers)
-    entries = replay(recorded, start=9) + replay(recorded, start=0, limit=9)
-    assert [json.dumps(e, sort_keys=True) for e in entries] == _lines(recorded)[9:] + _lines(recorded)[:9]
-    with pytest.raises(AbiError, match="start"):
-        replay(recorded, start=N + 1)
+    entries = replay(recorded)
+    assert [json.dumps(e, sort_keys=True) for e in entries] == _lines(recorded)
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -97,18 +95,19 @@ def test_replay_flags_a_consistently_rewritten_record(recorded, tmp_path):
     d = _copy(recorded, tmp_path / "run")
     store = RecordStore(d / "records")
     recs = store.records()
-    rec = recs[8]
+    i = next(r.index for r in recs[5:] if r.meta["real"]["kind"] == "decode")
+    rec = recs[i]
     key = next(k for k in rec.state_delta if k.endswith("/kv_cache"))
     vals = np.array(store.get(rec.state_delta[key]["values"]))
     vals[0] = (vals[0].astype(np.float32) + 0.5).astype(vals.dtype)
     delta = {"rows": rec.state_delta[key]["rows"], "values": store.put(vals)}
     store.flush_pack("tampered")
-    recs[8] = Record(**{**rec.to_dict(), "state_delta": {**rec.state_delta, key: delta}})
+    recs[i] = Record(**{**rec.to_dict(), "state_delta": {**rec.state_delta, key: delta}})
     (d / "records" / "manifest.jsonl").write_text("".join(json.dumps(r.to_dict(), sort_keys=True) + "\n"
                                                           for r in recs))
-    entries = replay(d, limit=9)
-    assert [e["verdict"] for e in entries] == ["pass"] * 8 + ["fail"]
-    fd = entries[8]["first_divergence"]
+    entries = replay(d)[:i + 1]
+    assert [e["verdict"] for e in entries] == ["pass"] * i + ["fail"]
+    fd = entries[i]["first_divergence"]
     assert (fd["layer"], fd["stage"]) == (key.split("/")[0], "kv")
     from twin.cli import main
 
@@ -128,7 +127,7 @@ def test_crash_between_record_and_report_line_resumes_identically(recorded, tmp_
 
 def test_resume_refuses_another_configuration_or_no_records(recorded, tmp_path):
     d = _copy(recorded, tmp_path / "run")
-    with pytest.raises(AbiError, match="differs in \\['seed'\\]"):
+    with pytest.raises(AbiError, match="differs in \\[.*'seed'\\]"):
         _run(d, seed=1).run(N)
     with pytest.raises(AbiError, match="run_dir"):
         _run(d, record=False).run(N)
@@ -150,7 +149,7 @@ def test_a_failing_continuous_run_replays_and_resumes_identically(tmp_path):
     from hw.real.faults import RealFault
 
     def run(d, crash=None):
-        lr = build_real(max_new=10, run_dir=d, mode="continuous", fault=RealFault("kv_row", at=5, layer=3))
+        lr = build_lockstep(max_new=10, run_dir=d, mode="continuous", fault=RealFault("kv_row", at=5, layer=3))
         lr.crash_after = crash
         return lr.run(10)
 

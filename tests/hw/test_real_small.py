@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
-from hw.real.faults import run_case  # noqa: E402
-from hw.real.lockstep import build_real  # noqa: E402
+from twin.functional.parity import run_case  # noqa: E402
+from twin.functional.parity import build_lockstep  # noqa: E402
 from hw.tolerance import DEFAULT_TABLE, Policy, Tolerance  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def clean_small():
-    lr = build_real(preset="small", k=7, max_new=14)
+    lr = build_lockstep(preset="small", k=7, max_new=14)
     return lr, lr.run(200)
 
 
@@ -38,7 +38,7 @@ def test_small_clean_run_has_no_false_alarm(clean_small):
 
 
 def test_small_k0_decode_run():
-    s = build_real(preset="small", k=0, max_new=4).run(10)
+    s = build_lockstep(preset="small", k=0, max_new=4).run(10)
     assert s["verdict"] == "PASS", s["first_divergence"]
     assert s["programs"]["l3_decode_fwd"]["dispatches"] >= 3
 

@@ -51,8 +51,7 @@ def test_fresh_discards_a_reference_run_and_starts_over(tmp_path, capsys):
 
 
 def test_the_api_refuses_it_wherever_it_reads_the_directory(tmp_path):
-    from hw.real.lockstep import build_real
-    from hw.real.replay import replay
+    from twin.functional.parity import build_lockstep, replay_records
 
     d = reference_run(tmp_path / "run", finished=False)
     with pytest.raises(AbiError, match="recorded by the NumPy reference step"):
@@ -60,11 +59,11 @@ def test_the_api_refuses_it_wherever_it_reads_the_directory(tmp_path):
     with pytest.raises(AbiError, match="recorded by the NumPy reference step"):
         RecordStore(d / "records").records()
     with pytest.raises(AbiError, match="recorded by the NumPy reference step"):
-        build_real(run_dir=d, max_new=8).run(2)                    # a resume, with records
+        build_lockstep(run_dir=d, max_new=8).run(2)                    # a resume, with records
     with pytest.raises(AbiError, match="recorded by the NumPy reference step"):
-        build_real(run_dir=d, max_new=8, record=False).run(2)      # a resume, without
+        build_lockstep(run_dir=d, max_new=8, record=False).run(2)      # a resume, without
     with pytest.raises(AbiError):
-        replay(d)
+        replay_records(d)
 
 
 @pytest.mark.parametrize("weights,refused", [(REF_WEIGHTS, True), ("synthetic:tiny:seed0:k7", False),

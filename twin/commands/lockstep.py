@@ -1,23 +1,25 @@
-"""Run dispatches on a device backend in lockstep with the golden model and print the verdict.
+"""Run a workload through the scheduler with every dispatch checked in lockstep, and print the verdict.
 
-Every dispatch (packed prefill, K=0 decode, fused K=7 verify+redraft, drafter seeding) runs on the
-device backend, then on the golden re-synced from the device's decisions; outputs, routing and
-touched pools are compared under the tolerance policy and the first divergence is localized to
-(dispatch, layer, stage).  The golden is golden's own compositions (`hw.real`).  Records,
-report.jsonl and summary.{md,html} go to --run-dir; running again on the same directory resumes
-where a killed run stopped.
+The simulator's scheduler serves the workload (a spec, a trace, or seeded prompts) under the page
+budget; every dispatch it issues (packed prefill, K=0 decode, fused K=7 verify+redraft, drafter
+seeding) runs on the device backend, then on the golden re-synced from the device's decisions;
+outputs, routing and touched pools are compared under the tolerance policy and the first divergence
+is localized to (dispatch, layer, stage); the device's outputs are what the scheduler commits.  The
+golden is golden's own compositions (`hw.real`).  Records, report.jsonl and summary.{md,html} go to
+--run-dir; running again on the same directory resumes where a killed run stopped.
 """
 from __future__ import annotations
 
 from twin.abi.errors import AbiError
 
-from ._common import integer, out_dir, seed
+from ._common import add_budget_args, budget_from_args, flag_names, integer, out_dir, seed
 
 
-# the defaults of the flags that set up the device side, which a replay has no use for
+# the defaults of the flags that set up the run, which a replay has no use for (its records set the run)
 DEVICE_SIDE = {"preset": "tiny", "device": "cpu", "steps": 100, "mode": "strict", "fresh": False, "inject": None,
-               "seed": 0, "no_records": False}
-
+               "seed": 0, "no_records": False, "workload": None, "trace": None, "requests": None, "k": 7,
+               "slots": None, "total_kv_pages": None, "measured_free_bytes": None, "measured_used_bytes": None,
+               "measured_slots": None}
 
 def add_arguments(p) -> None:
     d = DEVICE_SIDE
@@ -36,6 +38,16 @@ def add_arguments(p) -> None:
     p.add_argument("--replay", action="store_true",
                    help="no device: re-judge the records in --run-dir against the golden offline and "
                         "compare with its report")
+    w = p.add_argument_group("workload (as simulate's; default: seeded prompts, max(8, --steps) new tokens each, "
+                             "at most 400)")
+    w.add_argument("--workload", help="a workload spec JSON file (keys: docs/simulation.md)")
+    w.add_argument("--trace", help="serve a JSONL request trace instead of a generated workload")
+    w.add_argument("--requests", "--num-prompts", dest="requests", type=integer,
+                   help="number of requests (a workload spec's default otherwise)")
+    w.add_argument("-k", "--num-speculative-tokens", dest="k", type=integer, default=d["k"], help="0 or 7 (default 7)")
+    w.add_argument("--slots", type=integer, help="slots per partition (default 2, or startup admission under a "
+                                                  "KV budget flag)")
+    add_budget_args(p)
 
 
 def run(args) -> int:
@@ -71,20 +83,10 @@ def run(args) -> int:
         shutil.rmtree(run_dir)
     check_run_dir(run_dir)
     resumed = (run_dir / "report.jsonl").exists()
-    from hw.real.lockstep import build_real, parse_real_fault
-    from hw.real.records import read_config
+    from hw.real.lockstep import parse_real_fault
 
     fault = parse_real_fault(args.inject) if args.inject else None
-    # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions);
-    # a resumed run keeps the token budget it started with
-    max_new = min(400, max(8, args.steps))
-    if resumed:
-        try:
-            max_new = read_config(run_dir).get("max_new", max_new)
-        except AbiError:            # a run that kept no records starts its budget afresh
-            pass
-    lr = build_real(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, fault=fault,
-                    policy=policy, run_dir=run_dir, max_new=max_new, record=not args.no_records)
+    lr = _parity(args, run_dir, resumed, fault, policy)
     done = len(ReportWriter(run_dir).entries())
     if resumed:
         con.print(f"resuming {run_dir}: {done} dispatches already checked")
@@ -108,9 +110,61 @@ def run(args) -> int:
         con.print(f"injected: {fault.fired}")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
+    sv = s["config"].get("serving")
+    if sv:
+        con.print("scheduler: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sv.items()))
     extra = ")" if args.no_records else ", records/)"
     con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}")
     return 0 if s["verdict"] == "PASS" else 1
+
+
+def _parity(args, run_dir, resumed: bool, fault, policy):
+    """The parity run the flags describe; a resumed run rebuilds the one its records describe (the
+    same flags are required, and checked against them)."""
+    import argparse
+
+    from hw.real.records import read_config
+    from twin.abi.presets import get_preset
+    from twin.abi.topology import deployment
+    from twin.functional.parity import build_lockstep, requests_from_rows, seeded_requests
+
+    cfg = get_preset(args.preset)
+    if not cfg.small:
+        raise AbiError("--preset", args.preset, "a small preset (tiny or small): lockstep runs whole models on "
+                       "both sides; FLASH-shaped layers are golden's per-layer tests", where="lockstep")
+    measured, pages = budget_from_args(args)
+    if measured is not None:
+        raise AbiError(f"--{measured.kind.replace('_', '-')}", measured.value, "--total-kv-pages or --slots (the "
+                       "parity run's page budget; a measured boot is FLASH's)", where="lockstep")
+    if args.slots is not None and pages is not None:
+        raise AbiError("--slots", args.slots, "not together with --total-kv-pages (one KV budget)", where="lockstep")
+    if args.slots is not None and not 1 <= args.slots <= 64:
+        raise AbiError("--slots", args.slots, "1..64", where="lockstep")
+    if args.requests is not None and args.requests < 1:
+        raise AbiError("--requests", args.requests, ">= 1", where="lockstep")
+    if args.workload or args.trace:
+        from ._datasets import OWN_DEFAULTS
+        from .simulate import _requests
+
+        dep = deployment(cfg, ep=8, max_model_len=512, num_speculative_tokens=args.k)
+        ns = argparse.Namespace(trace=args.trace, workload=args.workload, seed=args.seed, requests=args.requests,
+                                rate=None, arrival=None, burstiness=None, dataset_name=None, dataset_path=None,
+                                tokenizer=None, sharegpt_output_len=None,
+                                **{k: None for k in OWN_DEFAULTS})
+        requests, _ = _requests(ns, dep)
+    else:
+        # about one decode dispatch per token: enough tokens for --steps (prompts + tokens fit 512 positions)
+        requests = seeded_requests(args.preset, seed=args.seed, n_requests=args.requests or 4,
+                                   max_new=min(400, max(8, args.steps)))
+    if resumed:
+        try:                       # a resumed run keeps the workload it began with
+            requests = requests_from_rows(read_config(run_dir)["requests"])
+        except (AbiError, KeyError):     # a run that kept no records starts afresh (refused below)
+            pass
+    with flag_names():                  # a budget the deployment cannot admit fails under its flag's name
+        return build_lockstep(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, k=args.k,
+                              requests=requests, slots=args.slots, total_kv_pages=pages, fault=fault, policy=policy,
+                              run_dir=run_dir, record=not args.no_records)
 
 
 def interrupted(args) -> str:
@@ -126,7 +180,7 @@ def _replay(args, run_dir, con, policy) -> int:
     """Exit 0 when every recorded dispatch replays to its report line, 1 when any differs."""
     import json
 
-    from hw.real.replay import replay
+    from twin.functional.parity import replay_records as replay
     from hw.report import ReportWriter
     from hw.run_format import check_run_dir
 

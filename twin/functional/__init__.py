@@ -1,8 +1,9 @@
 """twin.functional: the simulator's scheduler driving golden with real tokens (docs/functional.md).
 
 One system, not three: the same scheduler, lowering and ABI as the capacity twin, with a numeric
-executor in place of the cost model.  It composes `twin.sim` and `golden`, which may not import
-each other (DESIGN.md).
+executor in place of the cost model: golden alone, or the lockstep checker (`hw.real`) running each
+dispatch on a device and on golden (parity runs).  It composes `twin.sim`, `golden` and `hw`, which
+may not import each other (DESIGN.md).
 
     GoldenExecutor(dep, slots, golden, cost=None, draft_policy=None)   .execute(plan) -> StepResult
     functional_simulate(dep, requests, golden, recompute="prompt"|"replay") -> FunctionalResult
@@ -11,14 +12,19 @@ each other (DESIGN.md).
     first_difference(outputs, reference) -> (request, position, got, want) | None
     acceptance_vector(summary), load_acceptance(path)                     export for the cost model
     ReplayExecutor(cost_executor, accepted)                              cost model at golden's lengths
+    build_lockstep(preset, ..., requests=None, slots=2) -> ParityRun       a parity run: the scheduler driving
+                                                                         the lockstep checker (hw.real)
+    replay_records(run_dir), run_case(kind, seed=, at=, layer=)          offline re-judging; one injected fault
 """
 from .acceptance import acceptance_vector, conditional_rates, load_acceptance
 from .executor import GoldenExecutor
 from .oracle import first_difference, reference_outputs, sequential_greedy
+from .parity import ParityRun, build_lockstep, replay_records, run_case
 from .replay import ReplayScheduler, scheduler_for
 from .run import FunctionalResult, Recording, decisions, functional_config, functional_simulate, golden_model
 from .same_lengths import ReplayExecutor
 
 __all__ = ["acceptance_vector", "conditional_rates", "load_acceptance", "GoldenExecutor", "first_difference",
            "reference_outputs", "sequential_greedy", "ReplayScheduler", "scheduler_for", "FunctionalResult",
-           "Recording", "decisions", "functional_config", "functional_simulate", "golden_model", "ReplayExecutor"]
+           "Recording", "decisions", "functional_config", "functional_simulate", "golden_model", "ReplayExecutor",
+           "ParityRun", "build_lockstep", "replay_records", "run_case"]

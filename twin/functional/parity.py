@@ -1,0 +1,268 @@
+"""Parity runs: the one scheduler driving a lockstep checker.
+
+    lr = build_lockstep(preset="tiny", k=7, max_new=24)          # 4 seeded prompts, 2 slots per partition
+    summary = lr.run(steps=40)                                   # summary["verdict"], ["first_divergence"]
+    lr.entries, lr.dev, lr.gold                                  # the checker's report lines and sides
+
+The run is a simulation (`twin.sim`: engine, scheduler, worker, prefix cache, leases) whose executor
+is `GoldenExecutor` with a lockstep checker (`hw.real.lockstep.RealLockstep`) as its host: each
+lowered, validated dispatch runs on the device backend and on golden, is compared, and the device's
+outputs are what the scheduler commits.  So every scheduling decision a capacity or functional run
+makes happens in parity too; the summary's config carries the run's serving counts (`serving`):
+prefix hits (requests, tokens), preemptions, lease reuse, K=7 fallback rows, packed and chunked
+prefill, seeding waves.
+
+This module composes twin.sim, golden and hw (DESIGN.md: the functional twin is the composition
+layer); hw and twin.sim still never import each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from golden.dispatch import Halt
+from twin.abi.errors import AbiError
+from twin.abi.lowering import LoweringContext
+from twin.abi.presets import get_preset
+from twin.abi.topology import deployment
+from twin.sim.costmodel import DeviceLimits
+from twin.abi.batches import Request, Sampling
+from twin.sim.run import SimConfig, build, startup_slots
+
+from .executor import GoldenExecutor
+
+PROMPT_LENS = (80, 40, 100, 30, 60, 50, 70, 20)
+
+
+def seeded_requests(preset: str, *, seed: int = 0, n_requests: int = 4, max_new: int = 24) -> list[Request]:
+    """`n_requests` seeded prompts (lengths cycling through PROMPT_LENS), all arriving at t = 0."""
+    cfg = get_preset(preset)
+    rng = np.random.default_rng(seed)
+    return [Request(f"r{i}", rng.integers(2, cfg.vocab_size - 1, PROMPT_LENS[i % len(PROMPT_LENS)]),
+                    Sampling(max_new, ignore_eos=True)) for i in range(n_requests)]
+
+
+def request_rows(requests) -> list[dict]:
+    """The requests as JSON rows (what records keep, so a replay re-drives the same workload)."""
+    return [{"id": r.request_id, "prompt": [int(t) for t in r.prompt], "max_new_tokens": r.sampling.max_new_tokens,
+             "eos_token_id": r.sampling.eos_token_id, "ignore_eos": r.sampling.ignore_eos,
+             "stop": [list(s) for s in r.sampling.stop], "arrival": r.arrival, "tag": r.tag} for r in requests]
+
+
+def requests_from_rows(rows) -> list[Request]:
+    return [Request(d["id"], np.asarray(d["prompt"], np.int32),
+                    Sampling(d["max_new_tokens"], d["eos_token_id"], d["ignore_eos"], tuple(map(tuple, d["stop"]))),
+                    arrival=d["arrival"], tag=d["tag"]) for d in rows]
+
+
+@dataclass
+class ParityRun:
+    sim: SimConfig
+    checker: object                      # hw.real.lockstep.RealLockstep
+    slots: int
+    executor: GoldenExecutor | None = None
+    serving: dict | None = None
+
+    def __getattr__(self, name):
+        # the checker's attributes (entries, dev, gold, crash_after, ...) read and set through the run
+        if name in FIELDS:
+            raise AttributeError(name)
+        return getattr(self.checker, name)
+
+    def __setattr__(self, name, value):
+        if name in FIELDS:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.checker, name, value)
+
+    def device_only(self, steps: int | None = None) -> int:
+        """Serve the same workload with the device alone (no golden, no checks, no records); returns the
+        dispatches run.  A run is used once: build another for the lockstep."""
+        host = DeviceHost(self.checker, steps)
+        dep = self.sim.dep
+
+        def factory(cost, slots_):
+            self.executor = GoldenExecutor(dep, slots_, host=lambda ctx: host, cost=cost)
+            return self.executor
+
+        self.sim.executor = factory
+        env, eng, _, _, _ = build(self.sim)
+        eng.submit(self.sim.requests)
+        try:
+            env.run(until=eng.done)
+        except Halt:
+            pass
+        return host.index
+
+    def run(self, steps: int | None = None, progress=None) -> dict:
+        """Serve the workload until it completes, `steps` dispatches are checked, or (strict) one fails."""
+        if steps is not None:
+            if steps < 1:
+                raise AbiError("steps", steps, ">= 1", where="lockstep")
+            self.checker.steps = steps
+        self.checker.progress = progress
+        env, eng, sched, rec, _ = build(self.sim)
+        eng.submit(self.sim.requests)
+        try:
+            env.run(until=eng.done)
+        except Halt:
+            pass
+        self.serving = serving_counts(rec, self.executor)
+        return self.checker.finish(self.serving)
+
+
+FIELDS = ("sim", "checker", "slots", "executor", "serving")
+
+
+class DeviceHost:
+    """The device alone behind the executor: the same parity run with no golden and no checks
+    (what `benchmarks/lockstep_overhead.py` measures the lockstep against)."""
+
+    def __init__(self, checker, steps: int | None):
+        self.checker, self.backend, self.steps, self.index = checker, checker.backend, steps, 0
+
+    @property
+    def seqs(self) -> dict:
+        return self.checker.dev.served.seqs
+
+    def admit(self, rid, prompt, max_new_tokens) -> None:
+        self.backend.admit(rid, prompt, max_new_tokens)
+
+    def drop(self, rid) -> None:
+        self.backend.drop(rid)
+
+    def last_token(self, rid) -> int:
+        return self.checker.dev.served.last_token(rid)
+
+    def speculation(self) -> dict:
+        return self.checker.dev.served.speculation()
+
+    def dispatch(self, kind, d, items):
+        from golden.dispatch import Ran, run_dispatch
+        from hw.real.side import install_state, side_state
+        from twin.abi.batches import Dispatch
+
+        dev = self.checker.dev
+        if d is None:
+            return run_dispatch(dev.served, kind, d, items)
+        r = self.backend.run(Dispatch(d.program, d.args, {**d.meta, "index": self.index, "kind": kind,
+                                                          "items": list(items)}), side_state(dev))
+        if r.state:
+            install_state(dev, {**side_state(dev), **r.state})
+        self.index += 1
+        if self.steps is not None and self.index >= self.steps:
+            raise Halt(f"{self.index} dispatches run")
+        return Ran(r.outputs, list(r.seqs))
+
+
+def serving_counts(rec, ex: GoldenExecutor) -> dict:
+    """What the scheduler did in the run (so far): the decisions a parity run must exercise."""
+    p = rec.prefix
+    return {"prefix_hit_requests": int(p["hits"]), "prefix_hit_tokens": int(p["hit_tokens"]),
+            "preemptions": int(sum(1 for e in rec.events if e[1] == "preempt")),
+            "fallback_steps": int(rec.fallbacks), **ex.counts, "leases_reused": ex.leases_reused,
+            "dispatches": ex.dispatches}
+
+
+def build_lockstep(*, preset: str = "tiny", device: str = "cpu", mode: str = "strict", seed: int = 0,
+                   golden_mode: str = "device", k: int = 7, requests=None, n_requests: int = 4, max_new: int = 24,
+                   slots: int | None = None, total_kv_pages: int | None = None, chunk: int = 64,
+                   max_model_len: int = 512, max_num_seqs: int | None = None, max_num_batched_tokens: int = 256,
+                   ep: int = 8, fault=None, policy=None, run_dir=None, carry: str = "device", record: bool = True,
+                   steps: int | None = None) -> ParityRun:
+    """A parity run on a small preset's deployment (TP4, EP8 by default: two cache partitions).
+
+    requests: `twin.abi.batches.Request`s (a workload spec's or a trace's), default `seeded_requests`.
+    slots / total_kv_pages: the KV budget (default 2 slots per partition; total_kv_pages: startup
+    admission from upstream's page budget).  The device is the self-check backend on `device`."""
+    from hw.real.lockstep import build_checker
+
+    cfg = get_preset(preset)
+    if not cfg.small:
+        raise AbiError("preset", preset, "a small preset (tiny or small): the real path runs whole models",
+                       where="lockstep")
+    if slots is not None and total_kv_pages is not None:
+        raise AbiError("slots", slots, "not together with total_kv_pages (one KV budget)", where="lockstep")
+    if slots is None and total_kv_pages is None:
+        slots = 2
+    if requests is None:
+        requests = seeded_requests(preset, seed=seed, n_requests=n_requests, max_new=max_new)
+    requests = list(requests)
+    dep = deployment(cfg, ep=ep, max_model_len=max_model_len, long_prefill_token_threshold=chunk,
+                     max_num_seqs=max_num_seqs or (ep // 4) * (slots or 4),
+                     max_num_batched_tokens=max_num_batched_tokens,
+                     num_speculative_tokens=k)
+    sim = SimConfig(dep, requests, slots=slots, total_kv_pages=total_kv_pages, seed=seed)
+    admitted = startup_slots(sim, DeviceLimits.load())
+    # what rebuilds this run (records/config.json): resume checks it, replay re-drives it
+    build_args = {"preset": preset, "device": device, "mode": mode, "seed": seed, "golden_mode": golden_mode, "k": k,
+                  "slots": slots, "total_kv_pages": total_kv_pages, "chunk": chunk, "max_model_len": max_model_len,
+                  "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "ep": ep,
+                  "carry": carry, "requests": request_rows(requests),
+                  "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer,
+                                                      "seed": fault.seed}}
+    checker = build_checker(LoweringContext(dep, admitted), device=device, mode=mode, seed=seed,
+                            golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
+                            record=record, build=build_args, steps=steps,
+                            config={"requests": len(requests), "slots_per_partition": admitted})
+    run = ParityRun(sim, checker, admitted)
+
+    def factory(cost, slots_):
+        if slots_ != admitted:
+            raise AbiError("slots", slots_, f"the {admitted} slots the checker was built for", where="lockstep")
+        run.executor = GoldenExecutor(dep, slots_, host=lambda ctx: checker, cost=cost)
+        return run.executor
+
+    sim.executor = factory
+    return run
+
+
+def rebuild(build_args: dict, **kw) -> ParityRun:
+    """The parity run `build_args` (records/config.json) describes; kw overrides (policy, record, ...)."""
+    b = dict(build_args)
+    b["requests"] = requests_from_rows(b["requests"])
+    f = b.pop("fault")
+    if f is not None and "fault" not in kw:
+        from hw.real.faults import RealFault
+        kw["fault"] = RealFault(f["kind"], at=f["at"], layer=f["layer"], seed=f["seed"])
+    return build_lockstep(**{**b, **kw})
+
+
+def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny", max_new: int = 40,
+             horizon: int = 60, **build) -> dict:
+    """One injection: a strict parity run with the device fault (`hw.real.faults.RealFault`), run until
+    it stops (the first failure), the workload ends or `horizon` dispatches.  detected: the run failed
+    at the dispatch the fault fired at and not before; localized: the first divergence names the
+    fault's expected (layer, stage)."""
+    from hw.real.faults import RealFault
+
+    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer)
+    lr = build_lockstep(preset=preset, seed=seed, k=7, max_new=max_new, fault=f, **build)
+    s = lr.run(horizon)
+    fd = s["first_divergence"]
+    fails = [e["index"] for e in lr.entries if e["verdict"] == "fail"]
+    out = {"kind": kind, "seed": seed, "at": at, "layer": layer, "fired_at": f.fired_at, "fired": f.fired,
+           "dispatches": s["dispatches"],
+           "expected": None if f.expected is None else [f.expected[0], list(f.expected[1])],
+           "got": None if fd is None else [fd["dispatch"], fd["layer"], fd["stage"]]}
+    out["false_alarm"] = bool(fails) and (f.fired_at is None or fails[0] < f.fired_at)
+    out["detected"] = f.fired_at is not None and fails[:1] == [f.fired_at]
+    out["localized"] = bool(out["detected"] and fd["layer"] == f.expected[0] and fd["stage"] in f.expected[1])
+    return out
+
+
+def replay_records(run_dir, *, policy=None) -> list[dict]:
+    """Re-judge a recorded run offline: its scheduler re-driven with the recorded device outputs and
+    state (no device), golden live, the same checks; returns the report entries (one per record)."""
+    from pathlib import Path
+
+    from hw.real.records import read_config
+    from hw.real.replay import use_records
+
+    run_dir = Path(run_dir)
+    lr = rebuild(read_config(run_dir), policy=policy, record=False, fault=None)
+    n = use_records(lr.checker, run_dir)
+    if n:
+        lr.run(n)
+    return list(lr.entries)
