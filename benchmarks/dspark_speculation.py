@@ -40,7 +40,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cfg = get_preset(args.preset)
     rng = np.random.default_rng(1)
-    reqs = [S.Request(f"r{i}", tuple(int(t) for t in rng.integers(0, cfg.vocab_size, L)), n)
+    reqs = [S.Prompt(f"r{i}", tuple(int(t) for t in rng.integers(0, cfg.vocab_size, L)), n)
             for i, (L, n) in enumerate(MIXED)]
     g = S.Golden(cfg, SyntheticCheckpoint(cfg, 0), DrafterCheckpoint(cfg, 0), nm=args.mode, max_model_len=LIMIT,
                  groups=2)

@@ -82,7 +82,7 @@ class Served:
         row = self._free_rows.pop() if self._free_rows else len(self.run.blocks)
         if row == len(self.run.blocks):
             self.run.blocks.append({})
-        s = S.Seq(S.Request(rid, tuple(int(t) for t in prompt), max(1, int(max_new_tokens))), row, -1)
+        s = S.Seq(S.Prompt(rid, tuple(int(t) for t in prompt), max(1, int(max_new_tokens))), row, -1)
         self.seqs[rid] = s
         self.run.seqs.append(s)
 
@@ -167,7 +167,7 @@ def _prefill(sv: Served, d, items) -> Ran:
         s.tail = {p: h for p, h in s.tail.items() if p > b - 1 - C.SLIDING_WINDOW}   # rolling, 128 rows
         row += b - a
         if it.terminal:
-            s.req = S.Request(s.req.request_id, s.req.prompt[:it.prompt_len], s.req.max_new_tokens)
+            s.req = S.Prompt(s.req.request_id, s.req.prompt[:it.prompt_len], s.req.max_new_tokens)
             s.anchor, s.current = b, int(sampled[i])
             s.generated.append(s.current)
     return Ran({"sampled_ids": np.asarray(sampled, np.int64), "main_hidden": np.asarray(mh, np.float32)}, seqs)

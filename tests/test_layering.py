@@ -54,3 +54,40 @@ def test_twin_abi_needs_only_numpy():
                 third_party.add(top)
     import sys
     assert third_party - set(sys.stdlib_module_names) <= {"numpy"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_hw_has_no_import_cycles_even_through_imports_inside_functions():
+    # an import inside a function still makes two modules depend on each other; the lockstep,
+    # its records, replay and faults must each be readable (and testable) without the other
+    mods = {_module_name(p): p for p in (ROOT / "hw").rglob("*.py")}
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for mod in imported_modules(path):
+            # `from .x import y`: the module x, or the package's attribute y of a module we have
+            while mod and mod not in mods:
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name and mod in mods and not mods[mod].name == "__init__.py":
+                deps.add(mod)
+        graph[name] = deps
+    state, cycle = {}, []
+
+    def visit(m, stack):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycle.append(stack[stack.index(d):] + [d] if d in stack else [m, d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycle, cycle
+    assert "hw.real.step" in graph["hw.real.records"] and "hw.real.lockstep" not in graph["hw.real.records"]

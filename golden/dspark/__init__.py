@@ -25,6 +25,6 @@ The target-hidden capture (K21: the variant's tap, "hc_head_of_outputs" on the d
 "mean_of_inputs" in V4.1) is golden.compose.target_hidden over the target forward's taps.
 
     g = Golden(TINY, SyntheticCheckpoint(TINY), DrafterCheckpoint(TINY), nm="device", max_model_len=176)
-    run = generate(g, [Request("r0", prompt, 40)], k=7)        # k=0: one row per request per step
+    run = generate(g, [Prompt("r0", prompt, 40)], k=7)        # k=0: one row per request per step
     outputs(run)["r0"], run.counters.summary()
 """

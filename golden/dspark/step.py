@@ -38,7 +38,11 @@ TAIL = C.SLIDING_WINDOW
 
 
 @dataclass(frozen=True)
-class Request:
+class Prompt:
+    """A sequence golden generates for on its own (`generate`, `new_run`): its id, tokens and token
+    budget.  The scheduler's request, with sampling and run state, is `twin.abi.batches.Request`;
+    `golden.dispatch` makes a Prompt of each one it serves."""
+
     request_id: str
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -79,7 +83,7 @@ class Golden:
 class Seq:
     """One request's bookkeeping in a run."""
 
-    req: Request
+    req: Prompt
     index: int                         # row in the target's block tables
     group: int
     lease: int | None = None

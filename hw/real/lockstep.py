@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +42,11 @@ from ..localize import compose_kind, first_divergent_tap
 from ..options import MODES
 from ..report import ReportWriter, write_summary
 from ..tolerance import Policy
+from .faults import RealFault
+from .records import RealRecorder
+from .replay import restore
 from .side import install_state, mapped_rows, side_state
+from .step import DECISION_STAGES, DeviceStep, RealDispatch
 
 OUTPUT_KIND = {"main_hidden": ("activation", "bf16", "w8a8"), "state_meta": ("index", "i32", "none")}
 # where a mismatching output is localized: the target's final hidden rows, or the K=7 drafter state
@@ -55,7 +58,6 @@ POOL_KIND = {"kv_cache": ("kv_pool", "bf16", "none"), "hca_cmp_kv": ("kv_pool", 
 POOL_STAGE = {"kv_cache": "kv", "hca_cmp_kv": "cmp_kv", "csa_cmp_kv": "cmp_kv", "idx_kv_cache": "cmp_kv",
               "idx_kv_scale": "cmp_kv", "hca_compress_state": "cmp_kv", "csa_compress_state": "cmp_kv",
               "csa_inner_compress_state": "cmp_kv"}
-DECISION_STAGES = ("moe_indices", "idx_topk")
 # which pools the golden carries into the next dispatch: the device's (each dispatch judged from the
 # same inputs, like an offline replay of records) or its own (drift accumulates, see docs/lockstep.md)
 CARRY = ("device", "golden")
@@ -64,26 +66,6 @@ CARRY = ("device", "golden")
 # moves them by percents, far more than the FP32 gate scores the policy's route tie_tol is for
 INDEX_TIE_TOL = 0.1           # measured clean (carry=device, seeds 0-2, 63 dispatches each): max 0.048
 SEQ_FIELDS = ("anchor", "current", "generated", "draft_anchor", "released")
-
-
-@dataclass
-class DeviceStep:
-    """What the device side produced for one dispatch: outputs, the taps of its last target forward,
-    the sampled tokens of each target forward and the drafter's routes (what the golden re-syncs from)."""
-
-    outputs: dict
-    taps: dict
-    sampled: list
-    draft_routes: list
-
-
-@dataclass
-class RealDispatch:
-    index: int
-    kind: str                          # prefill | seed | decode
-    dispatch: Dispatch
-    rows: list                         # block-table rows of its requests, in the order the sides run them
-    items: list = field(default_factory=list)
 
 
 def _resync(kind, site, detail) -> dict:
@@ -117,7 +99,6 @@ class RealLockstep:
         self.build = build
         self.recorder = None
         if self.dir is not None and record and build is not None:
-            from .records import RealRecorder
             self.recorder = RealRecorder(self.dir / "records", build)
         self.crash_after: int | None = None        # tests: die after this many records, before the report line
         self.last_step: DeviceStep | None = None    # the device's step of the dispatch just checked (recorded)
@@ -355,7 +336,6 @@ class RealLockstep:
         if self.recorder is None:
             raise AbiError("run_dir", str(self.dir), "a run with records to resume (record=True), or a fresh directory",
                            where="hw.real lockstep")
-        from .replay import restore
 
         restore(self, entries)
 
@@ -382,7 +362,6 @@ def _rows_ne(a, b):
 def parse_real_fault(spec: str):
     """'KIND', 'KIND@AT' or 'KIND@AT:LAYER' (AT a dispatch index, LAYER a layer index)."""
     from ..options import split_fault
-    from .faults import RealFault
 
     kind, at, layer = split_fault(spec)
     return RealFault(kind, at=at, layer=layer, seed=at)

@@ -34,7 +34,7 @@ from twin.abi.inputs import read_json
 from twin.abi.outputs import write_text
 
 from ..records import Record, RecordStore, changed_rows, content_hash
-from .lockstep import DECISION_STAGES, DeviceStep
+from .step import DECISION_STAGES, DeviceStep
 from .side import side_state
 
 ITEM = {"prefill": PrefillItem, "decode": DecodeItem, "seed": PrefillItem}

@@ -198,8 +198,8 @@ def test_release_checkpoint_runs_the_fused_step(release_dir):
     ck = RealCheckpoint(str(release_dir), TINY)
     prompt = tuple(int(t) for t in np.random.default_rng(2).integers(0, TINY.vocab_size, 30))
     g = S.Golden(TINY, ck, ck.drafter(), max_model_len=64)
-    run = S.generate(g, [S.Request("r", prompt, 12)], k=7)
-    ref = S.generate(S.Golden(TINY, ck, None, max_model_len=64), [S.Request("r", prompt, 12)], k=0)
+    run = S.generate(g, [S.Prompt("r", prompt, 12)], k=7)
+    ref = S.generate(S.Golden(TINY, ck, None, max_model_len=64), [S.Prompt("r", prompt, 12)], k=0)
     assert S.outputs(run) == S.outputs(ref) and len(S.outputs(run)["r"]) == 12
 
 
@@ -217,7 +217,7 @@ def test_w8a8_serving_checkpoint_loads_bit_for_bit(tmp_path):
                 assert np.array_equal(np.asarray(got[k], np.float64), np.asarray(want[k], np.float64)), k
     assert "mtp.0.ffn.experts.5.w1.weight" in ck.names() and "mtp.2.confidence_head.proj.weight" in ck.names()
     prompt = tuple(int(t) for t in np.random.default_rng(3).integers(0, TINY.vocab_size, 25))
-    runs = [S.generate(S.Golden(TINY, c, d, max_model_len=64), [S.Request("r", prompt, 10)], k=7)
+    runs = [S.generate(S.Golden(TINY, c, d, max_model_len=64), [S.Prompt("r", prompt, 10)], k=7)
             for c, d in ((ck, dk), (CK, DK))]
     assert S.outputs(runs[0]) == S.outputs(runs[1])
     assert runs[0].counters.summary() == runs[1].counters.summary()

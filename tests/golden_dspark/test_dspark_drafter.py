@@ -214,11 +214,11 @@ def test_flash_shaped_block_attention_near_the_position_ceiling():
 def test_seeding_checks_the_captured_tail():
     from golden.dspark import step as S
     g = S.Golden(CFG, CK, DK, nm="exact", max_model_len=300)
-    run = S.new_run(g, [S.Request("a", tuple(range(1, 151)), 4)], k=7)
+    run = S.new_run(g, [S.Prompt("a", tuple(range(1, 151)), 4)], k=7)
     S.prefill_and_seed(g, run, k=7, chunk=64)                 # 150 tokens in chunks of 64: tail = 22..149
     s = run.seqs[0]
     assert sorted(s.tail) == list(range(22, 150)) and s.draft_anchor == 149
-    run2 = S.new_run(g, [S.Request("a", tuple(range(1, 151)), 4)], k=7)
+    run2 = S.new_run(g, [S.Prompt("a", tuple(range(1, 151)), 4)], k=7)
     S.prefill_and_seed(g, run2, k=7)                          # unchunked: the same seed
     np.testing.assert_array_equal(run.state.tokens, run2.state.tokens)
     s.tail.pop(100)

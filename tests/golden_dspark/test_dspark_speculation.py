@@ -20,7 +20,7 @@ CK, DK = SyntheticCheckpoint(CFG, 0), DrafterCheckpoint(CFG, 0)
 
 def requests(spec, seed=1):
     rng = np.random.default_rng(seed)
-    return [S.Request(f"r{i}", tuple(int(t) for t in rng.integers(0, CFG.vocab_size, L)), n)
+    return [S.Prompt(f"r{i}", tuple(int(t) for t in rng.integers(0, CFG.vocab_size, L)), n)
             for i, (L, n) in enumerate(spec)]
 
 
@@ -92,7 +92,7 @@ def test_no_read_sees_a_stale_row(mode, spec, patterns, chunk, drafter):
 
 
 def test_seeding_waves_take_the_wth_request_of_every_group():
-    seqs = [S.Seq(S.Request(f"r{i}", (1,), 1), i, g) for i, g in enumerate([0, 1, 0, 0, 2, 1])]
+    seqs = [S.Seq(S.Prompt(f"r{i}", (1,), 1), i, g) for i, g in enumerate([0, 1, 0, 0, 2, 1])]
     waves = S.seeding_waves(seqs)
     assert [[s.req.request_id for s in w] for w in waves] == [["r0", "r1", "r4"], ["r2", "r5"], ["r3"]]
     for w in waves:
@@ -119,7 +119,7 @@ def test_bad_runs_are_rejected():
     with pytest.raises(AbiError, match="k="):
         S.new_run(g, requests([(6, 1)]), k=3)
     with pytest.raises(AbiError, match="prompt"):
-        S.new_run(g, [S.Request("x", (CFG.vocab_size,), 1)], k=0)
+        S.new_run(g, [S.Prompt("x", (CFG.vocab_size,), 1)], k=0)
     with pytest.raises(AbiError, match="dckpt"):
         S.new_run(S.Golden(CFG, CK, None, nm="exact", max_model_len=64), requests([(6, 1)]), k=7)
     with pytest.raises(AbiError, match="max_model_len"):

@@ -160,7 +160,7 @@ def test_confidence_is_the_logit_and_the_device_output_its_sigmoid():
 
 
 def test_runs_keep_the_logit():
-    req = S.Request("r0", tuple(int(t) for t in np.random.default_rng(4).integers(0, CFG.vocab_size, 20)), 9)
+    req = S.Prompt("r0", tuple(int(t) for t in np.random.default_rng(4).integers(0, CFG.vocab_size, 20)), 9)
     run = S.generate(S.Golden(CFG, CK, DK, nm="exact", max_model_len=64), [req], k=7)
     c = run.seqs[0].confidence_logit
     assert c is not None and c.shape == (7,) and np.any((c < 0) | (c > 1))
@@ -174,17 +174,17 @@ def test_v41_captures_the_mean_of_the_target_layers_inputs():
     from golden.compose import Taps
     prompt = tuple(int(t) for t in np.random.default_rng(5).integers(0, CFG.vocab_size, 24))
     g = S.Golden(CFG, CK, DK, nm="exact", max_model_len=64, drafter="v4.1")
-    run = S.new_run(g, [S.Request("r0", prompt, 1)], k=0, log_hidden=True)
+    run = S.new_run(g, [S.Prompt("r0", prompt, 1)], k=0, log_hidden=True)
     S.prefill_and_seed(g, run, k=0)
     got = np.stack([run.hidden_log["r0"][p] for p in range(len(prompt))])
-    ref = S.new_run(g, [S.Request("r0", prompt, 1)], k=0)
+    ref = S.new_run(g, [S.Prompt("r0", prompt, 1)], k=0)
     taps = Taps(stages={"x_hc"})
     meta = lower(CFG, [Span(0, 0, prompt, ref.blocks[0])], form=PREFILL)
     SINGLE.target_forward(CK, meta, ref.caches, np.zeros(len(prompt), np.int64), cfg=CFG, nm=EXACT, taps=taps)
     want = np.concatenate([np.asarray(taps[(l - 1, "x_hc")]).mean(axis=1) for l in CFG.dspark_target_layer_ids], -1)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
     dev = S.Golden(CFG, CK, DK, nm="exact", max_model_len=64)
-    run_d = S.new_run(dev, [S.Request("r0", prompt, 1)], k=0, log_hidden=True)
+    run_d = S.new_run(dev, [S.Prompt("r0", prompt, 1)], k=0, log_hidden=True)
     S.prefill_and_seed(dev, run_d, k=0)
     assert not np.allclose(np.stack([run_d.hidden_log["r0"][p] for p in range(len(prompt))]), want)
 

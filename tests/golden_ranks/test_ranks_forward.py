@@ -103,7 +103,7 @@ def test_drafter_and_markov_as_16_ranks(mode):
 def test_a_k7_generation_as_ranks_equals_one_rank(topo, groups, spec):
     """Every dispatch of the run (prefill, seeding waves, fused steps) through the emulation."""
     rng = np.random.default_rng(5)
-    reqs = [S.Request(f"r{i}", tuple(int(t) for t in rng.integers(0, CFG.vocab_size, L)), n)
+    reqs = [S.Prompt(f"r{i}", tuple(int(t) for t in rng.integers(0, CFG.vocab_size, L)), n)
             for i, (L, n) in enumerate(spec)]
     runs = []
     for par in (None, RankEmulation(layout_for(CFG, *topo), "ordered")):

@@ -28,7 +28,7 @@ def sequential_greedy(golden: S.Golden, prompt, n: int, *, mode: str = "incremen
         raise AbiError("n" if n < 1 else "prompt", n if n < 1 else 0, ">= 1", where="sequential_greedy")
     if mode == "incremental":
         g = S.Golden(golden.cfg, golden.ckpt, None, golden.nm, max_model_len=len(prompt) + n, groups=1)
-        return S.outputs(S.generate(g, [S.Request("oracle", prompt, n)], k=0))["oracle"]
+        return S.outputs(S.generate(g, [S.Prompt("oracle", prompt, n)], k=0))["oracle"]
     seq = list(prompt)
     for _ in range(n):
         sess = Session(golden.ckpt, golden.cfg, golden.nm, 1, len(seq))
