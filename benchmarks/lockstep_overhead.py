@@ -57,12 +57,17 @@ def lockstep(preset: str, n: int, seed: int) -> tuple[tuple[float, float], dict]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dispatches", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    for flag, v in (("--dispatches", a.dispatches), ("--repeats", a.repeats)):
+        if v < 1:
+            p.error(f"{flag}={v}: allowed: an integer >= 1")
+    if a.preset not in ("tiny", "small"):
+        p.error(f"--preset={a.preset!r}: allowed: tiny or small (FLASH does not run whole on a CPU)")
     import torch
 
     from hw.threads import limit_cpu_threads

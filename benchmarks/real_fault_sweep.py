@@ -107,12 +107,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--clean", action="store_true", help="clean runs and the depth measurement instead")
     ap.add_argument("--presets", default="tiny,small", help="with --clean")
     a = ap.parse_args(argv)
+
+    def ints(flag, text):
+        try:
+            vals = [int(x) for x in text.split(",")]
+        except ValueError:
+            ap.error(f"{flag}={text!r}: allowed: comma-separated integers >= 0")
+        if any(v < 0 for v in vals):
+            ap.error(f"{flag}={text!r}: allowed: comma-separated integers >= 0")
+        return vals
+
+    seeds, ats = ints("--seeds", a.seeds), ints("--ats", a.ats)
+    bad = [k for k in a.kinds.split(",") if k not in REAL_KINDS]
+    if bad:
+        ap.error(f"--kinds: {bad[0]!r} is not a fault kind; allowed: {', '.join(REAL_KINDS)}")
+    for flag, v in (("--max-new", a.max_new), ("--horizon", a.horizon)):
+        if v < 1:
+            ap.error(f"{flag}={v}: allowed: an integer >= 1")
     if a.clean:
-        out = clean(a.presets.split(","), [int(x) for x in a.seeds.split(",")], a.max_new)
+        out = clean(a.presets.split(","), seeds, a.max_new)
         print(json.dumps(out, indent=1))
         return out
+    if a.preset not in ("tiny", "small"):
+        ap.error(f"--preset={a.preset!r}: allowed: tiny or small (the sweep runs whole models on a CPU)")
     cfg = get_preset(a.preset)
-    seeds, ats = [int(x) for x in a.seeds.split(",")], [int(x) for x in a.ats.split(",")]
     t0, c0 = time.perf_counter(), time.process_time()
     kinds = {}
     for kind in a.kinds.split(","):

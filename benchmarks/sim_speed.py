@@ -33,7 +33,7 @@ import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-BASELINE = "55baf65"     # the exact fidelity before the speed work
+BASELINE = "55baf65"     # the commit this tree's simulator is measured against unless --baseline names another
 
 
 def worker(n: int, decision_log: bool) -> dict:

@@ -20,8 +20,9 @@ The golden side is golden's own compositions (`golden.compose`, `golden.dspark`)
 dispatches that `twin.abi.lowering` lowers and validates (`hw.real`); a parity run drives it
 through the simulator's scheduler (`twin.functional.parity.build_lockstep`).
 
-Imports only twin.abi and golden (DESIGN.md); torch is imported when a torch device computes,
-torch_npu only for device "npu", the PyPTO runtime only when a `PyptoBackend` is built on it.
+Imports only twin.abi and golden (docs/architecture.md, "Import rules"); torch is imported when a
+torch device computes, torch_npu only for device "npu", the PyPTO runtime only when a
+`PyptoBackend` is built on it.
 Nothing here is imported by `import hw`: the names above are `hw`'s own as well
 (`from hw import RecordStore`), each importing its module on first use; hw.real's come from
 `hw.real` the same way.

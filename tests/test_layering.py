@@ -1,4 +1,4 @@
-"""DESIGN.md's import rules: arrows never point back."""
+"""The import rules of docs/architecture.md: arrows never point back."""
 import ast
 from pathlib import Path
 

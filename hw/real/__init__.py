@@ -27,7 +27,8 @@ Public API:
                                                                   checked on rank 0 (torchrun -m hw.real.ranks)
 
 Each name is also `hw.real`'s own (`from hw.real import RealLockstep`), importing its module on
-first use.  Only twin.abi, golden and hw are imported (DESIGN.md); torch when a device side computes.
+first use.  Only twin.abi, golden and hw are imported (docs/architecture.md, "Import rules"); torch
+when a device side computes.
 """
 from ..lazy import lazy_exports
 

@@ -1,4 +1,5 @@
-"""TorchBackend: the six programs in torch, run from a lowered Dispatch alone.
+"""TorchBackend: five of the six programs in torch (l3_decode_fwd_dspark is refused by name), run
+from a lowered Dispatch alone.
 
     be = TorchBackend(deployment, slots, device="cpu")
     res = be.run(dispatch, state, weights)      # or TorchBackend(..., weights=w).run(dispatch, state)

@@ -591,7 +591,7 @@ def test_kernel_data_stays_small_and_names_its_source():
 
 
 def test_multi_rank_and_prefill_data_exercise_what_they_are_for():
-    """The new fixtures are not met by the nearest wrong rule: the group's rows interleaved by
+    """The multi-rank and prefill fixtures are not met by the nearest wrong rule: the group's rows interleaved by
     source rank (not rank-major) miss the all-to-all; the MoE routes cross ranks and choose among
     the experts, and both expert kinds count; the prefill indexer selects among more candidates than
     top-k, history rows included; the prefill attention without its compressed rows misses the

@@ -191,20 +191,6 @@ def test_cli_bad_input_names_the_argument(tmp_path):
     assert r.returncode == 2 and "forced acceptance length" in r.stderr
 
 
-def test_the_simulator_has_one_fidelity(capsys):
-    """One rule set: no fidelity to choose, so a `--fidelity` left in a script is refused as any
-    unknown flag is (exit status 2, one line naming it), never silently ignored."""
-    import dataclasses
-
-    from twin.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["simulate", "--fidelity", "fleet", "--requests", "2"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "unrecognized arguments: --fidelity fleet" in err
-    assert "fidelity" not in {f.name for f in dataclasses.fields(SimConfig)}
-
-
 def test_a_capped_request_is_flagged_in_its_row_and_counted():
     """max_model_len 1024: 1000 + 100 asks for 76 more than the context holds, 1000 + 24 fits exactly."""
     from simtest import req

@@ -2,7 +2,7 @@
 
 Presets, topology and serving limits, the six programs' positional arguments, the seven cache
 families and the drafter pools, startup capacity and the per-rank HBM account, ring heaps.  It imports nothing of ours but
-itself (DESIGN.md), and only numpy from outside.
+itself (docs/architecture.md, "Import rules"), and only numpy from outside.
 """
 from . import constants
 from .caches import FAMILY_NAMES, CacheFamily, DrafterPools, cache_families, page_alignment, size_families

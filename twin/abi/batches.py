@@ -7,7 +7,7 @@ partitions); a `Dispatch` is one program's arguments ready for a device.  Both a
 data, so every executor (cost model, golden, device, lockstep) receives exactly the same thing.
 A backend answers one dispatch with a `DispatchResult`; an executor answers one scheduler step
 (its dispatches) with a `StepResult`.  Living here, in the package everything may import, these
-types let the simulator, golden and hw share them without importing each other (DESIGN.md).
+types let the simulator, golden and hw share them without importing each other (docs/architecture.md, "Import rules").
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 One system, not three: the same scheduler, lowering and ABI as the capacity twin, with a numeric
 executor in place of the cost model: golden alone, or the lockstep checker (`hw.real`) running each
 dispatch on a device and on golden (parity runs).  It composes `twin.sim`, `golden` and `hw`, which
-may not import each other (DESIGN.md).
+may not import each other (docs/architecture.md, "Import rules").
 
     GoldenExecutor(dep, slots, golden, cost=None, draft_policy=None)   .execute(plan) -> StepResult
     functional_simulate(dep, requests, golden, recompute="prompt"|"replay") -> FunctionalResult

@@ -12,8 +12,8 @@ makes happens in parity too; the summary's config carries the run's serving coun
 prefix hits (requests, tokens), preemptions, lease reuse, K=7 fallback rows, packed and chunked
 prefill, seeding waves.
 
-This module composes twin.sim, golden and hw (DESIGN.md: the functional twin is the composition
-layer); hw and twin.sim still never import each other.
+This module composes twin.sim, golden and hw (docs/architecture.md, "Import rules": the functional
+twin is the composition layer); hw and twin.sim never import each other.
 """
 from __future__ import annotations
 

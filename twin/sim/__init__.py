@@ -2,7 +2,7 @@
 
 The scheduler, the grouped prefix cache and the leases are plain objects (no SimPy) that a
 wall-clock loop with a golden or device executor can drive as well; the SimPy engine adds time.
-It imports only `twin.abi`; executors are injected, never imported (DESIGN.md).
+It imports only `twin.abi`; executors are injected, never imported (docs/architecture.md, "Import rules").
 """
 from .acceptance import AcceptanceModel, ConditionalAcceptance, ExecutorTokens, ForcedAcceptance, parse_acceptance
 from .costmodel import Calibration, CostModel, DeviceLimits, Routing
