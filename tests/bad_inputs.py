@@ -411,7 +411,7 @@ def _rows():
     add("lockstep --slots with --total-kv-pages", LW + ["--slots", "2", "--total-kv-pages", "100"], "--slots",
         "--slots=2", "not together with --total-kv-pages")
     add("lockstep --total-kv-pages -3", LW + ["--total-kv-pages", "-3"], "--total-kv-pages",
-        "--total-kv-pages='-3'", "a positive page count")
+        "--total-kv-pages=-3", "a positive page count")
     add("lockstep --total-kv-pages below one request", LW + ["--total-kv-pages", "2"], "--total-kv-pages",
         "--total-kv-pages=2", "an integer >= ori blocks per request")
     for flag in ("--measured-free-bytes", "--measured-used-bytes", "--measured-slots"):
