@@ -382,7 +382,7 @@ def _rows():
     add("lockstep --run-dir not JSON (resume)", ["lockstep", "--steps", "2", "--run-dir", "{d}/run-config"],
         "--run-dir", "{d}/run-config/records/config.json:2", "not JSON")
     add("lockstep --run-dir wrong shape", ["lockstep", "--replay", "--run-dir", "{d}/run-keys"], "--run-dir",
-        ["{d}/run-keys/records/config.json", "keys=['preset']"], "exactly ['carry'")
+        ["{d}/run-keys/records/config.json", "keys=['preset']"], "exactly ['backend', 'carry'")
     add("lockstep --run-dir corrupt report", LS + ["--run-dir", "{d}/run-report"], "--run-dir",
         ["{d}/run-report/report.jsonl:2", "line='garbage'"], "a report entry written by lockstep")
     add("lockstep --run-dir of the reference step", LS + ["--run-dir", "{d}/run-ref"], "--run-dir",
