@@ -382,7 +382,7 @@ def _rows():
     add("lockstep --run-dir not JSON (resume)", ["lockstep", "--steps", "2", "--run-dir", "{d}/run-config"],
         "--run-dir", "{d}/run-config/records/config.json:2", "not JSON")
     add("lockstep --run-dir wrong shape", ["lockstep", "--replay", "--run-dir", "{d}/run-keys"], "--run-dir",
-        ["{d}/run-keys/records/config.json", "keys=['preset']"], "exactly ['carry'")
+        ["{d}/run-keys/records/config.json", "keys=['preset']"], "exactly ['backend', 'carry'")
     add("lockstep --run-dir corrupt report", LS + ["--run-dir", "{d}/run-report"], "--run-dir",
         ["{d}/run-report/report.jsonl:2", "line='garbage'"], "a report entry written by lockstep")
     add("lockstep --run-dir of the reference step", LS + ["--run-dir", "{d}/run-ref"], "--run-dir",
@@ -407,6 +407,12 @@ def _rows():
     add("lockstep --requests 0", LW + ["--requests", "0"], "--requests", "--requests=0", ">= 1")
     add("lockstep --requests word", LW + ["--requests", "some"], "--requests", ["--requests", "'some'"], "an integer")
     add("lockstep -k 3", LW + ["-k", "3"], "-k", "num_speculative_tokens=3", "0 (target only) or 7")
+    add("lockstep --backend word", LW + ["--backend", "pypto"], "--backend", ["--backend", "'pypto'"],
+        "choose from 'selfcheck', 'torch'")
+    add("lockstep --backend torch -k 7", LW + ["--backend", "torch", "-k", "7"], "--backend",
+        "num_speculative_tokens=7", "0 with backend torch: the fused K=7 program l3_decode_fwd_dspark is not in")
+    add("lockstep --inject with --backend torch", LW + ["--backend", "torch", "-k", "0", "--inject", "kv_row@1"],
+        "--inject", "--inject='kv_row@1'", "none with the torch device")
     add("lockstep --slots 0", LW + ["--slots", "0"], "--slots", "--slots=0", "1..64")
     add("lockstep --slots with --total-kv-pages", LW + ["--slots", "2", "--total-kv-pages", "100"], "--slots",
         "--slots=2", "not together with --total-kv-pages")

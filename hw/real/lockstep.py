@@ -367,14 +367,19 @@ def parse_real_fault(spec: str):
     return RealFault(kind, at=at, layer=layer, seed=at)
 
 
-def build_checker(ctx, *, device: str = "cpu", mode: str = "strict", seed: int = 0, golden_mode: str = "device",
+BACKENDS = ("selfcheck", "torch")
+
+
+def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode: str = "strict", seed: int = 0,
+                  golden_mode: str = "device",
                   fault=None, policy: Policy | None = None, run_dir=None, carry: str = "device",
                   record: bool = True, build: dict | None = None, steps: int | None = None,
                   config: dict | None = None) -> RealLockstep:
     """The checker of a parity run on `ctx` (a `twin.abi.lowering.LoweringContext` of a small
-    preset's deployment): golden's side in `golden_mode` numerics, and the self-check device
-    (`SelfCheckBackend`: the same compositions with `TorchNumerics(golden_mode, device)`), both on
-    the synthetic checkpoint of `seed`."""
+    preset's deployment): golden's side in `golden_mode` numerics and the device, both on the
+    synthetic checkpoint of `seed`.  backend "selfcheck": `SelfCheckBackend` (the same compositions
+    with `TorchNumerics(golden_mode, device)`); "torch": the independent `hw.torchdev.TorchBackend`
+    behind `TorchLockstepDevice` (K=0 only, no device faults)."""
     from golden.checkpoint import SyntheticCheckpoint
     from golden.dspark.weights import DrafterCheckpoint
 
@@ -387,11 +392,23 @@ def build_checker(ctx, *, device: str = "cpu", mode: str = "strict", seed: int =
     if not cfg.small:
         raise AbiError("preset", cfg.name, "a small preset (tiny or small): the real path runs whole models",
                        where="hw.real")
+    if backend not in BACKENDS:
+        raise AbiError("backend", backend, f"one of {BACKENDS}", where="hw.real lockstep")
     ck = SyntheticCheckpoint(cfg, seed)
     dk = DrafterCheckpoint(cfg) if dep.k else None
-    dev = Side(f"torch:{device}", cfg, ck, dk, TorchNumerics(golden_mode, device=device), ctx)
     gold = Side(f"golden:{golden_mode}", cfg, ck, dk, golden_mode, ctx)
-    backend = SelfCheckBackend(dev, device, fault)
+    if backend == "torch":
+        from .torch_adapter import TorchLockstepDevice
+
+        if fault is not None:
+            raise AbiError("fault", fault.kind, "none with the torch device (device faults hook the self-check "
+                           "device's compositions)", where="hw.real lockstep")
+        # the device side keeps golden-layout pools and request bookkeeping; the torch device computes
+        dev = Side(f"torch:{device}", cfg, ck, dk, golden_mode, ctx)
+        backend = TorchLockstepDevice(dev, ctx, device, ck)
+    else:
+        dev = Side(f"torch:{device}", cfg, ck, dk, TorchNumerics(golden_mode, device=device), ctx)
+        backend = SelfCheckBackend(dev, device, fault)
     config = {**(config or {}), "preset": cfg.name, "seed": seed, "k": dep.k, "golden_mode": golden_mode,
               "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer}}
     return RealLockstep(backend, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config,

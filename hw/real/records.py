@@ -41,7 +41,7 @@ ITEM = {"prefill": PrefillItem, "decode": DecodeItem, "seed": PrefillItem}
 TUPLES = ("chunk_tokens", "pending_drafts", "context_positions")
 SEQ_KEYS = ("anchor", "current", "draft_anchor", "released", "lease", "generation", "group")
 # records/config.json: the arguments that rebuild the parity run (twin.functional.parity.build_lockstep)
-BUILD_KEYS = ("preset", "device", "mode", "seed", "golden_mode", "k", "slots", "total_kv_pages", "chunk",
+BUILD_KEYS = ("preset", "backend", "device", "mode", "seed", "golden_mode", "k", "slots", "total_kv_pages", "chunk",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "ep", "carry", "requests", "fault")
 
 

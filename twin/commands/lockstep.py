@@ -5,7 +5,8 @@ budget; every dispatch it issues (packed prefill, K=0 decode, fused K=7 verify+r
 seeding) runs on the device backend, then on the golden re-synced from the device's decisions;
 outputs, routing and touched pools are compared under the tolerance policy and the first divergence
 is localized to (dispatch, layer, stage); the device's outputs are what the scheduler commits.  The
-golden is golden's own compositions (`hw.real`).  Records, report.jsonl and summary.{md,html} go to
+golden is golden's own compositions (`hw.real`); the device is the self-check backend (golden's
+compositions with torch GEMMs) or, with --backend torch, the independent `hw.torchdev.TorchBackend`.  Records, report.jsonl and summary.{md,html} go to
 --run-dir; running again on the same directory resumes where a killed run stopped.
 """
 from __future__ import annotations
@@ -16,14 +17,18 @@ from ._common import add_budget_args, budget_from_args, flag_names, integer, out
 
 
 # the defaults of the flags that set up the run, which a replay has no use for (its records set the run)
-DEVICE_SIDE = {"preset": "tiny", "device": "cpu", "steps": 100, "mode": "strict", "fresh": False, "inject": None,
-               "seed": 0, "no_records": False, "workload": None, "trace": None, "requests": None, "k": 7,
+DEVICE_SIDE = {"preset": "tiny", "backend": "selfcheck", "device": "cpu", "steps": 100, "mode": "strict",
+               "fresh": False, "inject": None, "seed": 0, "no_records": False, "workload": None, "trace": None,
+               "requests": None, "k": 7,
                "slots": None, "total_kv_pages": None, "measured_free_bytes": None, "measured_used_bytes": None,
                "measured_slots": None}
 
 def add_arguments(p) -> None:
     d = DEVICE_SIDE
     p.add_argument("--preset", default=d["preset"], help="a small preset (tiny or small); FLASH does not run whole on a CPU")
+    p.add_argument("--backend", default=d["backend"], choices=("selfcheck", "torch"),
+                   help="the device: selfcheck (golden's compositions with torch GEMMs, default) or torch (the "
+                        "independent hw.torchdev.TorchBackend; -k 0 only)")
     p.add_argument("--device", default=d["device"], help="torch device: cpu, cuda[:n] or npu[:n] (default cpu)")
     p.add_argument("--steps", type=integer, default=d["steps"], help="dispatches to run (default 100)")
     p.add_argument("--mode", default=d["mode"], choices=("strict", "continuous"),
@@ -161,10 +166,16 @@ def _parity(args, run_dir, resumed: bool, fault, policy):
             requests = requests_from_rows(read_config(run_dir)["requests"])
         except (AbiError, KeyError):     # a run that kept no records starts afresh (refused below)
             pass
-    with flag_names():                  # a budget the deployment cannot admit fails under its flag's name
-        return build_lockstep(preset=args.preset, device=args.device, mode=args.mode, seed=args.seed, k=args.k,
-                              requests=requests, slots=args.slots, total_kv_pages=pages, fault=fault, policy=policy,
-                              run_dir=run_dir, record=not args.no_records)
+    try:
+        with flag_names():              # a budget the deployment cannot admit fails under its flag's name
+            return build_lockstep(preset=args.preset, backend=args.backend, device=args.device, mode=args.mode,
+                                  seed=args.seed, k=args.k, requests=requests, slots=args.slots,
+                                  total_kv_pages=pages, fault=fault, policy=policy, run_dir=run_dir,
+                                  record=not args.no_records)
+    except AbiError as e:
+        if e.name != "fault":
+            raise
+        raise AbiError("--inject", args.inject, e.allowed, e.where) from None
 
 
 def interrupted(args) -> str:

@@ -165,8 +165,8 @@ def serving_counts(rec, ex: GoldenExecutor) -> dict:
             "dispatches": ex.dispatches}
 
 
-def build_lockstep(*, preset: str = "tiny", device: str = "cpu", mode: str = "strict", seed: int = 0,
-                   golden_mode: str = "device", k: int = 7, requests=None, n_requests: int = 4, max_new: int = 24,
+def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: str = "cpu", mode: str = "strict",
+                   seed: int = 0, golden_mode: str = "device", k: int = 7, requests=None, n_requests: int = 4, max_new: int = 24,
                    slots: int | None = None, total_kv_pages: int | None = None, chunk: int = 64,
                    max_model_len: int = 512, max_num_seqs: int | None = None, max_num_batched_tokens: int = 256,
                    ep: int = 8, fault=None, policy=None, run_dir=None, carry: str = "device", record: bool = True,
@@ -175,13 +175,20 @@ def build_lockstep(*, preset: str = "tiny", device: str = "cpu", mode: str = "st
 
     requests: `twin.abi.batches.Request`s (a workload spec's or a trace's), default `seeded_requests`.
     slots / total_kv_pages: the KV budget (default 2 slots per partition; total_kv_pages: startup
-    admission from upstream's page budget).  The device is the self-check backend on `device`."""
-    from hw.real.lockstep import build_checker
+    admission from upstream's page budget).  backend: "selfcheck" (golden's compositions with torch
+    GEMMs, `hw.real.selfcheck`) or "torch" (the independent `hw.torchdev.TorchBackend`, K=0 only:
+    the fused K=7 program is not in it yet), on `device`."""
+    from hw.real.lockstep import BACKENDS, build_checker
 
     cfg = get_preset(preset)
     if not cfg.small:
         raise AbiError("preset", preset, "a small preset (tiny or small): the real path runs whole models",
                        where="lockstep")
+    if backend not in BACKENDS:
+        raise AbiError("backend", backend, f"one of {', '.join(BACKENDS)}", where="lockstep")
+    if backend == "torch" and k != 0:
+        raise AbiError("num_speculative_tokens", k, "0 with backend torch: the fused K=7 program l3_decode_fwd_dspark is not in the "
+                       "torch device yet", where="lockstep")
     if slots is not None and total_kv_pages is not None:
         raise AbiError("slots", slots, "not together with total_kv_pages (one KV budget)", where="lockstep")
     if slots is None and total_kv_pages is None:
@@ -196,13 +203,13 @@ def build_lockstep(*, preset: str = "tiny", device: str = "cpu", mode: str = "st
     sim = SimConfig(dep, requests, slots=slots, total_kv_pages=total_kv_pages, seed=seed)
     admitted = startup_slots(sim, DeviceLimits.load())
     # what rebuilds this run (records/config.json): resume checks it, replay re-drives it
-    build_args = {"preset": preset, "device": device, "mode": mode, "seed": seed, "golden_mode": golden_mode, "k": k,
+    build_args = {"preset": preset, "backend": backend, "device": device, "mode": mode, "seed": seed, "golden_mode": golden_mode, "k": k,
                   "slots": slots, "total_kv_pages": total_kv_pages, "chunk": chunk, "max_model_len": max_model_len,
                   "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "ep": ep,
                   "carry": carry, "requests": request_rows(requests),
                   "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer,
                                                       "seed": fault.seed}}
-    checker = build_checker(LoweringContext(dep, admitted), device=device, mode=mode, seed=seed,
+    checker = build_checker(LoweringContext(dep, admitted), backend=backend, device=device, mode=mode, seed=seed,
                             golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
                             record=record, build=build_args, steps=steps,
                             config={"requests": len(requests), "slots_per_partition": admitted})

@@ -1,0 +1,107 @@
+"""Lockstep against the independent torch device (`--backend torch`): the one scheduler drives
+`hw.torchdev.TorchBackend` (through `hw.real.torch_adapter`) and golden side by side.
+
+A clean K=0 run on TINY with a shared 128-token prefix (a prefix-cache hit), a packed prefill and
+split decodes passes under the default tolerance policy; a bug seeded into golden (the mask off by
+one and the scale transposed of the kernel-level seeded test, reused so both levels seed the same
+mistakes) makes the run fail at the dispatch it first matters in, localized to its (layer, stage),
+with every dispatch before it passing.  Dispatch counts stay under 20 and torch runs one thread."""
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import golden.paged  # noqa: E402
+from twin.abi.batches import Request, Sampling  # noqa: E402
+from twin.abi.errors import AbiError  # noqa: E402
+from twin.abi.presets import get_preset  # noqa: E402
+from twin.functional.parity import build_lockstep  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hw"))
+from test_torchdev_seeded import IndexScaleTransposed, window_one_early  # noqa: E402
+
+PREFIX = 128          # one page-aligned block: the prefix cache's hit granularity
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_cpu_thread():
+    from hw.threads import limit_cpu_threads, restore
+
+    prev = limit_cpu_threads(1)
+    yield
+    restore(prev)
+
+
+def workload():
+    """a and c share a 128-token prefix (c arrives after a published it); b packs with a."""
+    V = get_preset("tiny").vocab_size
+    rng = np.random.default_rng(3)
+    pre = rng.integers(2, V, PREFIX)
+    body = lambda n: rng.integers(2, V, n)      # noqa: E731
+    return [Request("a", np.concatenate([pre, body(30)]).astype(np.int32), Sampling(4, ignore_eos=True)),
+            Request("b", body(50).astype(np.int32), Sampling(4, ignore_eos=True)),
+            Request("c", np.concatenate([pre, body(20)]).astype(np.int32), Sampling(4, ignore_eos=True),
+                    arrival=0.5)]
+
+
+@pytest.fixture(scope="module")
+def clean():
+    lr = build_lockstep(backend="torch", k=0, requests=workload(), record=False)
+    return lr, lr.run(20)
+
+
+def test_a_clean_run_against_the_torch_device_passes(clean):
+    lr, s = clean
+    assert lr.checker.backend.name.startswith("torch:torch-cpu")
+    assert s["verdict"] == "PASS" and s["failed_dispatches"] == 0, s["first_divergence"]
+    assert set(s["programs"]) == {"l3_prefill_fwd", "l3_decode_fwd"}
+    assert 10 <= s["dispatches"] <= 20
+    sv = lr.serving
+    assert sv["prefix_hit_requests"] >= 1 and sv["prefix_hit_tokens"] >= PREFIX
+    assert sv["packed_prefills"] >= 1
+
+
+def test_the_clean_run_compared_every_written_pool_and_the_hidden(clean):
+    lr, _ = clean
+    prefills = [e for e in lr.entries if e["kind"] == "prefill"]
+    seen = set()
+    for e in prefills:
+        names = {f["name"].split("/")[-1] for f in e["findings"]}
+        assert {"main_hidden", "kv_cache"} <= names, names
+        seen |= names
+    # the compressed families too (a ratio-128 row only where a chunk crosses its boundary)
+    assert {"csa_cmp_kv", "hca_cmp_kv", "idx_kv_cache", "idx_kv_scale", "csa_compress_state"} <= seen, seen
+    hidden = [f for e in prefills for f in e["findings"] if f["name"] == "main_hidden"]
+    # an independent device: FP32 sums against golden's float64 ones, so the hidden is close, not equal
+    assert all(0 < f["metrics"]["rel_l2"] for f in hidden)
+    assert all(f["passed"] for f in hidden)
+
+
+@pytest.mark.parametrize("bug, site", [("mask", ("0", "attn")), ("scale", ("2", "idx_topk"))])
+def test_a_golden_bug_is_caught_and_localized(monkeypatch, bug, site):
+    lr = build_lockstep(backend="torch", k=0, n_requests=3, max_new=6, record=False)
+    if bug == "mask":
+        # golden's sliding window one position early (the current token left out)
+        monkeypatch.setattr(golden.paged, "window_indices", window_one_early)
+    else:
+        # golden reads the indexer's wq_b scale transposed
+        g = lr.gold.served.g
+        lr.gold.served.g = replace(g, ckpt=IndexScaleTransposed(g.ckpt, g.cfg))
+    s = lr.run(8)
+    assert s["verdict"] == "FAIL"
+    fd = s["first_divergence"]
+    assert (fd["layer"], fd["stage"]) == site, fd
+    verdicts = [e["verdict"] for e in lr.entries]
+    assert verdicts[-1] == "fail" and all(v == "pass" for v in verdicts[:-1])     # strict: it stopped there
+
+
+def test_the_torch_device_refuses_k7_and_device_faults():
+    with pytest.raises(AbiError, match="l3_decode_fwd_dspark is not in the torch device"):
+        build_lockstep(backend="torch", k=7)
+    from hw.real.faults import RealFault
+    with pytest.raises(AbiError, match="none with the torch device"):
+        build_lockstep(backend="torch", k=0, fault=RealFault("kv_row", at=1, layer=0, seed=1))
