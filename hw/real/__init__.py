@@ -19,7 +19,8 @@ Public API:
     RealLockstep, build_checker,               hw.real.lockstep   compare, localize, re-sync (tie, route, index,
     parse_real_fault, POOL_KIND                                   sample, draft, tokens, hidden), report; records
                                                                   and resume with a run_dir (record=True)
-    RealDispatch, DeviceStep, DECISION_STAGES  hw.real.step       one checked dispatch; the device's step of it
+    RealDispatch, DeviceStep, DeviceResult,    hw.real.step       one checked dispatch; the device's step of it; a
+    DECISION_STAGES                                               backend's result with its decisions
     RealRecorder                               hw.real.records    dispatch records (hw.records.RecordStore)
     restore, fast_forward, use_records         hw.real.replay     resume; offline replay of records
     DistPar                                    hw.real.dist_par   golden.ranks' par as processes, one per rank
@@ -38,7 +39,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "side": ("Side", "TapPar", "side_state", "install_state"),
     "faults": ("RealFault", "REAL_KINDS", "ISSUE8_KINDS", "EXPECTED_STAGES", "sweep_layers"),
     "lockstep": ("RealLockstep", "build_checker", "parse_real_fault", "POOL_KIND"),
-    "step": ("RealDispatch", "DeviceStep", "DECISION_STAGES"),
+    "step": ("RealDispatch", "DeviceStep", "DeviceResult", "DECISION_STAGES"),
     "records": ("RealRecorder",),
     "replay": ("restore", "fast_forward", "use_records"),
     "dist_par": ("DistPar",),

@@ -6,7 +6,7 @@ golden's float64 sums.  It checks the lockstep machinery itself (tolerances, re-
 localizer, records, faults) against real accumulation noise; it cannot catch a golden bug, which
 is what an independent device (`TorchBackend`, `PyptoBackend`) is for.  Its name says so.
 
-Protocol (hw.backend): `run(dispatch, state) -> SelfCheckResult` with `outputs` (by output name),
+Protocol (hw.backend): `run(dispatch, state) -> DeviceResult` with `outputs` (by output name),
 `state` (the touched arrays, new values, by `hw.real.records.side_state` name) and `taps`
 ((layer, stage) -> array of the dispatch's last target forward).  The dispatch's meta carries the
 scheduler's `kind` and `items` (what golden's bookkeeping reads).  Beyond the protocol it follows
@@ -23,16 +23,7 @@ import numpy as np
 from golden.dispatch import run_dispatch
 
 from .side import install_state, side_state
-
-
-@dataclass
-class SelfCheckResult:
-    outputs: dict
-    state: dict
-    taps: dict = field(default_factory=dict)
-    sampled: list = field(default_factory=list)        # each target forward's sampled tokens
-    draft_routes: list = field(default_factory=list)   # each drafter MoE call's experts
-    seqs: list = field(default_factory=list)           # the requests in the dispatch's row order
+from .step import DeviceResult
 
 
 @dataclass
@@ -60,7 +51,7 @@ class SelfCheckBackend:
     def drop(self, rid) -> None:
         self.side.served.drop(rid)
 
-    def run(self, dispatch, state: Mapping[str, np.ndarray]) -> SelfCheckResult:
+    def run(self, dispatch, state: Mapping[str, np.ndarray]) -> DeviceResult:
         side, f = self.side, self.fault
         before = side_state(side)
         if any(state[k] is not v for k, v in before.items()):
@@ -78,6 +69,6 @@ class SelfCheckBackend:
             out = f.after(side, staged, out)
         calls = list(side.par.calls)
         after = side_state(side)
-        return SelfCheckResult(dict(out), {k: v for k, v in after.items() if before.get(k) is not v},
+        return DeviceResult(dict(out), {k: v for k, v in after.items() if before.get(k) is not v},
                                calls[-1][1] if calls else {}, [c[2] for c in calls], list(side.par.draft_routes),
                                list(ran.seqs))

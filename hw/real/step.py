@@ -29,3 +29,16 @@ class RealDispatch:
     dispatch: Dispatch
     rows: list                         # block-table rows of its requests, in the order the sides run them
     items: list = field(default_factory=list)
+
+
+@dataclass
+class DeviceResult:
+    """A device backend's result for one dispatch (the fields of twin.abi.batches.DispatchResult),
+    with the decisions the checker re-syncs golden from."""
+
+    outputs: dict
+    state: dict
+    taps: dict = field(default_factory=dict)
+    sampled: list = field(default_factory=list)        # each target forward's sampled tokens
+    draft_routes: list = field(default_factory=list)   # each drafter MoE call's experts
+    seqs: list = field(default_factory=list)           # the requests in the dispatch's row order

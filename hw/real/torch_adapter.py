@@ -27,7 +27,7 @@ from twin.abi.errors import AbiError
 from twin.abi.programs import STATE, bind
 
 from ..golden_args import pool_layers, stage_pools, stage_weights, unstage_rows
-from .selfcheck import SelfCheckResult
+from .step import DeviceResult
 from .side import install_state, side_state
 
 PROGRAMS = {"prefill": "l3_prefill_fwd", "decode": "l3_decode_fwd"}
@@ -80,7 +80,7 @@ class TorchLockstepDevice:
         self.side.served.drop(rid)
 
     # ---- one dispatch ------------------------------------------------------------------------------
-    def run(self, dispatch, state: Mapping[str, np.ndarray]) -> SelfCheckResult:
+    def run(self, dispatch, state: Mapping[str, np.ndarray]) -> DeviceResult:
         side = self.side
         if any(state[k] is not v for k, v in side_state(side).items()):
             install_state(side, dict(state))
@@ -116,7 +116,7 @@ class TorchLockstepDevice:
             sv.run.steps += 1
             out = {"sampled_ids": sampled}
         after = side_state(side)
-        return SelfCheckResult(out, {k: v for k, v in after.items() if before.get(k) is not v}, taps, [sampled], [],
+        return DeviceResult(out, {k: v for k, v in after.items() if before.get(k) is not v}, taps, [sampled], [],
                                seqs)
 
     def _embedded(self, d, items):
