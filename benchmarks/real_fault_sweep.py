@@ -5,7 +5,7 @@ Every kind of `hw.real.faults` is injected over seeds x dispatch indices x layer
 (`twin.functional.parity.run_case`) that stops at its first failure.  Per kind: injections, how many fired (a kind fires at the first
 dispatch >= AT that can host it; the five weight/store kinds only at AT exactly), detection rate
 (failed at the dispatch it fired at, never before) and localization rate (the first divergence
-names the expected layer and stage), with every miss listed.  Issue 8 asks 100 % detection and
+names the expected layer and stage), with every miss listed.  The target is 100 % detection and
 >= 90 % localization; `ok` says whether each kind meets it.
 
     python benchmarks/real_fault_sweep.py                       # TINY: 3 seeds x 3 dispatch indices

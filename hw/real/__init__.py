@@ -14,7 +14,7 @@ Public API:
     SelfCheckBackend(side, device, fault)      hw.real.selfcheck  the self-check device behind the Backend protocol
     Side, TapPar, side_state, install_state    hw.real.side       one side's served run state; full taps; its
                                                                   arrays by name
-    RealFault, REAL_KINDS, ISSUE8_KINDS,       hw.real.faults     device-side faults (13 kinds) and where they
+    RealFault, REAL_KINDS, KERNEL_KINDS,       hw.real.faults     device-side faults (13 kinds) and where they
     EXPECTED_STAGES, sweep_layers                                 must localize; the layers a kind sweeps
     RealLockstep, build_checker,               hw.real.lockstep   compare, localize, re-sync (tie, route, index,
     parse_real_fault, POOL_KIND                                   sample, draft, tokens, hidden), report; records
@@ -37,7 +37,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "numerics": ("TorchNumerics",),
     "selfcheck": ("SelfCheckBackend",),
     "side": ("Side", "TapPar", "side_state", "install_state"),
-    "faults": ("RealFault", "REAL_KINDS", "ISSUE8_KINDS", "EXPECTED_STAGES", "sweep_layers"),
+    "faults": ("RealFault", "REAL_KINDS", "KERNEL_KINDS", "EXPECTED_STAGES", "sweep_layers"),
     "lockstep": ("RealLockstep", "build_checker", "parse_real_fault", "POOL_KIND"),
     "step": ("RealDispatch", "DeviceStep", "DeviceResult", "DECISION_STAGES"),
     "records": ("RealRecorder",),

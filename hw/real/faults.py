@@ -12,7 +12,7 @@ Weight and store faults (fire at dispatch AT exactly; nothing happens if AT cann
                                                                       -> (L, "kv"), unmapped rows modified
     token    after AT, the first sampled token is replaced (a bad sampler; any L)  -> ("head", "sample")
 
-Kernel and lowering faults (issue 8; each fires once, at the first dispatch >= AT that can host it,
+Kernel and lowering faults (KERNEL_KINDS; each fires once, at the first dispatch >= AT that can host it,
 inside the device's own computation, so everything the device reads afterwards in that dispatch
 reads the fault, as on a device):
     bitflip              one bit (the exponent MSB) of one positive logits element flips in the
@@ -73,9 +73,9 @@ from twin.abi.presets import CSA, HCA
 
 from .side import mapped_rows
 
-ISSUE8_KINDS = ("bitflip", "stale_draft_kv", "wrong_slot", "dropped_boundary", "off_by_one_position",
+KERNEL_KINDS = ("bitflip", "stale_draft_kv", "wrong_slot", "dropped_boundary", "off_by_one_position",
                 "flipped_route", "uncommitted_publish", "ring_alias")
-REAL_KINDS = ("weight", "route", "kv_row", "stray", "token") + ISSUE8_KINDS
+REAL_KINDS = ("weight", "route", "kv_row", "stray", "token") + KERNEL_KINDS
 EXPECTED_STAGES = {"weight": ("attn_out",), "route": ("moe_indices", "moe_weights"), "kv_row": ("kv",),
                    "stray": ("kv",), "token": ("sample",), "bitflip": ("logits",), "stale_draft_kv": ("ctx_kv",),
                    "wrong_slot": ("kv",), "dropped_boundary": ("cmp_kv",), "off_by_one_position": ("q", "kv"),
@@ -153,7 +153,7 @@ class RealFault:
 
     def arm(self, index: int) -> None:
         self._index, self._sites = index, {}
-        if self.kind in ISSUE8_KINDS:
+        if self.kind in KERNEL_KINDS:
             self.armed = self.fired is None and index >= self.at
         else:
             self.armed = index == self.at

@@ -1,4 +1,4 @@
-"""Issue 8's fault kinds on the real-golden lockstep (hw.real.faults): each is injected inside the
+"""The kernel and lowering fault kinds on the lockstep (hw.real.faults): each is injected inside the
 device side's own computation, detected at the dispatch it fires at (never before) and localized
 to the (layer, stage) it breaks; the emulation behind the faults is checked to be exact when the
 fault is absent.  The full sweep (seeds x dispatches x layers) is benchmarks/real_fault_sweep.py."""
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from golden.paged import lower  # noqa: E402
-from hw.real.faults import EXPECTED_STAGES, ISSUE8_KINDS, REAL_KINDS, RealFault, sweep_layers  # noqa: E402
+from hw.real.faults import EXPECTED_STAGES, KERNEL_KINDS, REAL_KINDS, RealFault, sweep_layers  # noqa: E402
 from twin.functional.parity import run_case  # noqa: E402
 from hw.real.lockstep import parse_real_fault  # noqa: E402
 from twin.functional.parity import build_lockstep  # noqa: E402
@@ -26,7 +26,7 @@ TINY = get_preset("tiny")
                                            ("dropped_boundary", 5, 4), ("off_by_one_position", 5, 0),
                                            ("flipped_route", 0, 3), ("uncommitted_publish", 5, 0),
                                            ("ring_alias", 0, 2), ("ring_alias", 5, 0)])
-def test_issue8_kind_detected_and_localized(kind, at, layer):
+def test_kernel_fault_kind_detected_and_localized(kind, at, layer):
     c = run_case(kind, seed=0, at=at, layer=layer, max_new=8, horizon=at + 8)
     assert c["fired_at"] is not None and c["fired_at"] >= at, c
     assert c["detected"] and not c["false_alarm"], c
@@ -36,8 +36,8 @@ def test_issue8_kind_detected_and_localized(kind, at, layer):
 
 @settings(max_examples=4, deadline=None)
 @example(kind="stale_draft_kv", at=7, pick=0, seed=0)     # every request finished (lease released) at dispatch 7
-@given(kind=st.sampled_from(ISSUE8_KINDS), at=st.integers(0, 7), pick=st.integers(0, 2), seed=st.integers(0, 1))
-def test_any_issue8_fault_is_caught_where_it_fires(kind, at, pick, seed):
+@given(kind=st.sampled_from(KERNEL_KINDS), at=st.integers(0, 7), pick=st.integers(0, 2), seed=st.integers(0, 1))
+def test_any_kernel_fault_is_caught_where_it_fires(kind, at, pick, seed):
     layers = sweep_layers(TINY, kind)
     c = run_case(kind, seed=seed, at=at, layer=layers[pick % len(layers)], max_new=5, horizon=at + 5)
     if c["fired_at"] is None:       # nothing to host it in the run (an HCA boundary needs position 127)
@@ -110,7 +110,7 @@ def test_relowering_reproduces_the_staged_meta():
 
 
 def test_fault_definitions_and_bad_input():
-    assert set(EXPECTED_STAGES) == set(REAL_KINDS) and set(ISSUE8_KINDS) <= set(REAL_KINDS)
+    assert set(EXPECTED_STAGES) == set(REAL_KINDS) and set(KERNEL_KINDS) <= set(REAL_KINDS)
     with pytest.raises(AbiError, match="layer.*compressed layer"):
         build_lockstep(fault=RealFault("dropped_boundary", layer=0))
     with pytest.raises(AbiError, match="kind='bitrot'"):

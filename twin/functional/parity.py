@@ -87,13 +87,18 @@ class ParityRun:
             return self.executor
 
         self.sim.executor = factory
-        env, eng, _, _, _ = build(self.sim)
+        self._serve()
+        return host.index
+
+    def _serve(self):
+        """Drive the engine over the workload until it completes or the host halts it; the recorder."""
+        env, eng, _, rec, _ = build(self.sim)
         eng.submit(self.sim.requests)
         try:
             env.run(until=eng.done)
         except Halt:
             pass
-        return host.index
+        return rec
 
     def run(self, steps: int | None = None, progress=None) -> dict:
         """Serve the workload until it completes, `steps` dispatches are checked, or (strict) one fails."""
@@ -102,13 +107,7 @@ class ParityRun:
                 raise AbiError("steps", steps, ">= 1", where="lockstep")
             self.checker.steps = steps
         self.checker.progress = progress
-        env, eng, sched, rec, _ = build(self.sim)
-        eng.submit(self.sim.requests)
-        try:
-            env.run(until=eng.done)
-        except Halt:
-            pass
-        self.serving = serving_counts(rec, self.executor)
+        self.serving = serving_counts(self._serve(), self.executor)
         return self.checker.finish(self.serving)
 
 
