@@ -14,8 +14,7 @@ from twin.abi.errors import AbiError, ConfigError
 from twin.abi.lowering import LoweringContext, lower
 from twin.functional import (GoldenExecutor, conditional_rates, first_difference,
                              load_acceptance, sequential_greedy)
-from twin.functional.agreement import check_prefill
-from twin.functional.pages import PageMap
+from golden.staging import PageMap, check_prefill as staged_check_prefill
 from twin.sim import StepPlan
 
 from functional_workload import make_dep
@@ -73,6 +72,11 @@ def test_first_difference_names_request_and_position():
 
 
 # ---- the two lowerings agree, and a wrong staged slot is caught ---------------------------------------
+def check_prefill(d, cfg, spans, pages, items) -> None:
+    """The staged dispatch against golden's own lowering of the same spans (what golden.dispatch runs)."""
+    staged_check_prefill(d, golden_lower(cfg, spans, form=PREFILL), items, pages)
+
+
 def _prefill_case():
     dep = make_dep()
     ctx = LoweringContext(dep, slots=2)
