@@ -148,6 +148,10 @@ def _run(args, nproc: int) -> int:
     fault = parse_real_fault(args.inject) if args.inject else None
     lr = _parity(args, run_dir, resumed, fault, policy, nproc)
     done = len(ReportWriter(run_dir).entries())
+    if nproc > 1:
+        held = lr.checker.backend.torch.ranks
+        con.print(f"torch device: {held.R} ranks over {nproc} gloo processes, "
+                  + ", ".join(f"{s.start}-{s.stop - 1}" for s in map(held.slice_of, range(nproc))))
     if resumed:
         con.print(f"resuming {run_dir}: {done} dispatches already checked")
     with Progress(TextColumn("[bold]lockstep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
