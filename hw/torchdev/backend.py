@@ -88,6 +88,9 @@ class TorchBackend:
         weights = self._weights(dispatch.program, weights)
         if self.ranks.world == 1:
             return DispatchResult(*self.run_mine(dispatch, state, weights))
+        if self.ranks.rank != 0:
+            raise AbiError("ranks", self.ranks.rank, "process 0 (the host) runs dispatches; the others serve",
+                           where=self.name)
         from .workers import host_run
         return host_run(self, dispatch, state, weights)
 
