@@ -126,16 +126,16 @@ def serve(device: str = "cpu") -> int:
     from twin.abi.batches import Dispatch
 
     from .ranks import Ranks
-    from .workers import receive, reply
+    from .workers import Server
 
-    backend, weights, n = None, {}, 0
-    while (msg := receive()) is not None:
+    server, backend, weights, n = Server(), None, {}, 0
+    while (msg := server.receive()) is not None:
         dep, slots, program, args, state, w = msg
         if backend is None:
             backend = TorchBackend(dep, slots, device, ranks=Ranks.split(dep.ranks, dist.get_rank(),
                                                                          dist.get_world_size()))
         if w is not None:
             weights[program] = w
-        reply(backend.run_mine(Dispatch(program, args), state, weights[program]))
+        server.reply(backend.run_mine(Dispatch(program, args), state, weights[program]))
         n += 1
     return n

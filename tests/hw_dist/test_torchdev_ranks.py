@@ -43,3 +43,21 @@ def test_every_program_split_over_two_processes_is_bit_identical(tmp_path, ep, h
         assert c["differ"] == {"outputs": [], "state": [], "taps": []}, label
     assert set(v["cases"]["prefill"]["state"]) >= {"kv_cache", "csa_cmp_kv", "idx_kv_cache"}
     assert v["cases"]["drafter"]["state"] == ["kv_caches"]
+
+
+def test_pool_deltas_carry_exactly_the_rows_whose_bytes_differ():
+    import numpy as np
+
+    from hw.torchdev.workers import decode, encode
+
+    held = np.zeros((2, 3, 4), np.float32)
+    new = held.copy()
+    new[0, 1, 2] = -0.0          # equal as a float, another bit pattern: it travels
+    new[1, 2] = np.nan
+    kind, idx, rows = encode(held, new)
+    assert kind == "rows" and idx.tolist() == [1, 5] and rows.shape == (2, 4)
+    out = decode(held, (kind, idx, rows))
+    assert out.tobytes() == new.tobytes() and not held.any()        # a new array; held is not written
+    assert encode(held, held.copy())[1].size == 0                   # nothing changed, nothing travels
+    assert encode(None, new)[0] == "whole" and encode(held[:1], new)[0] == "whole"
+    assert encode(held.astype(np.float64), new)[0] == "whole"
