@@ -46,8 +46,11 @@ def _serving(i, world, device, init_method):
     from hw.torchdev import serve
 
     torch.set_num_threads(1)       # the ranks share the machine's cores
-    with process_group("gloo", i + 1, world, init_method):
-        serve(device)
+    try:
+        with process_group("gloo", i + 1, world, init_method):
+            serve(device)
+    except KeyboardInterrupt:      # Ctrl-C reaches every process; process 0 says what was kept
+        pass
 
 
 @contextmanager
