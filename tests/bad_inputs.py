@@ -363,6 +363,15 @@ def _rows():
         "device='npu:0'", "torch_npu is not installed")
     add("lockstep --device cuda", LS + ["--device", "cuda", "--run-dir", "{d}/ls-cuda"], "--device",
         "device='cuda'", "torch.cuda.is_available() is False")
+    LT = LS + ["--backend", "torch", "-k", "0"]
+    add("lockstep --nproc 3", LT + ["--nproc", "3"], "--nproc", "nproc=3", "dividing the lockstep deployment's 8 ranks")
+    add("lockstep --nproc 0", LT + ["--nproc", "0"], "--nproc", "nproc=0", "dividing the lockstep deployment's 8 ranks")
+    add("lockstep --nproc word", LT + ["--nproc", "two"], "--nproc", ["--nproc", "'two'"], "an integer")
+    add("lockstep --nproc with selfcheck", LS + ["--nproc", "2"], "--nproc", "nproc=2", "1 with --backend selfcheck")
+    add("lockstep --nproc with cuda", LT + ["--nproc", "2", "--device", "cuda"], "--nproc", "nproc=2",
+        "1 with --device cuda")
+    add("lockstep --nproc with replay", ["lockstep", "--replay", "--nproc", "2", "--run-dir", "{d}/run-keys"],
+        "--nproc", "nproc=2", "1 with --replay")
     add("lockstep --steps 0", LS + ["--steps", "0", "--run-dir", "{d}/ls-steps"], "--steps", "steps=0", ">= 1")
     add("lockstep --steps word", LS + ["--steps", "many"], "--steps", ["--steps", "'many'"], "an integer")
     add("lockstep --seed -1", LS + ["--seed", "-1"], "--seed", ["--seed", "'-1'"], "an integer >= 0")

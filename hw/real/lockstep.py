@@ -374,12 +374,12 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                   golden_mode: str = "device",
                   fault=None, policy: Policy | None = None, run_dir=None, carry: str = "device",
                   record: bool = True, build: dict | None = None, steps: int | None = None,
-                  config: dict | None = None) -> RealLockstep:
+                  config: dict | None = None, nproc: int = 1) -> RealLockstep:
     """The checker of a parity run on `ctx` (a `twin.abi.lowering.LoweringContext` of a small
     preset's deployment): golden's side in `golden_mode` numerics and the device, both on the
     synthetic checkpoint of `seed`.  backend "selfcheck": `SelfCheckBackend` (the same compositions
     with `TorchNumerics(golden_mode, device)`); "torch": the independent `hw.torchdev.TorchBackend`
-    behind `TorchLockstepDevice` (K=0 only, no device faults)."""
+    behind `TorchLockstepDevice` (K=0 only, no device faults), split over `nproc` processes."""
     from golden.checkpoint import SyntheticCheckpoint
     from golden.dspark.weights import DrafterCheckpoint
 
@@ -405,8 +405,11 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                            "device's compositions)", where="hw.real lockstep")
         # the device side keeps golden-layout pools and request bookkeeping; the torch device computes
         dev = Side(f"torch:{device}", cfg, ck, dk, golden_mode, ctx)
-        backend = TorchLockstepDevice(dev, ctx, device, ck)
+        backend = TorchLockstepDevice(dev, ctx, device, ck, nproc)
     else:
+        if nproc != 1:
+            raise AbiError("nproc", nproc, "1 with the self-check device (only the torch device splits its "
+                           "ranks over processes)", where="hw.real lockstep")
         dev = Side(f"torch:{device}", cfg, ck, dk, TorchNumerics(golden_mode, device=device), ctx)
         backend = SelfCheckBackend(dev, device, fault)
     config = {**(config or {}), "preset": cfg.name, "seed": seed, "k": dep.k, "golden_mode": golden_mode,

@@ -57,16 +57,17 @@ def _widen(x: np.ndarray) -> np.ndarray:
 class TorchLockstepDevice:
     """side: the device side (`hw.real.side.Side`): golden-layout pools and request bookkeeping,
     never golden's numbers; the dispatch runs on `TorchBackend(dep, slots, device)` with the
-    checkpoint's weights staged per program."""
+    checkpoint's weights staged per program.  nproc > 1: this process is process 0 of that many
+    torch.distributed processes holding rank slices (`hw.launch.torch_device_ranks`)."""
 
-    def __init__(self, side, ctx, device: str, ckpt):
-        from hw.torchdev import TorchBackend
+    def __init__(self, side, ctx, device: str, ckpt, nproc: int = 1):
+        from hw.torchdev import Ranks, TorchBackend
 
         self.side, self.ctx, self.dep, self.slots = side, ctx, ctx.deployment, ctx.slots
         if self.dep.k:
             raise AbiError("k", self.dep.k, "0 with the torch device (the fused K=7 program l3_decode_fwd_dspark "
                            "is not in it yet)", where="lockstep")
-        self.torch = TorchBackend(self.dep, self.slots, device,
+        self.torch = TorchBackend(self.dep, self.slots, device, ranks=Ranks.split(self.dep.ranks, 0, nproc),
                                   weights=lambda program: stage_weights(program, self.dep, self.slots, ckpt))
         self.embedding = np.asarray(ckpt.model()["embed_weight"], np.float32)
         self.device = device

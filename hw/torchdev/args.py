@@ -6,6 +6,10 @@ BF16 arguments arrive as uint16 bit patterns (or any 2-byte bfloat16 array: the 
 are widened exactly to FP32; state pools keep their storage dtype and are written in place on
 the device copy.  `layer(name, i)` views one layer's slice of a stacked argument ("NL*X" or
 "NL, ..." in the ABI shape; also NC / NH / DL stacks).
+
+Inputs are the dispatch's whole [R, ...] arrays (a rank may read another's: the group leader's
+logit rows); weights and pools are this process's rank slice (`ranks.mine`, `hw.torchdev.ranks`)
+and read by global rank through `Local`.
 """
 from __future__ import annotations
 
@@ -39,11 +43,29 @@ def to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     return t.to(TORCH[dtype]).contiguous().numpy()
 
 
-class Args:
-    """The bound arguments of one dispatch on one torch device."""
+class Local:
+    """A weight or pool of this process's ranks, indexed by global rank (t[r - lo])."""
 
-    def __init__(self, dispatch, weights: Mapping, state: Mapping, dep, slots: int, device, extents=None):
+    def __init__(self, t: torch.Tensor, ranks):
+        self.t, self.ranks = t, ranks
+        self.shape = (ranks.R, *t.shape[1:])
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            return self.ranks.of(self.t, key[0])[key[1:]]
+        return self.ranks.of(self.t, key)
+
+
+class Args:
+    """The bound arguments of one dispatch on one torch device (weights and pools: `ranks.mine`)."""
+
+    def __init__(self, dispatch, weights: Mapping, state: Mapping, dep, slots: int, device, extents=None,
+                 ranks=None):
+        from .ranks import Ranks
+
         self.program = dispatch.program
+        self.ranks = Ranks(dep.ranks) if ranks is None else ranks
+        n_mine = len(self.ranks.mine)
         self.bound = {b.name: b for b in bind(dispatch.program, dep, slots, **(extents or {}))}
         self._syms = symbols(dep, slots, **(extents or {}))
         self.device = device
@@ -63,14 +85,17 @@ class Args:
             if name not in src:
                 raise AbiError(name, "missing", f"an array of shape {b.shape} in the {where}", where=self.program)
             a = np.asarray(src[name])
-            if tuple(a.shape) != tuple(b.shape):
-                raise AbiError(name, tuple(a.shape), f"shape {b.shape} (bind)", where=self.program)
+            shape = tuple(b.shape) if src is dispatch.args else (n_mine, *b.shape[1:])
+            if tuple(a.shape) != shape:
+                how = "bind" if shape == tuple(b.shape) else "bind, this process's ranks"
+                raise AbiError(name, tuple(a.shape), f"shape {shape} ({how})", where=self.program)
             # pools are written in place: on a copy, never the caller's arrays
             self.t[name] = to_torch(a.copy() if role == STATE else a, b.dtype, device, keep_bf16=role == STATE)
         self._layer_cache: dict = {}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.t[name]
+    def __getitem__(self, name: str):
+        t = self.t[name]
+        return t if self.bound[name].arg.role not in (WEIGHT, STATE) else Local(t, self.ranks)
 
     def __contains__(self, name: str) -> bool:
         return name in self.t
@@ -89,7 +114,8 @@ class Args:
                     raise AbiError(name, head, "a stacked argument (NL / NC / NH / DL)", where=self.program)
                 n = {"NL": self.n("NL"), "NC": self.n("NC"), "NH": self.n("NH"), "DL": self.n("DL")}[stack]
                 self._layer_cache[key] = t.reshape(t.shape[0], n, t.shape[1] // n, *t.shape[2:])
-        return self._layer_cache[key][:, i]
+        t = self._layer_cache[key][:, i]
+        return t if self.bound[name].arg.role not in (WEIGHT, STATE) else Local(t, self.ranks)
 
     def n(self, sym: str) -> int:
         return self._syms[sym]

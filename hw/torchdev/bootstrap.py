@@ -12,6 +12,6 @@ __all__ = ["extents", "run_bootstrap"]
 
 def run_bootstrap(a, cfg, dep):
     head, taps = run_drafter(a, cfg, dep)
-    drafts, probs, logits = sample(a, cfg, dep, lambda r: head[r])
+    drafts, probs, logits = sample(a, cfg, dep, lambda r: a.ranks.of(head, r))
     taps.put("markov", "base_logits", logits)
     return {"head_hidden": head, "draft_token_ids": drafts, "confidence_probs": probs}, taps

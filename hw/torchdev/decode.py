@@ -20,7 +20,7 @@ ROWS = C.DECODE_SEQ
 def run_decode(a, cfg, dep):
     R, tp = dep.ranks, dep.topology.tp
     dev = a.device
-    taps = Taps()
+    taps = Taps(a.ranks)
 
     def bands(per_rank, g0):
         return torch.cat(per_rank[g0:g0 + tp], dim=0)
@@ -61,12 +61,12 @@ def run_decode(a, cfg, dep):
         csa_cap=cfg.max_position_embeddings // 4, hca_cap=cfg.max_position_embeddings // 128)
 
     emb = a["embed_weight"]
-    x = []
-    for r in range(R):
+
+    def embedded(r):
         live = (torch.arange(L.input_ids[r].shape[0], device=dev) < L.num_tokens[r])[:, None]
         h = torch.where(live, emb[r][L.input_ids[r]], torch.zeros((), device=dev))
-        x.append(h[:, None, :].expand(-1, cfg.hc_mult, -1))
-    x_hc = torch.stack(x)
+        return h[:, None, :].expand(-1, cfg.hc_mult, -1)
+    x_hc = a.ranks.local(embedded)
     for layer in range(cfg.num_hidden_layers):
         x_hc = attention_sublayer(a, cfg, dep, layer, x_hc, G, L, taps, bands=bands)
         x_hc = moe_sublayer(a, cfg, dep, layer, x_hc, L, taps)

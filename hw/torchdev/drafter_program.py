@@ -43,19 +43,20 @@ def window(anchor, table, width: int):
 
 
 def run_drafter(a, cfg, dep):
-    R, tp = dep.ranks, dep.topology.tp
+    ranks, tp = a.ranks, dep.topology.tp
+    R = ranks.R
     dev = a.device
     eps, rd = cfg.rms_norm_eps, cfg.qk_rope_head_dim
     w, layer_w = a.__getitem__, a.layer
-    taps = Taps()
-    pools = [a["kv_caches"][r] for r in range(R)]          # [DL, blocks, 32, 1, HD] per rank
+    taps = Taps(ranks)
+    pools = a["kv_caches"]                                   # [DL, blocks, 32, 1, HD] per rank
     B = a["num_sampled"].shape[1]
     width = -(-(C.SLIDING_WINDOW + QW) // 64) * 64
 
     # K22 / K23: the context rows of every rank, all-gathered over the group
-    main_x = [dspark_proj(a["target_hidden"][r], w("main_proj_weight")[r], w("main_norm_weight")[r], eps)
-              for r in range(R)]
-    for r in range(R):
+    main_x = ranks.gather(ranks.local(lambda r: dspark_proj(a["target_hidden"][r], w("main_proj_weight")[r],
+                                                            w("main_norm_weight")[r], eps)))
+    for r in ranks.mine:
         g0 = (r // tp) * tp
         x_g = torch.cat(main_x[g0:g0 + tp])
         for l in range(cfg.dspark_num_layers):
@@ -68,29 +69,28 @@ def run_drafter(a, cfg, dep):
     ids[:, :, 0] = tau
     ids = ids.reshape(R, B * QW)
     emb = a["embedding_weight"]
-    h = torch.stack([emb[r][ids[r]][:, None, :].expand(-1, cfg.hc_mult, -1) for r in range(R)])
+    h = ranks.local(lambda r: emb[r][ids[r]][:, None, :].expand(-1, cfg.hc_mult, -1))
     L = LocalRows(pos=None, input_ids=list(ids), num_tokens=torch.full((R,), B * QW, device=dev), swa_cos=None,
                   swa_sin=None, cmp_cos=None, cmp_sin=None, windows={}, req_tables=None, kv_seq_lens=None,
                   csa_cap=0, hca_cap=0)
     qrows = B * QW
     for l in range(cfg.dspark_num_layers):
         taps.put(f"draft{l}", "attn_in", h)
-        post, comb, q, kv = [], [], [], []
-        for r in range(R):
+        post, comb, q, kv = ([None] * R for _ in range(4))
+        for r in ranks.mine:
             xm, p_, c_ = hc_pre(h[r], layer_w("hc_attn_fn", l)[r], layer_w("hc_attn_scale", l)[r],
                                 layer_w("hc_attn_base", l)[r], hc=cfg.hc_mult, rms_eps=eps, hc_eps=cfg.hc_eps,
                                 iters=cfg.hc_sinkhorn_iters)
             x_n = rms_norm(xm, layer_w("attn_norm_w", l)[r], eps)
             lw = {n: layer_w(n, l)[r] for n in ("wq_a", "wq_b", "wq_b_scale", "wkv", "gamma_cq", "gamma_ckv")}
-            q_, kv_, _, _ = qkv_proj_rope(x_n, lw, a["query_freqs_cos"][r][:qrows], a["query_freqs_sin"][r][:qrows],
-                                          heads=cfg.num_attention_heads, head_dim=cfg.head_dim, rope_dims=rd, eps=eps)
-            post.append(p_)
-            comb.append(c_)
-            q.append(q_)
-            kv.append(kv_)
-        taps.put(f"draft{l}", "q", torch.stack(q))
-        o_all = []
-        for r in range(R):
+            q[r], kv[r], _, _ = qkv_proj_rope(x_n, lw, a["query_freqs_cos"][r][:qrows], a["query_freqs_sin"][r][:qrows],
+                                              heads=cfg.num_attention_heads, head_dim=cfg.head_dim, rope_dims=rd,
+                                              eps=eps)
+            post[r], comb[r] = p_, c_
+        taps.put(f"draft{l}", "q", q)
+        kv = ranks.gather(kv)                                # the group's block rows
+        o_all = [None] * R
+        for r in ranks.mine:
             g0 = (r // tp) * tp
             band = a["query_group_slot_mapping"].shape[-1] // tp
             slots = torch.cat([a["query_group_slot_mapping"][r, l][m * band:m * band + qrows] for m in range(tp)])
@@ -101,17 +101,17 @@ def run_drafter(a, cfg, dep):
             sin = a["query_freqs_sin"][r][:qrows].reshape(B, QW, -1)
             o = block_attention(q[r].reshape(B, QW, cfg.num_attention_heads, cfg.head_dim), K, ws >= 0,
                                 layer_w("attn_sink", l)[r], cos, sin, scale=cfg.head_dim ** -0.5, rope_dims=rd)
-            o_all.append(o.reshape(qrows, cfg.num_attention_heads, cfg.head_dim))
-        taps.put(f"draft{l}", "attn", torch.stack(o_all))
+            o_all[r] = o.reshape(qrows, cfg.num_attention_heads, cfg.head_dim)
+        taps.put(f"draft{l}", "attn", o_all)
         attn_out = tp_o_proj(a, cfg, dep, l, o_all, lambda per, g0: torch.cat(per[g0:g0 + tp]))
         taps.put(f"draft{l}", "attn_out", attn_out)
-        h = torch.stack([hc_post(attn_out[r], h[r], post[r], comb[r]) for r in range(R)])
+        h = ranks.local(lambda r: hc_post(attn_out[r], h[r], post[r], comb[r]))
         h = moe_sublayer(a, cfg, dep, l, h, L, taps, route_layer=cfg.dspark_target_layer_ids[l], norm="ffn_norm_w",
                          tap=f"draft{l}")
-    head = torch.stack([hc_head(h[r], w("hc_head_fn")[r], w("hc_head_scale")[r], w("hc_head_base")[r],
-                                rms_eps=eps, hc_eps=cfg.hc_eps) for r in range(R)])
+    head = ranks.stack(ranks.local(lambda r: hc_head(h[r], w("hc_head_fn")[r], w("hc_head_scale")[r],
+                                                     w("hc_head_base")[r], rms_eps=eps, hc_eps=cfg.hc_eps)))
     taps.put("draft_head", "head_hidden", head)
-    return head.reshape(R, B, QW, -1), taps
+    return head.reshape(head.shape[0], B, QW, -1), taps
 
 
 def run_program(a, cfg, dep):

@@ -6,7 +6,7 @@ import torch
 
 from twin.abi import constants as C
 
-from .head import greedy, lm_head
+from .head import greedy, vocab_logits
 from .hyper import hc_head
 from .rmsnorm import rms_norm
 
@@ -21,32 +21,33 @@ def final(a, cfg, dep, x_hc, taps, *, group_rows: bool):
     ("head", "logits") tap; sampled_ids (first maximum over the whole vocabulary, -1 for an entry
     of -1) is written on every rank of the group.  x_out is the final-norm output of the rank's
     rows (the group's rows on every rank with `group_rows`)."""
-    R, tp = dep.ranks, dep.topology.tp
+    ranks, tp = a.ranks, dep.topology.tp
     eps = cfg.rms_norm_eps
-    hidden, normed, full, shard, sampled, target, x_out = [], [], [], [], [], [], []
-    for r in range(R):
-        h = hc_head(x_hc[r], a["hc_head_fn"][r], a["hc_head_scale"][r], a["hc_head_base"][r], rms_eps=eps,
-                    hc_eps=cfg.hc_eps)
-        hidden.append(h)
-        normed.append(rms_norm(h, a["final_norm_w"][r], eps))
-    for r in range(R):
-        g0 = (r // tp) * tp
-        src = torch.cat(normed[g0:g0 + tp]) if group_rows else normed[r]
-        x_out.append(src)
-        rows = a["logit_row_indices"][g0 if group_rows else r].long()
-        lg = torch.cat([lm_head(src, a["lm_head_weight"][g0 + m], rows) for m in range(tp)], dim=-1)
-        full.append(lg)
-        vt = a["lm_head_weight"].shape[1]
-        shard.append(lg[:, (r - g0) * vt:(r - g0 + 1) * vt])
-        ids = torch.where(rows >= 0, greedy(lg), torch.full_like(rows, -1))
-        pad = torch.zeros(rows.shape[0], C.SAMPLED_IDS_PAD, dtype=torch.int32, device=lg.device)
+    hidden = ranks.local(lambda r: hc_head(x_hc[r], a["hc_head_fn"][r], a["hc_head_scale"][r], a["hc_head_base"][r],
+                                           rms_eps=eps, hc_eps=cfg.hc_eps))
+    normed = ranks.local(lambda r: rms_norm(hidden[r], a["final_norm_w"][r], eps))
+    if group_rows:
+        all_normed = ranks.gather(normed)
+        src = [torch.cat(all_normed[(r // tp) * tp:(r // tp) * tp + tp]) for r in range(ranks.R)]
+    else:
+        src = normed
+    rows = [a["logit_row_indices"][(r // tp) * tp if group_rows else r].long() for r in range(ranks.R)]
+    full = vocab_logits(ranks, tp, src, rows, a["lm_head_weight"])
+    vt = a["lm_head_weight"].shape[1]
+
+    def sampled(r):
+        ids = torch.where(rows[r] >= 0, greedy(full[r]), torch.full_like(rows[r], -1))
+        pad = torch.zeros(rows[r].shape[0], C.SAMPLED_IDS_PAD, dtype=torch.int32, device=full[r].device)
         pad[:, 0] = ids.to(torch.int32)
-        sampled.append(pad)
-        target.append(torch.cat([hc_head(taps[(l, "x_hc")][r], a["hc_head_fn"][r], a["hc_head_scale"][r],
-                                         a["hc_head_base"][r], rms_eps=eps, hc_eps=cfg.hc_eps)
-                                 for l in cfg.dspark_target_layer_ids], dim=-1))
-    taps.put("head", "hidden", torch.stack(hidden))
-    taps.put("head", "x_norm", torch.stack(normed))
-    taps.put("head", "logits", torch.stack(full))
-    return {"x_out": torch.stack(x_out), "logits": torch.stack(shard), "sampled_ids": torch.stack(sampled),
-            "dspark_target_hidden": torch.stack(target)}, taps
+        return pad
+
+    def target(r):
+        return torch.cat([hc_head(ranks.of(taps[(l, "x_hc")], r), a["hc_head_fn"][r], a["hc_head_scale"][r],
+                                  a["hc_head_base"][r], rms_eps=eps, hc_eps=cfg.hc_eps)
+                          for l in cfg.dspark_target_layer_ids], dim=-1)
+    shard = ranks.local(lambda r: full[r][:, (r % tp) * vt:(r % tp + 1) * vt])
+    taps.put("head", "hidden", hidden)
+    taps.put("head", "x_norm", normed)
+    taps.put("head", "logits", full)
+    return {"x_out": ranks.stack(src), "logits": ranks.stack(shard), "sampled_ids": ranks.stack(ranks.local(sampled)),
+            "dspark_target_hidden": ranks.stack(ranks.local(target))}, taps

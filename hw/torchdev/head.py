@@ -14,6 +14,26 @@ def lm_head(hidden, weight, rows):
     return torch.where(ok[:, None], logits, torch.zeros((), device=logits.device))
 
 
+def vocab_logits(ranks, tp: int, src, rows, weight):
+    """The full-vocabulary logits of each held rank's entries over its TP group's shards.
+
+    src / rows: [R] per-rank hidden rows and logit entries (inputs: every rank's); weight: the
+    ranks' vocabulary shards.  Rank g0 + m computes shard m for every member of its group, the
+    shards are gathered and concatenated in shard order -> [R] per-rank [n, V]: the same GEMMs
+    on the same rows however the ranks are split."""
+    src = ranks.gather(src)
+
+    def shards(q):
+        g0 = (q // tp) * tp
+        return [lm_head(src[r], weight[q], rows[r]) for r in range(g0, g0 + tp)]
+    pieces = ranks.gather(ranks.local(shards))
+
+    def full(r):
+        g0 = (r // tp) * tp
+        return torch.cat([pieces[g0 + m][r - g0] for m in range(tp)], dim=-1)
+    return ranks.local(full)
+
+
 def greedy(logits):
     """Smallest index attaining the row maximum."""
     m = logits.amax(dim=-1, keepdim=True)

@@ -5,8 +5,9 @@ hc_post) and the MoE sub-layer (hc_pre, gate, EP experts, combine, hc_post), per
 Rows: each rank owns `local` rows; a TP group's stream is its ranks' rows, rank-major.  What the
 device does group-wide (the KV and compressor writes, whose slot mappings are group-level) each
 rank does on its own pool replica from the all-gathered group rows; o_proj is a per-rank partial
-over the rank's local head groups, reduce-scattered in rank order.  `View` says where a program
-keeps each per-layer input (decode and prefill name and shape them differently).
+over the rank's local head groups, reduce-scattered in rank order.  Only the ranks this process
+holds are computed (`a.ranks.mine`); the residual stream `x_hc` is an [R] list (None for another
+process's rank) and every cross-rank read is a `Ranks.gather` (`hw.torchdev.ranks`).
 """
 from __future__ import annotations
 
@@ -38,10 +39,15 @@ SHARED_NAMES = ("shared_w1", "shared_w1_scale", "shared_w3", "shared_w3_scale", 
 
 
 class Taps(dict):
-    """(layer, stage) -> [R, rows, ...] in golden's stage names, so a divergence localizes."""
+    """(layer, stage) -> [ranks held, rows, ...] in golden's stage names, so a divergence localizes.
+    `put` takes a stacked tensor or an [R] per-rank list (stacked over the ranks held)."""
+
+    def __init__(self, ranks):
+        super().__init__()
+        self.ranks = ranks
 
     def put(self, layer, stage, value):
-        self[(layer, stage)] = value
+        self[(layer, stage)] = self.ranks.stack(value) if isinstance(value, list) else value
 
 
 @dataclass
@@ -84,14 +90,14 @@ def _w(a, names, layer: int, r: int):
 
 
 def attention_sublayer(a, cfg, dep, layer: int, x_hc, G: GroupRows, L: LocalRows, taps: Taps, *, bands):
-    """x_hc [R, T, HC, D] -> x_hc after the attention sub-layer (pools written in place)."""
-    R, tp = dep.ranks, dep.topology.tp
+    """x_hc [R] per-rank [T, HC, D] -> x_hc after the attention sub-layer (pools written in place)."""
+    ranks, tp = a.ranks, dep.topology.tp
     kind = cfg.layer_kind(layer)
     ci = cfg.csa_layers.index(layer) if kind == "csa" else None
     hi = cfg.hca_layers.index(layer) if kind == "hca" else None
     eps, rd = cfg.rms_norm_eps, cfg.qk_rope_head_dim
-    outs = {k: [] for k in ("x_mixed", "post", "comb", "x_n", "q", "kv", "qr", "qr_scale")}
-    for r in range(R):
+    outs = {k: [None] * ranks.R for k in ("x_mixed", "post", "comb", "x_n", "q", "kv", "qr", "qr_scale")}
+    for r in ranks.mine:
         w = _w(a, WEIGHTS, layer, r)
         xm, post, comb = hc_pre(x_hc[r], w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], hc=cfg.hc_mult,
                                 rms_eps=eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
@@ -100,16 +106,17 @@ def attention_sublayer(a, cfg, dep, layer: int, x_hc, G: GroupRows, L: LocalRows
         q, kv, qr, qrs = qkv_proj_rope(x_n, w, cos, sin, heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
                                        rope_dims=rd, eps=eps)
         for k, v in zip(outs, (xm, post, comb, x_n, q, kv, qr, qrs)):
-            outs[k].append(v)
+            outs[k][r] = v
     taps.put(layer, "attn_in", x_hc)
     for k in ("x_mixed", "q", "kv"):
-        taps.put(layer, k, torch.stack(outs[k]))
-    taps.put(layer, "x_norm", torch.stack(outs["x_n"]))
-    o_all, topk_all = [], []
-    for r in range(R):
+        taps.put(layer, k, outs[k])
+    taps.put(layer, "x_norm", outs["x_n"])
+    x_n_all, kv_all = ranks.gather(outs["x_n"], outs["kv"])        # the group stream rows
+    o_all, topk_all = [None] * ranks.R, [None] * ranks.R
+    for r in ranks.mine:
         g0 = (r // tp) * tp
-        x_g = bands(outs["x_n"], g0)
-        kv_g = bands(outs["kv"], g0)
+        x_g = bands(x_n_all, g0)
+        kv_g = bands(kv_all, g0)
         w = _w(a, WEIGHTS, layer, r)
         cmp_flat = cmp_slots = None
         win = "swa"
@@ -131,7 +138,7 @@ def attention_sublayer(a, cfg, dep, layer: int, x_hc, G: GroupRows, L: LocalRows
                                         L.kv_seq_lens(r, "csa") // 4, heads=cfg.index_n_heads,
                                         head_dim=cfg.index_head_dim, rope_dims=rd, topk=cfg.index_topk,
                                         cap=L.csa_cap)
-            topk_all.append(topk)
+            topk_all[r] = topk
             rows = torch.where((topk >= 0) & (topk < ((L.pos[r] + 1) // 4)[:, None]), topk, -1).long()
             cmp_flat = flat(cmp_pool)
             cmp_slots = table_slot(L.req_tables(r, "csa_cmp"), rows, cmp_pool.shape[1])
@@ -160,13 +167,13 @@ def attention_sublayer(a, cfg, dep, layer: int, x_hc, G: GroupRows, L: LocalRows
                              w["attn_sink"], cos, sin, scale=cfg.head_dim ** -0.5, rope_dims=rd,
                              cmp_flat=None if cmp_flat is None else cmp_flat.reshape(cmp_flat.shape[0], -1),
                              cmp_slots=cmp_slots)
-        o_all.append(o)
-    taps.put(layer, "attn", torch.stack(o_all))
-    if topk_all:
-        taps.put(layer, "idx_topk", torch.stack(topk_all))
+        o_all[r] = o
+    taps.put(layer, "attn", o_all)
+    if kind == "csa":
+        taps.put(layer, "idx_topk", topk_all)
     attn_out = tp_o_proj(a, cfg, dep, layer, o_all, bands)
     taps.put(layer, "attn_out", attn_out)
-    x_hc = torch.stack([hc_post(attn_out[r], x_hc[r], outs["post"][r], outs["comb"][r]) for r in range(R)])
+    x_hc = ranks.local(lambda r: hc_post(attn_out[r], x_hc[r], outs["post"][r], outs["comb"][r]))
     taps.put(layer, "attn_x_hc", x_hc)
     return x_hc
 
@@ -182,37 +189,41 @@ def _n(a, name):
 
 def tp_o_proj(a, cfg, dep, layer: int, o_all, bands):
     """Each rank's partial over its local head groups for every group row, summed over the
-    group's ranks in rank order for each rank's own rows, BF16 once -> [R, T, D]."""
-    R, tp = dep.ranks, dep.topology.tp
+    group's ranks in rank order for each rank's own rows, BF16 once -> [R] per-rank [T, D].
+    The reduce-scatter is a gather of the attention rows and of the partials, then the sum in
+    rank order: the same additions in the same order however the ranks are split."""
+    ranks, tp = a.ranks, dep.topology.tp
     lg = cfg.o_groups // tp
-    out = [None] * R
-    for g0 in range(0, R, tp):
+    o_all = ranks.gather(o_all)
+
+    def partial(r):
+        g0, m = (r // tp) * tp, r % tp
         o_g = pack(bands(o_all, g0), cfg.o_groups)                # [G, group rows, GI]
-        parts = []
-        for m in range(tp):
-            r = g0 + m
-            parts.append(o_partial(o_g[m * lg:(m + 1) * lg], a.layer("wo_a", layer)[r], a.layer("wo_b", layer)[r],
-                                   a.layer("wo_b_scale", layer)[r]))
-        T = o_all[g0].shape[0]
-        for m in range(tp):
-            acc = None
-            for part in parts:
-                band = part[m * T:(m + 1) * T]
-                acc = band if acc is None else acc + band
-            out[g0 + m] = bf16(acc)
-    return torch.stack(out)
+        return o_partial(o_g[m * lg:(m + 1) * lg], a.layer("wo_a", layer)[r], a.layer("wo_b", layer)[r],
+                         a.layer("wo_b_scale", layer)[r])
+    parts = ranks.gather(ranks.local(partial))
+
+    def reduced(r):
+        g0, m = (r // tp) * tp, r % tp
+        T = o_all[r].shape[0]
+        acc = None
+        for part in parts[g0:g0 + tp]:
+            band = part[m * T:(m + 1) * T]
+            acc = band if acc is None else acc + band
+        return bf16(acc)
+    return ranks.local(reduced)
 
 
 def moe_sublayer(a, cfg, dep, layer: int, x_hc, L: LocalRows, taps: Taps, *, route_layer=None, norm="norm_w",
                  tap=None):
     """layer: the index in the weights' stack; route_layer: the layer id routing reads (hash below
     num_hash_layers; the draft layers route as target layers 40..42); tap: the taps' layer key."""
-    R = dep.ranks
+    ranks = a.ranks
     eps = cfg.rms_norm_eps
     route_layer = layer if route_layer is None else route_layer
     tap = layer if tap is None else tap
-    parts = {k: [] for k in ("x_mixed", "post", "comb", "x_i8", "scale", "idx", "wts")}
-    for r in range(R):
+    parts = {k: [None] * ranks.R for k in ("x_mixed", "post", "comb", "x_i8", "scale", "idx", "wts")}
+    for r in ranks.mine:
         w = _w(a, WEIGHTS + (norm,), layer, r)
         xm, post, comb = hc_pre(x_hc[r], w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], hc=cfg.hc_mult,
                                 rms_eps=eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters)
@@ -220,17 +231,16 @@ def moe_sublayer(a, cfg, dep, layer: int, x_hc, L: LocalRows, taps: Taps, *, rou
                                   int(L.num_tokens[r]), hash_layer=route_layer < cfg.num_hash_layers,
                                   topk=cfg.num_experts_per_tok, scaling=cfg.routed_scaling_factor, eps=eps)
         for k, v in zip(parts, (xm, post, comb, x_i8, sc, idx, wts)):
-            parts[k].append(v)
-    taps.put(tap, "ffn_x_mixed", torch.stack(parts["x_mixed"]))
-    idx, wts = torch.stack(parts["idx"]), torch.stack(parts["wts"])
-    taps.put(tap, "moe_indices", idx)
-    taps.put(tap, "moe_weights", wts)
+            parts[k][r] = v
+    taps.put(tap, "ffn_x_mixed", parts["x_mixed"])
+    taps.put(tap, "moe_indices", parts["idx"])
+    taps.put(tap, "moe_weights", parts["wts"])
     n_local = dep.topology.experts_per_rank(cfg)
-    ffn = moe(torch.stack(parts["x_i8"]), torch.stack(parts["scale"]), idx, wts, L.num_tokens,
+    ffn = moe(ranks, parts["x_i8"], parts["scale"], parts["idx"], parts["wts"], L.num_tokens,
               lambda dst: {n: a.layer(n, layer)[dst] for n in EXPERT_NAMES},
               lambda src: {n: a.layer(n, layer)[src] for n in SHARED_NAMES},
               n_local=n_local, limit=cfg.swiglu_limit)
     taps.put(tap, "ffn_out", ffn)
-    x_hc = torch.stack([hc_post(ffn[r], x_hc[r], parts["post"][r], parts["comb"][r]) for r in range(R)])
+    x_hc = ranks.local(lambda r: hc_post(ffn[r], x_hc[r], parts["post"][r], parts["comb"][r]))
     taps.put(tap, "x_hc", x_hc)
     return x_hc

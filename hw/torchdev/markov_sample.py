@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .head import lm_head
+from twin.abi import constants as C
+
+from .head import vocab_logits
 from .markov import markov_chain
 from .rmsnorm import rms_norm
+
+QW = C.DSPARK_QUERY_WIDTH
 
 
 def extents(dispatch) -> dict:
@@ -18,25 +22,25 @@ def extents(dispatch) -> dict:
 
 
 def sample(a, cfg, dep, hidden_of, prefix: str = ""):
-    """The Markov sampler of every rank: hidden_of(r) -> [B, QW, D]; weights under `prefix`."""
-    R, tp = dep.ranks, dep.topology.tp
+    """The Markov sampler of every held rank: hidden_of(r) -> [B, QW, D]; weights under `prefix`.
+    -> (drafts, probs, base logits) stacked over the ranks held."""
+    ranks, tp = a.ranks, dep.topology.tp
     w = lambda n: a[prefix + n]                # noqa: E731
-    drafts, probs, logits = [], [], []
-    for r in range(R):
-        g0 = (r // tp) * tp
-        h = hidden_of(r)
-        B, QW, D = h.shape
-        hn = rms_norm(h.reshape(B * QW, D), w("final_norm_weight")[r], cfg.rms_norm_eps)
-        rows = a["logit_row_indices"][r][:B * QW].long() if "logit_row_indices" in a else \
-            torch.arange(B * QW, device=h.device)
-        base = torch.cat([lm_head(hn, a["lm_head_weight"][g0 + m], rows) for m in range(tp)], dim=-1)
+    h = ranks.local(hidden_of)
+    hn = ranks.local(lambda r: rms_norm(h[r].reshape(-1, h[r].shape[-1]), w("final_norm_weight")[r], cfg.rms_norm_eps))
+    n = a["num_sampled"].shape[1] * QW
+    rows = [a["logit_row_indices"][r][:n].long() if "logit_row_indices" in a else torch.arange(n, device=a.device)
+            for r in range(ranks.R)]
+    base = vocab_logits(ranks, tp, hn, rows, a["lm_head_weight"])
+
+    def chain(r):
+        B = h[r].shape[0]
         prev = torch.where(a["num_sampled"][r] > 0, a["last_sampled"][r], a["next_prefill_tokens"][r]).long()
-        d, c = markov_chain(h, base.reshape(B, QW, -1), prev, w("markov_w1")[r], w("markov_w2")[r],
+        d, c = markov_chain(h[r], base[r].reshape(B, QW, -1), prev, w("markov_w1")[r], w("markov_w2")[r],
                             w("confidence_head_weight")[r])
-        drafts.append(d.to(torch.int32))
-        probs.append(c)
-        logits.append(base)
-    return torch.stack(drafts), torch.stack(probs), torch.stack(logits)
+        return d.to(torch.int32), c
+    out = [chain(r) for r in ranks.mine]
+    return torch.stack([d for d, _ in out]), torch.stack([c for _, c in out]), ranks.stack(base)
 
 
 def run_markov(a, cfg, dep):

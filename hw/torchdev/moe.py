@@ -44,35 +44,48 @@ def swiglu(x_i8, x_scale, w1, s1, w3, s3, w2, s2, *, limit: float, route_weight=
     return bf16(int_dot(h_i8, w2.T) * h_dq * s2)
 
 
-def moe(x_i8, x_scale, idx, wts, num_tokens, experts, shared, *, n_local: int, limit: float):
+def moe(ranks, x_i8, x_scale, idx, wts, num_tokens, experts, shared, *, n_local: int, limit: float):
     """EP dispatch / experts / combine over every rank of the deployment.
 
-    x_i8 [R, T, D], x_scale [R, T, 1], idx / wts [R, T, K] per source rank; num_tokens [R];
-    experts(dst) -> that rank's routed weights (leading axis: its local experts); shared(src) ->
-    the source rank's shared expert.  A route (t, k) with expert e goes to rank e // n_local,
-    local expert e % n_local, packed source-rank-major and (t, k) within a source (the flattened
-    [R, T, K] order); its row returns to (src, t, k) and ffn_out[t] = bf16(shared[t] + sum_k
-    routed[t, k]) in k order.  -> ffn_out [R, T, D]."""
+    x_i8 [T, D], x_scale [T, 1], idx / wts [T, K]: [R] per source rank (`ranks.mine` present);
+    num_tokens [R]; experts(dst) -> that rank's routed weights (leading axis: its local experts);
+    shared(src) -> the source rank's shared expert.  A route (t, k) with expert e goes to rank
+    e // n_local, local expert e % n_local, packed source-rank-major and (t, k) within a source
+    (the flattened [R, T, K] order); its row returns to (src, t, k) and ffn_out[t] = bf16(shared[t]
+    + sum_k routed[t, k]) in k order.  -> ffn_out [R] per source rank.
+
+    Dispatch is a gather of every source's rows; each process runs the experts of the ranks it
+    holds on the same packed rows the one-process form packs, and the combine gathers the routed
+    rows back: the same expert batches and the same k-order sums however the ranks are split."""
+    x_i8, x_scale, idx, wts = ranks.gather(x_i8, x_scale, idx, wts)
+    x_i8, x_scale, idx, wts = (torch.stack(v) for v in (x_i8, x_scale, idx, wts))
     R, T, K = idx.shape
     D = x_i8.shape[-1]
     live = (torch.arange(T, device=idx.device)[None, :] < num_tokens[:, None])[..., None].expand(R, T, K)
     flat = torch.where(live, idx, -1).reshape(-1)
-    routed = torch.zeros(R * T * K, D, device=x_i8.device)
     rows = torch.arange(R * T * K, device=idx.device) // K            # (src, t) of each route
     xs, ss, ws = x_i8.reshape(R * T, D), x_scale.reshape(R * T, 1), wts.reshape(-1)
+    done = []
     for e in torch.unique(flat[flat >= 0]).tolist():
+        if e // n_local not in ranks.mine:
+            continue                                                   # another process's expert
         routes = torch.nonzero(flat == e).reshape(-1)                  # source-rank-major, (t, k) order
         w, loc = experts(e // n_local), e % n_local
-        routed[routes] = swiglu(xs[rows[routes]], ss[rows[routes]], w["routed_w1"][loc], w["routed_w1_scale"][loc],
-                                w["routed_w3"][loc], w["routed_w3_scale"][loc], w["routed_w2"][loc],
-                                w["routed_w2_scale"][loc], limit=limit, route_weight=ws[routes])
+        done.append((routes, swiglu(xs[rows[routes]], ss[rows[routes]], w["routed_w1"][loc],
+                                    w["routed_w1_scale"][loc], w["routed_w3"][loc], w["routed_w3_scale"][loc],
+                                    w["routed_w2"][loc], w["routed_w2_scale"][loc], limit=limit,
+                                    route_weight=ws[routes])))
+    routed = torch.zeros(R * T * K, D, device=x_i8.device)
+    for proc in ranks.share(done):
+        for routes, vals in proc:
+            routed[routes] = vals.to(routed.device)
     routed = routed.reshape(R, T, K, D)
-    out = []
-    for src in range(R):
+
+    def combine(src):
         sw = shared(src)
         acc = swiglu(x_i8[src], x_scale[src], sw["shared_w1"], sw["shared_w1_scale"], sw["shared_w3"],
                      sw["shared_w3_scale"], sw["shared_w2"], sw["shared_w2_scale"], limit=limit)
         for k in range(K):
             acc = acc + routed[src, :, k]
-        out.append(bf16(acc))
-    return torch.stack(out)
+        return bf16(acc)
+    return ranks.local(combine)

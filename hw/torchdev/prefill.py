@@ -29,7 +29,7 @@ def extents(dispatch) -> dict:
 def run_prefill(a, cfg, dep):
     R, tp = dep.ranks, dep.topology.tp
     dev = a.device
-    taps = Taps()
+    taps = Taps(a.ranks)
     P = a["x_hc"].shape[1]
     Lb = P // tp
     W = cfg.sliding_window
@@ -93,7 +93,7 @@ def run_prefill(a, cfg, dep):
         kv_seq_lens=lambda r, kind: ends[r][band(r, req_g[r])],
         csa_cap=PREFILL_SCORE_CAP, hca_cap=PREFILL_HCA_CAP)
 
-    x_hc = torch.stack([band(r, a["x_hc"][r]) for r in range(R)])
+    x_hc = a.ranks.local(lambda r: band(r, a["x_hc"][r]))
     for layer in range(cfg.num_hidden_layers):
         x_hc = attention_sublayer(a, cfg, dep, layer, x_hc, G, L, taps, bands=bands)
         x_hc = moe_sublayer(a, cfg, dep, layer, x_hc, L, taps)

@@ -8,6 +8,10 @@ is localized to (dispatch, layer, stage); the device's outputs are what the sche
 golden is golden's own compositions (`hw.real`); the device is the self-check backend (golden's
 compositions with torch GEMMs) or, with --backend torch, the independent `hw.torchdev.TorchBackend`.  Records, report.jsonl and summary.{md,html} go to
 --run-dir; running again on the same directory resumes where a killed run stopped.
+
+The torch device can split its ranks over gloo processes: `--nproc N` spawns them on this machine,
+and under `torchrun --nproc-per-node N -m twin.cli lockstep --backend torch ...` rank 0 runs the
+lockstep and the other ranks serve their rank slices (docs/lockstep.md, "Several processes").
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ DEVICE_SIDE = {"preset": "tiny", "backend": "selfcheck", "device": "cpu", "steps
                "slots": None, "total_kv_pages": None, "measured_free_bytes": None, "measured_used_bytes": None,
                "measured_slots": None}
 
+LOCKSTEP_RANKS = 8          # the parity deployment: TP4 x EP8 (twin.functional.parity.build_lockstep)
+
 def add_arguments(p) -> None:
     d = DEVICE_SIDE
     p.add_argument("--preset", default=d["preset"], help="a small preset (tiny or small); FLASH does not run whole on a CPU")
@@ -30,6 +36,9 @@ def add_arguments(p) -> None:
                    help="the device: selfcheck (golden's compositions with torch GEMMs, default) or torch (the "
                         "independent hw.torchdev.TorchBackend; -k 0 only)")
     p.add_argument("--device", default=d["device"], help="torch device: cpu, cuda[:n] or npu[:n] (default cpu)")
+    p.add_argument("--nproc", type=integer, default=1,
+                   help=f"--backend torch: split the device's {LOCKSTEP_RANKS} ranks over this many local gloo "
+                        "processes (1, 2, 4 or 8; default 1); under torchrun the world size sets it")
     p.add_argument("--steps", type=integer, default=d["steps"], help="dispatches to run (default 100)")
     p.add_argument("--mode", default=d["mode"], choices=("strict", "continuous"),
                    help="strict stops at the first failing dispatch (default); continuous re-syncs and goes on")
@@ -56,21 +65,67 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from golden.heap import retain_heap
+    from hw.threads import limit_cpu_threads
+
+    nproc = _nproc(args)
+    if args.device == "cpu":
+        limit_cpu_threads(1)
+    from hw.launch import serve_torchrun_rank, torchrun_rank
+
+    if nproc > 1 and torchrun_rank()[0] > 0:
+        serve_torchrun_rank(args.device)     # a torchrun rank > 0 serves its rank slice; rank 0 reports
+        return 0
+    if args.device == "cpu":
+        retain_heap()           # golden's temporaries reused, not re-faulted (golden.heap)
+    if nproc > 1:
+        from hw.launch import torch_device_ranks
+        with torch_device_ranks(nproc, args.device):
+            return _run(args, nproc)
+    return _run(args, nproc)
+
+
+def _nproc(args) -> int:
+    """The processes the torch device's ranks split over: --nproc, or torchrun's world size."""
+    from hw.launch import torchrun_rank
+
+    world = torchrun_rank()[1]
+    if world > 1 and args.nproc != 1:
+        raise AbiError("--nproc", args.nproc, "1 under torchrun (its world size, "
+                       f"{world}, sets the processes)", where="lockstep")
+    n = world if world > 1 else args.nproc
+    flag = "WORLD_SIZE" if world > 1 else "--nproc"
+    if n == 1:
+        return 1
+    if n < 1 or LOCKSTEP_RANKS % n:
+        raise AbiError(flag, n, f"a count dividing the lockstep deployment's {LOCKSTEP_RANKS} ranks (1, 2, 4 or 8)",
+                       where="lockstep")
+    if args.replay:
+        raise AbiError(flag, n, "1 with --replay (no device runs)", where="lockstep")
+    if args.backend != "torch":
+        raise AbiError(flag, n, "1 with --backend selfcheck (only --backend torch splits its ranks over "
+                       "processes)", where="lockstep")
+    if args.device != "cpu":
+        raise AbiError(flag, n, f"1 with --device {args.device} (the split device's collectives are gloo on cpu)",
+                       where="lockstep")
+    from hw.launch import gloo_problem
+
+    problem = gloo_problem()
+    if problem:
+        raise AbiError(flag, n, f"1: {problem}", where="lockstep")
+    return n
+
+
+def _run(args, nproc: int) -> int:
     import shutil
     from pathlib import Path
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from golden.heap import retain_heap
     from hw.report import ReportWriter
     from hw.run_format import check_run_dir
-    from hw.threads import limit_cpu_threads
     from hw.tolerance import Policy
-
-    if args.device == "cpu":
-        limit_cpu_threads(1)
-        retain_heap()           # golden's temporaries reused, not re-faulted (golden.heap)
 
     con = Console()
     run_dir = Path(args.run_dir)
@@ -91,8 +146,12 @@ def run(args) -> int:
     from hw.real.lockstep import parse_real_fault
 
     fault = parse_real_fault(args.inject) if args.inject else None
-    lr = _parity(args, run_dir, resumed, fault, policy)
+    lr = _parity(args, run_dir, resumed, fault, policy, nproc)
     done = len(ReportWriter(run_dir).entries())
+    if nproc > 1:
+        held = lr.checker.backend.torch.ranks
+        con.print(f"torch device: {held.R} ranks over {nproc} gloo processes, "
+                  + ", ".join(f"{s.start}-{s.stop - 1}" for s in map(held.slice_of, range(nproc))))
     if resumed:
         con.print(f"resuming {run_dir}: {done} dispatches already checked")
     with Progress(TextColumn("[bold]lockstep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -123,7 +182,7 @@ def run(args) -> int:
     return 0 if s["verdict"] == "PASS" else 1
 
 
-def _parity(args, run_dir, resumed: bool, fault, policy):
+def _parity(args, run_dir, resumed: bool, fault, policy, nproc: int = 1):
     """The parity run the flags describe; a resumed run rebuilds the one its records describe (the
     same flags are required, and checked against them)."""
     import argparse
@@ -171,7 +230,7 @@ def _parity(args, run_dir, resumed: bool, fault, policy):
             return build_lockstep(preset=args.preset, backend=args.backend, device=args.device, mode=args.mode,
                                   seed=args.seed, k=args.k, requests=requests, slots=args.slots,
                                   total_kv_pages=pages, fault=fault, policy=policy, run_dir=run_dir,
-                                  record=not args.no_records)
+                                  record=not args.no_records, nproc=nproc)
     except AbiError as e:
         if e.name != "fault":
             raise

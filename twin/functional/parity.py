@@ -169,14 +169,16 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                    slots: int | None = None, total_kv_pages: int | None = None, chunk: int = 64,
                    max_model_len: int = 512, max_num_seqs: int | None = None, max_num_batched_tokens: int = 256,
                    ep: int = 8, fault=None, policy=None, run_dir=None, carry: str = "device", record: bool = True,
-                   steps: int | None = None) -> ParityRun:
+                   steps: int | None = None, nproc: int = 1) -> ParityRun:
     """A parity run on a small preset's deployment (TP4, EP8 by default: two cache partitions).
 
     requests: `twin.abi.batches.Request`s (a workload spec's or a trace's), default `seeded_requests`.
     slots / total_kv_pages: the KV budget (default 2 slots per partition; total_kv_pages: startup
     admission from upstream's page budget).  backend: "selfcheck" (golden's compositions with torch
     GEMMs, `hw.real.selfcheck`) or "torch" (the independent `hw.torchdev.TorchBackend`, K=0 only:
-    the fused K=7 program is not in it yet), on `device`."""
+    the fused K=7 program is not in it yet), on `device`.  nproc: the torch device's ranks split
+    over that many torch.distributed processes, this one process 0 (`hw.launch.torch_device_ranks`
+    sets them up); the results, and so the run, are the same bit for bit."""
     from hw.real.lockstep import BACKENDS, build_checker
 
     cfg = get_preset(preset)
@@ -211,7 +213,7 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     checker = build_checker(LoweringContext(dep, admitted), backend=backend, device=device, mode=mode, seed=seed,
                             golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
                             record=record, build=build_args, steps=steps,
-                            config={"requests": len(requests), "slots_per_partition": admitted})
+                            config={"requests": len(requests), "slots_per_partition": admitted}, nproc=nproc)
     run = ParityRun(sim, checker, admitted)
 
     def factory(cost, slots_):
