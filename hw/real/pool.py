@@ -123,7 +123,9 @@ class CheckPool:
         self.status: list[str] = []                 # per dispatch: pass | fail | skipped | not sampled
         self.programs: list[str] = []
         self.high_water = 0
+        # timings (kept out of stats, so the summary holds no wall-clock numbers)
         self.waited_s = 0.0                         # the device side's time blocked on a full backlog
+        self.drain_s = 0.0                          # the run's end waiting for the last checks
         self.failed_at: int | None = None
 
     # ---- the device side ----------------------------------------------------------------------------
@@ -190,9 +192,11 @@ class CheckPool:
             self.written += 1
 
     def drain(self) -> None:
-        """Wait for every submitted check (the run's end)."""
+        """Wait for every submitted check (the run's end); drain_s: how long that took."""
+        t0 = time.perf_counter()
         while self.pending or self.running:
             self.pump(block=True)
+        self.drain_s = time.perf_counter() - t0
 
     def close(self) -> None:
         self.workers.close()
