@@ -33,6 +33,15 @@ from twin.abi.errors import AbiError
 POLICIES = ("throttle", "skip-oldest")
 
 
+def in_worker(fn, *args):
+    """A check on a checker worker: one torch and one OpenBLAS thread, as the CLI's and the tests'
+    own process runs golden (a worker is one core's worth of checking)."""
+    from hw.threads import limit_cpu_threads
+
+    limit_cpu_threads(1)
+    return fn(*args)
+
+
 class LocalWorkers:
     """n checker processes on this machine."""
 
@@ -48,7 +57,7 @@ class LocalWorkers:
         self.ex = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
 
     def start(self, fn, *args):
-        return self.ex.submit(fn, *args)
+        return self.ex.submit(in_worker, fn, *args)
 
     def wait(self, handles: list, block: bool) -> list:
         from concurrent.futures import FIRST_COMPLETED, wait
@@ -77,13 +86,12 @@ class RayWorkers:
 
         self.ray = ray
         self.n = n or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        self._tasks: dict = {}
+        self._task = None
 
     def start(self, fn, *args):
-        task = self._tasks.get(fn)
-        if task is None:
-            task = self._tasks[fn] = self.ray.remote(num_cpus=1, max_retries=0)(fn)
-        return task.remote(*args)
+        if self._task is None:
+            self._task = self.ray.remote(num_cpus=1, max_retries=0)(in_worker)
+        return self._task.remote(fn, *args)
 
     def wait(self, handles: list, block: bool) -> list:
         done, _ = self.ray.wait(handles, num_returns=1 if block else len(handles), timeout=None if block else 0)
@@ -143,7 +151,9 @@ class CheckPool:
             self.status.append("not sampled")
         self.pump(block=False)
         if lr.progress:
-            lr.progress({"index": rd.index, "program": rd.dispatch.program, "verdict": self.status[rd.index]})
+            state = self.status[rd.index]
+            lr.progress({"index": rd.index, "program": rd.dispatch.program,
+                         "verdict": "queued" if state == "pending" else state})
         if (lr.steps is not None and lr.index >= lr.steps) or (self.strict and self.failed_at is not None):
             raise Halt(f"{lr.index} dispatches run")
         return lr.last_ran

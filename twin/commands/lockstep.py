@@ -123,7 +123,8 @@ def run(args) -> int:
         task = prog.add_task("", total=args.steps, completed=min(done, args.steps))
 
         def tick(e):
-            mark = "[green]ok[/green]" if e["verdict"] == "pass" else "[red]FAIL[/red]"
+            # an asynchronous run ticks when the device is done: its check is queued, skipped or not sampled
+            mark = {"pass": "[green]ok[/green]", "fail": "[red]FAIL[/red]"}.get(e["verdict"], f"[dim]{e['verdict']}[/dim]")
             prog.update(task, advance=1, description=f"#{e['index']} {e['program']} {mark}")
         if asynchronous:
             s = _run_async(args, lr, tick, resumed)
