@@ -33,12 +33,14 @@ def connect(flag: str, address: str | None, *, num_cpus: int | None = None, miss
     except ImportError:
         name, value = missing or (flag, address)
         raise ConfigError(name, value, INSTALL) from None
+    named = address not in (None, "auto")
+    # an address is tried even when this process is connected already: a wrong one is never ignored
+    if named and not _reachable(address):
+        raise ConfigError(flag, address, "auto, or the address of a running Ray cluster (host:port or "
+                                         "ray://host:port) that accepts connections") from None
     if ray.is_initialized():
         return ray, False
-    if address not in (None, "auto"):
-        if not _reachable(address):
-            raise ConfigError(flag, address, "auto, or the address of a running Ray cluster (host:port or "
-                                             "ray://host:port) that accepts connections") from None
+    if named:
         try:
             ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
