@@ -403,6 +403,23 @@ def _rows():
         "--inject", "--inject='kv_row@2'", "no value with --replay")
     add("lockstep --replay with --steps", ["lockstep", "--replay", "--steps", "5", "--run-dir", "{d}/run-keys"],
         "--steps", "--steps=5", "no value with --replay")
+    # asynchronous checking and replay on Ray
+    add("lockstep --check-workers 0", LS + ["--check-workers", "0"], "--check-workers", "--check-workers=0", ">= 1")
+    add("lockstep --check-workers word", LS + ["--check-workers", "two"], "--check-workers",
+        ["--check-workers", "'two'"], "an integer")
+    add("lockstep --backlog 0", LS + ["--backlog", "0"], "--backlog", "--backlog=0", ">= 1")
+    add("lockstep --backlog-policy word", LS + ["--backlog-policy", "drop"], "--backlog-policy",
+        ["--backlog-policy", "'drop'"], "choose from 'throttle', 'skip-oldest'")
+    add("lockstep --ray empty", LS + ["--ray", " "], "--ray", "--ray=' '", "auto, or a Ray cluster address")
+    # nothing listens on the discard port: refused within the connect timeout, not after Ray's retries
+    add("lockstep --ray unreachable", ["lockstep", "--steps", "2", "--ray", "127.0.0.1:9", "--run-dir", "{d}/ls-ray"],
+        "--ray", "--ray='127.0.0.1:9'", "the address of a running Ray cluster")
+    add("lockstep --async with --no-records", LS + ["--async", "--run-dir", "{d}/ls-async"], "--no-records",
+        "--no-records=True", "unset with --async")
+    add("lockstep --replay missing", ["lockstep", "--replay", "{d}/nope-run"], "--replay",
+        "run_dir='{d}/nope-run'", "a real-golden run directory with records/config.json")
+    add("lockstep --replay with --backlog", ["lockstep", "--replay", "{d}/run-keys", "--backlog", "4"], "--backlog",
+        "--backlog=4", "no value with --replay")
     # the parity run's workload and page budget (simulate's options)
     LW = ["lockstep", "--steps", "2", "--no-records", "--run-dir", "{d}/ls-wl"]
     add("lockstep --workload missing", LW + ["--workload", "{d}/nope.json"], "--workload",

@@ -22,6 +22,8 @@ def ray_cluster():
     """One local Ray for every Ray test (2 CPUs, no dashboard), started on first use; its address."""
     import ray
 
-    ctx = ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # the smallest object store Ray takes: the tasks pass file paths and report entries
+    ctx = ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, logging_level="ERROR",
+                   log_to_driver=False)
     yield ctx.address_info["address"]
     ray.shutdown()

@@ -22,7 +22,10 @@ Public API:
     RealDispatch, DeviceStep, DeviceResult,    hw.real.step       one checked dispatch; the device's step of it; a
     DECISION_STAGES                                               backend's result with its decisions
     RealRecorder                               hw.real.records    dispatch records (hw.records.RecordStore)
-    restore, fast_forward, use_records         hw.real.replay     resume; offline replay of records
+    restore, fast_forward, Seek                hw.real.replay     resume; offline replay of records (any chosen
+                                                                  records, each checked on its own)
+    CheckPool, LocalWorkers, RayWorkers,       hw.real.pool       asynchronous checks on a bounded pool of
+    fan_out, POLICIES                                             worker processes or Ray tasks
     DistPar                                    hw.real.dist_par   golden.ranks' par as processes, one per rank
     rank_forward, spawn_local                  hw.real.ranks      the target forward over real collectives,
                                                                   checked on rank 0 (torchrun -m hw.real.ranks)
@@ -41,7 +44,8 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "lockstep": ("RealLockstep", "build_checker", "parse_real_fault", "POOL_KIND"),
     "step": ("RealDispatch", "DeviceStep", "DeviceResult", "DECISION_STAGES"),
     "records": ("RealRecorder",),
-    "replay": ("restore", "fast_forward", "use_records"),
+    "replay": ("restore", "fast_forward", "Seek"),
+    "pool": ("CheckPool", "LocalWorkers", "RayWorkers", "fan_out", "POLICIES"),
     "dist_par": ("DistPar",),
     "ranks": ("rank_forward", "spawn_local"),
 })

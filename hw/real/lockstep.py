@@ -104,6 +104,8 @@ class RealLockstep:
         self.last_step: DeviceStep | None = None    # the device's step of the dispatch just checked (recorded)
         self.progress = None                        # progress(entry) after each dispatch
         self.resumed: list[dict] = []               # report entries of a resumed run not yet re-driven
+        self.seek = None                            # hw.real.replay.Seek: only chosen records are checked
+        self.pool = None                            # hw.real.pool.CheckPool: checks run asynchronously
         self.report = None
         self.index = 0
         self.t0 = time.perf_counter()
@@ -144,6 +146,10 @@ class RealLockstep:
         if self.resumed:
             from .replay import fast_forward
             return fast_forward(self, rd, self.resumed.pop(0))
+        if self.seek is not None and rd.index not in self.seek.live:
+            return self.seek.forward(rd)
+        if self.pool is not None:
+            return self.pool.dispatch(self, rd)
         e = self.check(rd)
         if self.recorder is not None:
             self.recorder.record(self, rd, e)

@@ -155,8 +155,11 @@ class RealRecorder:
     def record(self, lockstep, rd, entry: dict) -> None:
         s, step = self.store, lockstep.last_step
         self._deltas.clear()
+        dev_seqs = seqs_state(s, lockstep.dev.run.seqs)
+        # an asynchronous run records the device's side as the golden's (hw.real.pool): stated once
+        gold_seqs = dev_seqs if lockstep.gold is lockstep.dev else seqs_state(s, lockstep.gold.run.seqs)
         real = {"kind": rd.kind, "rows": list(rd.rows), "items": _items_json(rd.items),
-                "dev_seqs": seqs_state(s, lockstep.dev.run.seqs), "gold_seqs": seqs_state(s, lockstep.gold.run.seqs)}
+                "dev_seqs": dev_seqs, "gold_seqs": gold_seqs}
         rec = Record(index=rd.index, program=rd.dispatch.program, meta={**rd.dispatch.meta, "real": real},
                      inputs=s.put_all(dict(rd.dispatch.args)),
                      outputs=_put_outputs(s, step, all_taps=entry["verdict"] == "fail"),

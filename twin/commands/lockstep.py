@@ -19,6 +19,8 @@ from twin.abi.errors import AbiError
 
 from ._common import add_budget_args, budget_from_args, flag_names, integer, out_dir, seed
 
+POLICIES = ("throttle", "skip-oldest")        # hw.real.pool.POLICIES (not imported: the CLI loads lazily)
+
 
 # the defaults of the flags that set up the run, which a replay has no use for (its records set the run)
 DEVICE_SIDE = {"preset": "tiny", "backend": "selfcheck", "device": "cpu", "steps": 100, "mode": "strict",
@@ -49,9 +51,23 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
     p.add_argument("--seed", type=seed, default=d["seed"], help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
-    p.add_argument("--replay", action="store_true",
-                   help="no device: re-judge the records in --run-dir against the golden offline and "
-                        "compare with its report")
+    p.add_argument("--replay", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                   help="no device: re-judge the records in RUN_DIR (default --run-dir) against the golden "
+                        "offline and compare with its report")
+    a = p.add_argument_group("asynchronous checking (docs/lockstep.md#asynchronous-checking)")
+    a.add_argument("--async", dest="async_", action="store_true",
+                   help="the device never waits on the golden: each dispatch is recorded and checked on a pool "
+                        "of checker workers (default: synchronous, every dispatch checked in turn)")
+    a.add_argument("--check-workers", type=integer, default=None,
+                   help="checker worker processes (implies --async; default 1)")
+    a.add_argument("--backlog", type=integer, default=None,
+                   help="checks pending at most before the policy acts (implies --async; default 8)")
+    a.add_argument("--backlog-policy", choices=POLICIES, default=None,
+                   help="when the backlog is full: throttle (the device waits for a check, default) or "
+                        "skip-oldest (the oldest check not started is skipped and counted)")
+    a.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="checks as Ray tasks: auto (this machine's cluster, or a local one started for the "
+                        "run) or a running cluster's address; with --replay the recorded dispatches fan out")
     w = p.add_argument_group("workload (as simulate's; default: seeded prompts, max(8, --steps) new tokens each, "
                              "at most 400)")
     w.add_argument("--workload", help="a workload spec JSON file (keys: docs/simulation.md)")
@@ -130,13 +146,20 @@ def _run(args, nproc: int) -> int:
     con = Console()
     run_dir = Path(args.run_dir)
     policy = Policy.from_json(args.policy) if args.policy else None
+    asynchronous = _async_args(args)
     if args.replay:
         # the run directory's records/config.json sets the run a replay rebuilds: a flag for the device
         # side would be ignored
-        for dest, default in DEVICE_SIDE.items():
+        for dest, default in {**DEVICE_SIDE, **ASYNC_SIDE}.items():
             if getattr(args, dest) != default:
-                raise AbiError("--" + dest.replace("_", "-"), getattr(args, dest), "no value with --replay (the run directory's records set "
-                               "the run; --policy re-judges it)", where="lockstep")
+                raise AbiError("--" + dest.replace("_", "-").rstrip("-"), getattr(args, dest), "no value with --replay "
+                               "(the run directory's records set the run; --policy re-judges it, --ray fans it out)",
+                               where="lockstep")
+        if args.replay is not True:
+            if args.run_dir != "lockstep-run" and Path(args.run_dir) != Path(args.replay):
+                raise AbiError("--run-dir", args.run_dir, f"unset with --replay RUN_DIR, or RUN_DIR {args.replay!r}",
+                               where="lockstep")
+            run_dir = Path(args.replay)
         return _replay(args, run_dir, con, policy)
     out_dir(run_dir, "--run-dir")
     if args.fresh and run_dir.exists():
@@ -159,9 +182,13 @@ def _run(args, nproc: int) -> int:
         task = prog.add_task("", total=args.steps, completed=min(done, args.steps))
 
         def tick(e):
-            mark = "[green]ok[/green]" if e["verdict"] == "pass" else "[red]FAIL[/red]"
+            # an asynchronous run ticks when the device is done: its check is queued, skipped or not sampled
+            mark = {"pass": "[green]ok[/green]", "fail": "[red]FAIL[/red]"}.get(e["verdict"], f"[dim]{e['verdict']}[/dim]")
             prog.update(task, advance=1, description=f"#{e['index']} {e['program']} {mark}")
-        s = lr.run(args.steps, tick)
+        if asynchronous:
+            s = _run_async(args, lr, tick, resumed)
+        else:
+            s = lr.run(args.steps, tick)
     fd = s["first_divergence"]
     progs = ", ".join(f"{k} {v['dispatches']}" for k, v in sorted(s["programs"].items()))
     color = "green" if s["verdict"] == "PASS" else "red"
@@ -172,6 +199,11 @@ def _run(args, nproc: int) -> int:
                   f"stage {fd['stage']}, tensor {fd['tensor']}: {'; '.join(fd['reasons'])}")
     if fault is not None and fault.fired:
         con.print(f"injected: {fault.fired}")
+    ck = s["config"].get("checking")
+    if ck:
+        con.print(f"checked {ck['checked']} of {len(ck['per_dispatch'])} dispatches on {ck['workers']['n']} "
+                  f"{ck['workers']['kind']} worker(s): backlog high-water {ck['backlog_high_water']} of "
+                  f"{ck['backlog']} ({ck['policy']}), {len(ck['skipped'])} skipped")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
     sv = s["config"].get("serving")
@@ -180,6 +212,43 @@ def _run(args, nproc: int) -> int:
     extra = ")" if args.no_records else ", records/)"
     con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}")
     return 0 if s["verdict"] == "PASS" else 1
+
+
+# the asynchronous-checking flags' defaults (a replay takes none but --ray)
+ASYNC_SIDE = {"async_": False, "check_workers": None, "backlog": None, "backlog_policy": None}
+
+
+def _async_args(args) -> bool:
+    """Whether the run checks asynchronously; bad values refused under their flags."""
+    for flag, v in (("--check-workers", args.check_workers), ("--backlog", args.backlog)):
+        if v is not None and v < 1:
+            raise AbiError(flag, v, ">= 1", where="lockstep")
+    if args.ray is not None and not args.ray.strip():
+        raise AbiError("--ray", args.ray, "auto, or a Ray cluster address (host:port or ray://host:port)",
+                       where="lockstep")
+    return bool(args.async_ or args.check_workers is not None or args.backlog is not None
+                or args.backlog_policy is not None or (args.ray is not None and not args.replay))
+
+
+def _run_async(args, lr, tick, resumed: bool) -> dict:
+    if resumed:
+        raise AbiError("--run-dir", args.run_dir, "a fresh run directory with --async (an asynchronous run does "
+                       "not resume: --fresh)", where="lockstep")
+    if args.no_records:
+        raise AbiError("--no-records", True, "unset with --async (the checks read the records)", where="lockstep")
+    workers, started = args.check_workers or 1, None
+    if args.ray is not None:
+        from hw.real.pool import RayWorkers
+
+        from ._ray import connect
+        ray, started = connect("--ray", args.ray)
+        workers = RayWorkers(args.check_workers)
+    try:
+        return lr.run_async(args.steps, workers=workers, backlog=args.backlog or 8,
+                            policy=args.backlog_policy or "throttle", progress=tick)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def _parity(args, run_dir, resumed: bool, fault, policy, nproc: int = 1):
@@ -240,6 +309,10 @@ def _parity(args, run_dir, resumed: bool, fault, policy, nproc: int = 1):
 def interrupted(args) -> str:
     if args.replay:
         return "the replay wrote nothing; rerun it to replay again"
+    if args.async_ or args.check_workers is not None or args.backlog is not None or args.backlog_policy is not None \
+            or args.ray is not None:
+        return (f"{args.run_dir}/report.jsonl keeps the checks finished so far in dispatch order; an asynchronous "
+                "run does not resume: rerun with --fresh")
     if args.no_records:
         return (f"{args.run_dir}/report.jsonl keeps the dispatches checked so far, but a run without records "
                 "cannot resume: rerun with --fresh")
@@ -247,7 +320,8 @@ def interrupted(args) -> str:
 
 
 def _replay(args, run_dir, con, policy) -> int:
-    """Exit 0 when every recorded dispatch replays to its report line, 1 when any differs."""
+    """Exit 0 when every report line is what its recorded dispatch replays to (and, for a synchronous
+    run, every record has its line), 1 otherwise."""
     import json
 
     from twin.functional.parity import replay_records as replay
@@ -255,12 +329,31 @@ def _replay(args, run_dir, con, policy) -> int:
     from hw.run_format import check_run_dir
 
     check_run_dir(run_dir)
-    entries = replay(run_dir, policy=policy)
+    if args.ray is None:
+        entries = replay(run_dir, policy=policy)
+    else:
+        from hw.real.pool import RayWorkers
+
+        from ._ray import connect
+        from hw.real.records import read_config
+
+        read_config(run_dir)                 # a run directory that is not one is refused before Ray starts
+        ray, started = connect("--ray", args.ray)
+        try:
+            entries = replay(run_dir, policy=policy, workers=RayWorkers())
+        finally:
+            if started:
+                ray.shutdown()
     report = ReportWriter(run_dir).entries()
-    differ = [e["index"] for e, r in zip(entries, report)
-              if json.dumps(e, sort_keys=True) != json.dumps(r, sort_keys=True)]
+    # an asynchronous run's report holds the dispatches it checked; each is held to its replay
+    replayed = {e["index"]: json.dumps(e, sort_keys=True) for e in entries}
+    differ = [r["index"] for r in report if replayed.get(r["index"]) != json.dumps(r, sort_keys=True)]
     failed = sum(e["verdict"] == "fail" for e in entries)
-    con.print(f"replayed {len(entries)} recorded dispatches offline: {failed} failed, "
-              f"{len(entries) - len(differ)} identical to the report"
+    # a synchronous run's report has a line for every record; an asynchronous one's, for those checked
+    complete = [r["index"] for r in report] == list(range(len(report)))
+    where = "" if args.ray is None else " on Ray"
+    con.print(f"replayed {len(entries)} recorded dispatches offline{where}: {failed} failed, "
+              f"{len(report) - len(differ)} identical to the report" + ("" if complete else
+                                                                         f" (of its {len(report)} lines)")
               + (f"; differ at {differ[:8]}" if differ else ""))
-    return 1 if differ or len(entries) != len(report) else 0
+    return 1 if differ or not report or (complete and len(entries) != len(report)) else 0

@@ -57,25 +57,9 @@ def run_point(argv: list[str]) -> tuple[int, str]:
 
 
 def _ray(args):
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError("sweep", "ray", "Ray installed: pip install -e '.[ray]'") from None
-    if ray.is_initialized():
-        return ray, False
-    if args.address:
-        try:
-            ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ConfigError("--address", args.address, f"a reachable Ray cluster ({type(e).__name__})") from None
-    else:
-        try:
-            ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            # RAY_ADDRESS in the environment names a cluster, which takes no --num-cpus
-            raise ConfigError("--num-cpus", args.num_cpus, f"unset when RAY_ADDRESS names a cluster "
-                                                           f"({type(e).__name__})") from None
-    return ray, True
+    from ._ray import connect
+
+    return connect("--address", args.address, num_cpus=args.num_cpus, missing=("sweep", "ray"))
 
 
 @contextlib.contextmanager

@@ -110,6 +110,37 @@ class ParityRun:
         self.serving = serving_counts(self._serve(), self.executor)
         return self.checker.finish(self.serving)
 
+    def run_async(self, steps: int | None = None, *, workers=1, backlog: int = 8, policy: str = "throttle",
+                  every: int = 1, progress=None) -> dict:
+        """Serve the workload with the device alone in the loop: each dispatch is recorded and its
+        check (`check`, every `every`-th dispatch) goes to a pool of checker workers (`hw.real.pool`):
+        workers an int (local processes) or a `hw.real.pool.RayWorkers`.  The run directory must be
+        fresh.  The summary's config gains `checking` (`CheckPool.stats`)."""
+        from hw.real.pool import CheckPool, LocalWorkers
+        from hw.report import ReportWriter
+
+        c = self.checker
+        if c.recorder is None:
+            raise AbiError("run_dir", None if c.dir is None else str(c.dir), "a run directory with records "
+                           "(the asynchronous checks read them)", where="lockstep")
+        if ReportWriter(c.dir).entries():
+            raise AbiError("run_dir", str(c.dir), "a fresh run directory (an asynchronous run does not resume: "
+                           "--fresh)", where="lockstep")
+        if steps is not None and steps < 1:
+            raise AbiError("steps", steps, ">= 1", where="lockstep")
+        w = LocalWorkers(workers) if isinstance(workers, int) else workers
+        pool = CheckPool(check, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
+                         check_policy=c.policy, write=lambda e: c.report.append(e))
+        c.pool, c.steps, c.progress = pool, steps, progress
+        try:
+            self.serving = serving_counts(self._serve(), self.executor)
+            pool.drain()
+        finally:
+            pool.close()
+        c.entries = pool.entries
+        c.config["checking"] = pool.stats()
+        return c.finish(self.serving)
+
 
 FIELDS = ("sim", "checker", "slots", "executor", "serving")
 
@@ -260,17 +291,52 @@ def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny",
     return out
 
 
-def replay_records(run_dir, *, policy=None) -> list[dict]:
+def replay_records(run_dir, *, policy=None, workers=None) -> list[dict]:
     """Re-judge a recorded run offline: its scheduler re-driven with the recorded device outputs and
-    state (no device), golden live, the same checks; returns the report entries (one per record)."""
+    state (no device), golden live on every record (`check_dispatches`), the same checks; returns the
+    report entries (one per record).  workers (a `hw.real.pool.RayWorkers` or `LocalWorkers`): the
+    records' checks fanned out over them in contiguous chunks (`hw.real.pool.fan_out`), the same
+    entries."""
+    from pathlib import Path
+
+    from hw.records import RecordStore
+    from hw.real.records import read_config
+
+    run_dir = Path(run_dir)
+    read_config(run_dir)
+    n = len(RecordStore(run_dir / "records").records())
+    if workers is None:
+        return check_dispatches(run_dir, range(n), policy) if n else []
+    from hw.real.pool import fan_out
+
+    return fan_out(check_dispatches, run_dir, n, workers, policy)
+
+
+def check_dispatches(run_dir, indices, policy=None) -> list[dict]:
+    """The report entries of the recorded dispatches `indices` of `run_dir`, each checked on its own
+    (`hw.real.replay.Seek`): golden's state and bookkeeping before dispatch i are the records', so an
+    entry is the same whichever other dispatches are checked with it, in one call or on another worker.
+    Entries come back in dispatch order."""
     from pathlib import Path
 
     from hw.real.records import read_config
-    from hw.real.replay import use_records
+    from hw.real.replay import Seek
 
     run_dir = Path(run_dir)
     lr = rebuild(read_config(run_dir), policy=policy, record=False, fault=None)
-    n = use_records(lr.checker, run_dir)
-    if n:
-        lr.run(n)
+    seek = Seek(lr.checker, run_dir, indices)
+    lr.run(len(seek.want))
+    got = [e["index"] for e in lr.entries]
+    if got != seek.want:
+        raise AbiError("index", sorted(set(seek.want) - set(got))[:4], "dispatches the re-driven scheduler issues "
+                       f"(it issued {got[-1] + 1 if got else 0})", where=f"hw.real replay {run_dir}")
     return list(lr.entries)
+
+
+def check(run_dir, index: int, sites=None, policy=None) -> dict:
+    """The checker's unit of work: recorded dispatch `index` of `run_dir` re-judged from the records
+    alone (paths and ints in, a JSON-able report entry out, so it runs in a worker process or a Ray
+    task).  sites: None checks the whole dispatch."""
+    if sites is not None:
+        raise AbiError("sites", sites, "None (the whole dispatch)", where="lockstep check")
+    return check_dispatches(run_dir, [index], policy=policy)[0]

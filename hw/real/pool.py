@@ -1,0 +1,240 @@
+"""Asynchronous checking: the device side records each dispatch and hands its check to a pool of
+checker workers, never waiting on the golden unless the backlog is full.
+
+    pool = CheckPool(unit, run_dir, LocalWorkers(1), backlog=8, policy="throttle", write=report.append)
+    lockstep.pool = pool            # RealLockstep.dispatch: device step, record, submit
+    ...; pool.drain(); pool.stats()
+
+unit(run_dir, index) -> report entry is the checker's unit of work (`twin.functional.parity.check`):
+it re-judges recorded dispatch `index` from the records alone, so checks run in any order, on any
+worker.  The device side records the golden's state as the device's own (no golden runs beside
+it), so each check re-syncs golden from the device's recorded state before its dispatch; a failure
+found asynchronously is reported with its dispatch index, and the run is not re-synced
+retroactively (the device has moved on).
+
+Backlog: the checks submitted and not finished.  When it is full (`backlog` checks), the policy
+decides: `throttle` makes the device side wait for one check to finish; `skip-oldest` drops the
+oldest check not yet started on a worker (counted, and marked "skipped" per dispatch), and waits
+like throttle only when every unfinished check is already running.  Entries are written in
+dispatch order as their results arrive (a result waits for the checks submitted before it).
+
+Workers: `LocalWorkers(n)` (processes, `concurrent.futures`, spawned so no worker inherits the
+device side's threads) or `RayWorkers()` (tasks on the Ray cluster `ray.init` connected to).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from types import SimpleNamespace
+
+from golden.dispatch import Halt
+from twin.abi.errors import AbiError
+
+POLICIES = ("throttle", "skip-oldest")
+
+
+def in_worker(fn, *args):
+    """A check on a checker worker: one torch and one OpenBLAS thread, as the CLI's and the tests'
+    own process runs golden (a worker is one core's worth of checking)."""
+    from hw.threads import limit_cpu_threads
+
+    limit_cpu_threads(1)
+    return fn(*args)
+
+
+class LocalWorkers:
+    """n checker processes on this machine."""
+
+    kind = "local"
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise AbiError("check_workers", n, ">= 1", where="hw.real pool")
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.n = n
+        self.ex = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
+
+    def start(self, fn, *args):
+        return self.ex.submit(in_worker, fn, *args)
+
+    def wait(self, handles: list, block: bool) -> list:
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        if not block:
+            return [h for h in handles if h.done()]
+        done, _ = wait(handles, return_when=FIRST_COMPLETED)
+        return list(done)
+
+    @staticmethod
+    def result(h):
+        return h.result()
+
+    def close(self) -> None:
+        self.ex.shutdown(wait=True, cancel_futures=True)
+
+
+class RayWorkers:
+    """Ray tasks on the cluster this process is connected to (`ray.init` first); n: how many run at
+    once (default: the cluster's CPUs)."""
+
+    kind = "ray"
+
+    def __init__(self, n: int | None = None):
+        import ray
+
+        self.ray = ray
+        self.n = n or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        self._task = None
+
+    def start(self, fn, *args):
+        if self._task is None:
+            self._task = self.ray.remote(num_cpus=1, max_retries=0)(in_worker)
+        return self._task.remote(fn, *args)
+
+    def wait(self, handles: list, block: bool) -> list:
+        done, _ = self.ray.wait(handles, num_returns=1 if block else len(handles), timeout=None if block else 0)
+        return done
+
+    def result(self, h):
+        return self.ray.get(h)
+
+    def close(self) -> None:
+        pass
+
+
+class CheckPool:
+    """Bounded, ordered asynchronous checks of the recorded dispatches of `run_dir`.
+
+    unit(run_dir, index, policy=...) -> entry; workers: `LocalWorkers` or `RayWorkers`;
+    write(entry): called in dispatch order; every: submit every `every`-th dispatch's check (the
+    others are "not sampled"); strict: the device side halts once a failing check comes back."""
+
+    def __init__(self, unit, run_dir, workers, *, backlog: int = 8, policy: str = "throttle", write=None,
+                 every: int = 1, strict: bool = False, check_policy=None):
+        if backlog < 1:
+            raise AbiError("backlog", backlog, ">= 1", where="hw.real pool")
+        if policy not in POLICIES:
+            raise AbiError("backlog_policy", policy, f"one of {POLICIES}", where="hw.real pool")
+        if every < 1:
+            raise AbiError("every", every, ">= 1", where="hw.real pool")
+        self.unit, self.run_dir, self.workers = unit, str(run_dir), workers
+        self.backlog, self.policy, self.write, self.every, self.strict = backlog, policy, write, every, strict
+        self.check_policy = check_policy
+        self.pending: deque[int] = deque()          # submitted, not started
+        self.running: dict = {}                     # handle -> index
+        self.done: dict[int, dict | None] = {}      # index -> entry (None: skipped)
+        self.order: list[int] = []                  # submitted indices, in dispatch order
+        self.written = 0
+        self.entries: list[dict] = []
+        self.status: list[str] = []                 # per dispatch: pass | fail | skipped | not sampled
+        self.programs: list[str] = []
+        self.high_water = 0
+        # timings (kept out of stats, so the summary holds no wall-clock numbers)
+        self.waited_s = 0.0                         # the device side's time blocked on a full backlog
+        self.drain_s = 0.0                          # the run's end waiting for the last checks
+        self.failed_at: int | None = None
+
+    # ---- the device side ----------------------------------------------------------------------------
+    def dispatch(self, lr, rd):
+        """`RealLockstep.dispatch` with a pool: the device runs the dispatch, its record is written
+        (the golden's state recorded as the device's), and its check is submitted."""
+        step = lr.last_step = lr.device_step(rd)
+        mirror = SimpleNamespace(dev=lr.dev, gold=lr.dev, last_step=step)
+        lr.recorder.record(mirror, rd, {"verdict": "pass"})
+        self.programs.append(rd.dispatch.program)
+        if rd.index % self.every == 0:
+            self.status.append("pending")
+            self.submit(rd.index)
+        else:
+            self.status.append("not sampled")
+        self.pump(block=False)
+        if lr.progress:
+            state = self.status[rd.index]
+            lr.progress({"index": rd.index, "program": rd.dispatch.program,
+                         "verdict": "queued" if state == "pending" else state})
+        if (lr.steps is not None and lr.index >= lr.steps) or (self.strict and self.failed_at is not None):
+            raise Halt(f"{lr.index} dispatches run")
+        return lr.last_ran
+
+    def submit(self, index: int) -> None:
+        while len(self.pending) + len(self.running) >= self.backlog:
+            if self.policy == "skip-oldest" and self.pending:
+                old = self.pending.popleft()
+                self.done[old] = None
+                self.status[old] = "skipped"
+                self._flush()
+            else:
+                t0 = time.perf_counter()
+                self.pump(block=True)
+                self.waited_s += time.perf_counter() - t0
+        self.pending.append(index)
+        self.order.append(index)
+        self.high_water = max(self.high_water, len(self.pending) + len(self.running))
+        self._start()
+
+    # ---- the results ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        while self.pending and len(self.running) < self.workers.n:
+            i = self.pending.popleft()
+            self.running[self.workers.start(self.unit, self.run_dir, i, None, self.check_policy)] = i
+
+    def pump(self, block: bool) -> None:
+        """Collect finished checks (block: wait for at least one) and start pending ones."""
+        if self.running:
+            for h in self.workers.wait(list(self.running), block):
+                i = self.running.pop(h)
+                e = self.done[i] = self.workers.result(h)
+                self.status[i] = e["verdict"]
+                if e["verdict"] == "fail" and self.failed_at is None:
+                    self.failed_at = i
+        self._start()
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.written < len(self.order) and self.order[self.written] in self.done:
+            e = self.done.pop(self.order[self.written])
+            if e is not None:
+                self.entries.append(e)
+                if self.write is not None:
+                    self.write(e)
+            self.written += 1
+
+    def drain(self) -> None:
+        """Wait for every submitted check (the run's end); drain_s: how long that took."""
+        t0 = time.perf_counter()
+        while self.pending or self.running:
+            self.pump(block=True)
+        self.drain_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.workers.close()
+
+    def stats(self) -> dict:
+        """What the summary reports: the policy, the backlog's high-water mark, the skipped checks
+        and, per dispatch, whether (and how) it was checked."""
+        return {"workers": {"kind": self.workers.kind, "n": self.workers.n}, "backlog": self.backlog,
+                "policy": self.policy, "every": self.every, "backlog_high_water": self.high_water,
+                "submitted": len(self.order), "checked": len(self.entries),
+                "skipped": [i for i, s in enumerate(self.status) if s == "skipped"],
+                "first_failure": self.failed_at,
+                "per_dispatch": [{"index": i, "program": p, "checked": s}
+                                 for i, (p, s) in enumerate(zip(self.programs, self.status))]}
+
+
+def fan_out(unit_many, run_dir, n: int, workers, check_policy=None) -> list[dict]:
+    """Offline replay on a pool: recorded dispatches 0..n-1 of `run_dir` split into one contiguous
+    chunk per worker, each checked by unit_many(run_dir, indices, policy) -> entries (each entry
+    depends on the records alone, so the chunks' entries joined in dispatch order are the serial
+    replay's)."""
+    if n < 1:
+        return []
+    k = min(n, workers.n)
+    bounds = [round(j * n / k) for j in range(k + 1)]
+    handles = [workers.start(unit_many, str(run_dir), list(range(a, b)), check_policy)
+               for a, b in zip(bounds, bounds[1:])]
+    out: list[dict] = []
+    for h in handles:
+        out += workers.result(h)
+    return out

@@ -1,0 +1,27 @@
+"""benchmarks/lockstep_overhead.py --mode async: the sampled asynchronous lockstep against the
+device-only run of the same workload, with its backlog and skipped checks, as JSON."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_async_overhead_benchmark_reports_its_ratio_backlog_and_skips():
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lockstep_overhead.py"), "--dispatches", "8",
+                          "--repeats", "1", "--mode", "async", "--check-every", "4"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["mode"] == "async" and d["target_ratio"] == 1.2
+    assert d["dispatches"] == d["device_only_dispatches"] == 8
+    a = d["async"]
+    # dispatches 0 and 4 sampled, both checked under throttle (nothing skipped), at most 2 pending
+    assert (a["submitted"], a["checked"], a["skipped"]) == (2, 2, 0) and 1 <= a["backlog_high_water"] <= 2
+    assert a["workers"] == {"kind": "local", "n": 1} and d["verdict"] == "PASS"
+    assert 0 < a["device_side_s"] <= d["wall_s"]["lockstep"]
+    assert d["meets_target"] == (d["ratio"] <= d["target_ratio"])

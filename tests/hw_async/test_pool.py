@@ -1,0 +1,125 @@
+"""Asynchronous checking (hw.real.pool): the backlog bound and its two policies, entries written in
+dispatch order as results arrive, and a parity run whose device side never waits on the golden."""
+import json
+
+import pytest
+
+from twin.abi.errors import AbiError
+from hw.real.pool import CheckPool
+
+
+class Manual:
+    """Workers whose checks finish when the test says (or, when the pool blocks, the oldest first)."""
+
+    kind = "manual"
+
+    def __init__(self, n):
+        self.n, self.started, self.finished, self.blocked = n, [], set(), 0
+
+    def start(self, fn, run_dir, index, sites, policy):
+        self.started.append(index)
+        return index
+
+    def wait(self, handles, block):
+        if block:
+            self.blocked += 1
+            self.finished.add(min(handles))
+        return [h for h in handles if h in self.finished]
+
+    def result(self, h):
+        return {"index": h, "program": "p", "verdict": "fail" if h == 3 else "pass"}
+
+    def close(self):
+        pass
+
+
+def _pool(policy, n=1, backlog=2):
+    w, out = Manual(n), []
+    return CheckPool(None, "run", w, backlog=backlog, policy=policy, write=out.append), w, out
+
+
+def _submit(pool, i):
+    pool.status.append("pending")
+    pool.programs.append("p")
+    pool.submit(i)
+
+
+def test_skip_oldest_drops_the_oldest_check_not_started_and_counts_it():
+    pool, w, out = _pool("skip-oldest")
+    for i in range(5):
+        _submit(pool, i)
+    # 0 runs on the one worker; 1, 2 and 3 were each the oldest pending when the backlog (2) was full
+    assert w.started == [0] and list(pool.pending) == [4] and w.blocked == 0
+    assert pool.stats()["skipped"] == [1, 2, 3] and pool.high_water == 2
+    pool.drain()
+    assert [e["index"] for e in out] == [0, 4]
+    assert [d["checked"] for d in pool.stats()["per_dispatch"]] == ["pass", "skipped", "skipped", "skipped", "pass"]
+
+
+def test_skip_oldest_waits_when_every_unfinished_check_is_running():
+    pool, w, out = _pool("skip-oldest", n=2, backlog=2)
+    for i in range(3):
+        _submit(pool, i)
+    assert w.blocked == 1 and pool.stats()["skipped"] == [] and w.started == [0, 1, 2]
+
+
+def test_throttle_waits_for_a_check_and_skips_none():
+    pool, w, out = _pool("throttle")
+    for i in range(5):
+        _submit(pool, i)
+    assert w.blocked == 3 and pool.stats()["skipped"] == [] and pool.high_water == 2
+    pool.drain()
+    assert [e["index"] for e in out] == [0, 1, 2, 3, 4]
+    assert pool.failed_at == 3 and pool.stats()["first_failure"] == 3
+
+
+def test_entries_are_written_in_dispatch_order_as_results_arrive():
+    pool, w, out = _pool("throttle", n=3, backlog=3)
+    for i in range(3):
+        _submit(pool, i)
+    w.finished |= {1, 2}
+    pool.pump(block=False)
+    assert out == []                         # 1 and 2 wait for 0
+    w.finished.add(0)
+    pool.pump(block=False)
+    assert [e["index"] for e in out] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kw, name", [({"backlog": 0}, "backlog"), ({"policy": "drop"}, "backlog_policy"),
+                                      ({"every": 0}, "every")])
+def test_bad_pool_settings_are_refused(kw, name):
+    with pytest.raises(AbiError, match=name):
+        CheckPool(None, "run", Manual(1), **{"backlog": 2, "policy": "throttle", **kw})
+
+
+# ---- a parity run checked on worker processes ------------------------------------------------------------
+def test_an_async_run_checks_on_a_worker_process_and_reports_a_fault_by_its_index(tmp_path):
+    pytest.importorskip("torch")
+    from hw.real.faults import RealFault
+    from twin.functional.parity import build_lockstep, check
+
+    n = 9
+    lr = build_lockstep(max_new=n, run_dir=tmp_path, mode="continuous", fault=RealFault("kv_row", at=5, layer=3))
+    s = lr.run_async(n, workers=1, backlog=2, policy="throttle")
+    ck = s["config"]["checking"]
+    assert ck["workers"] == {"kind": "local", "n": 1} and ck["backlog_high_water"] <= 2 and ck["skipped"] == []
+    assert [d["checked"] for d in ck["per_dispatch"]] == ["pass"] * 5 + ["fail"] + ["pass"] * 3
+    lines = (tmp_path / "report.jsonl").read_text().splitlines()
+    assert [json.loads(x)["index"] for x in lines] == list(range(n))
+    # found asynchronously, reported with its dispatch index and localized from the recorded state
+    fd = s["first_divergence"]
+    assert (fd["dispatch"], fd["layer"], fd["stage"]) == (5, "3", "kv") and ck["first_failure"] == 5
+    # each line is the unit's entry for its record, whichever worker ran it (same operations, same bytes)
+    assert json.dumps(check(tmp_path, 6), sort_keys=True) == lines[6]
+    with pytest.raises(AbiError, match="fresh run directory"):
+        build_lockstep(max_new=n, run_dir=tmp_path).run_async(n)
+
+
+def test_a_sampled_async_run_checks_every_nth_dispatch(tmp_path):
+    pytest.importorskip("torch")
+    from twin.functional.parity import build_lockstep
+
+    s = build_lockstep(max_new=8, run_dir=tmp_path).run_async(8, workers=1, every=4)
+    per = [d["checked"] for d in s["config"]["checking"]["per_dispatch"]]
+    assert per == ["pass", "not sampled", "not sampled", "not sampled"] * 2 and s["dispatches"] == 2
+    assert s["verdict"] == "PASS"
