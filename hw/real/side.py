@@ -87,12 +87,7 @@ class TapPar:
         elif self.route_from is None:
             out = self.base.target_forward(ckpt, meta, caches, owners, cfg=cfg, nm=nm, taps=full)
         else:
-            def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
-                idx, wts = self._adopt_routes(full, ckpt, meta, idx, wts, cfg=cfg, nm=nm)
-                return moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
-            def indexer(*a, **kw):
-                score, topk = lightning_indexer(*a, **kw)
-                return score, self._adopt_topk(full.layer, score, topk)
+            moe, indexer = self.resync_hooks(full, ckpt)
             out = forward(ckpt, meta, caches, cfg=cfg, nm=nm, taps=full, moe=moe, indexer=indexer)
         if self.sample_from is not None and len(self.calls) < len(self.sample_from):
             out.sampled = self._adopt_samples(full, out.sampled, self.sample_from[len(self.calls)])
@@ -101,6 +96,18 @@ class TapPar:
                 taps.put(layer, stage, v)
         self.calls.append((staged, full, np.asarray(out.sampled)))
         return out
+
+    def resync_hooks(self, taps: LayerTaps, ckpt):
+        """(moe, indexer) for golden.compose that adopt the device's near-tie routes and indexer rows
+        (`route_from`) layer by layer; `taps` are the forward's, whose `layer` names the layer."""
+        def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
+            idx, wts = self._adopt_routes(taps, ckpt, None, idx, wts, cfg=cfg, nm=nm)
+            return moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
+
+        def indexer(*a, **kw):
+            score, topk = lightning_indexer(*a, **kw)
+            return score, self._adopt_topk(taps.layer, score, topk)
+        return moe, indexer
 
     def _adopt_topk(self, layer, score, topk):
         """Indexer top-k: where the device selected other compressed rows and every one of them

@@ -21,7 +21,7 @@ DEVICE_SIDE = {"preset": "tiny", "backend": "selfcheck", "device": "cpu", "steps
                "fresh": False, "inject": None, "seed": 0, "no_records": False, "workload": None, "trace": None,
                "requests": None, "k": 7,
                "slots": None, "total_kv_pages": None, "measured_free_bytes": None, "measured_used_bytes": None,
-               "measured_slots": None}
+               "measured_slots": None, "coverage": None}
 
 def add_arguments(p) -> None:
     d = DEVICE_SIDE
@@ -40,6 +40,10 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
     p.add_argument("--seed", type=seed, default=d["seed"], help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
+    p.add_argument("--coverage", type=integer, default=d["coverage"], metavar="N",
+                   help="sampled checking: every site (program, group, layer, stage) checked at least once every N "
+                        "dispatches of its program, each from the device's state; the head every dispatch "
+                        "(default: every dispatch checked in full)")
     p.add_argument("--replay", action="store_true",
                    help="no device: re-judge the records in --run-dir against the golden offline and "
                         "compare with its report")
@@ -171,8 +175,10 @@ def _parity(args, run_dir, resumed: bool, fault, policy):
             return build_lockstep(preset=args.preset, backend=args.backend, device=args.device, mode=args.mode,
                                   seed=args.seed, k=args.k, requests=requests, slots=args.slots,
                                   total_kv_pages=pages, fault=fault, policy=policy, run_dir=run_dir,
-                                  record=not args.no_records)
+                                  record=not args.no_records, coverage=args.coverage)
     except AbiError as e:
+        if e.name == "coverage":
+            raise AbiError("--coverage", args.coverage, e.allowed, e.where) from None
         if e.name != "fault":
             raise
         raise AbiError("--inject", args.inject, e.allowed, e.where) from None

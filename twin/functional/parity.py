@@ -169,14 +169,16 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                    slots: int | None = None, total_kv_pages: int | None = None, chunk: int = 64,
                    max_model_len: int = 512, max_num_seqs: int | None = None, max_num_batched_tokens: int = 256,
                    ep: int = 8, fault=None, policy=None, run_dir=None, carry: str = "device", record: bool = True,
-                   steps: int | None = None) -> ParityRun:
+                   steps: int | None = None, coverage: int | None = None, coverage_seed: int = 0) -> ParityRun:
     """A parity run on a small preset's deployment (TP4, EP8 by default: two cache partitions).
 
     requests: `twin.abi.batches.Request`s (a workload spec's or a trace's), default `seeded_requests`.
     slots / total_kv_pages: the KV budget (default 2 slots per partition; total_kv_pages: startup
     admission from upstream's page budget).  backend: "selfcheck" (golden's compositions with torch
     GEMMs, `hw.real.selfcheck`) or "torch" (the independent `hw.torchdev.TorchBackend`, K=0 only:
-    the fused K=7 program is not in it yet), on `device`."""
+    the fused K=7 program is not in it yet), on `device`.  coverage: None checks every dispatch in
+    full; N samples (`hw.real.coverage`: every site at least once every N dispatches of its program,
+    the permutation of `coverage_seed`; N = 1 checks every site, each from the device's state)."""
     from hw.real.lockstep import BACKENDS, build_checker
 
     cfg = get_preset(preset)
@@ -190,6 +192,13 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                        "torch device yet", where="lockstep")
     if slots is not None and total_kv_pages is not None:
         raise AbiError("slots", slots, "not together with total_kv_pages (one KV budget)", where="lockstep")
+    if coverage is not None:
+        from hw.real.coverage import check_n
+
+        coverage = check_n(coverage, where="lockstep")
+        if backend != "selfcheck":
+            raise AbiError("coverage", coverage, "none with backend torch (a site check reads the staged meta of "
+                           "the self-check device's forward)", where="lockstep")
     if slots is None and total_kv_pages is None:
         slots = 2
     if requests is None:
@@ -205,12 +214,14 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     build_args = {"preset": preset, "backend": backend, "device": device, "mode": mode, "seed": seed, "golden_mode": golden_mode, "k": k,
                   "slots": slots, "total_kv_pages": total_kv_pages, "chunk": chunk, "max_model_len": max_model_len,
                   "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "ep": ep,
-                  "carry": carry, "requests": request_rows(requests),
+                  "carry": carry, "requests": request_rows(requests), "coverage": coverage,
+                  "coverage_seed": coverage_seed,
                   "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer,
                                                       "seed": fault.seed}}
     checker = build_checker(LoweringContext(dep, admitted), backend=backend, device=device, mode=mode, seed=seed,
                             golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
-                            record=record, build=build_args, steps=steps,
+                            record=record, build=build_args, steps=steps, coverage=coverage,
+                            coverage_seed=coverage_seed,
                             config={"requests": len(requests), "slots_per_partition": admitted})
     run = ParityRun(sim, checker, admitted)
 
@@ -236,14 +247,16 @@ def rebuild(build_args: dict, **kw) -> ParityRun:
 
 
 def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny", max_new: int = 40,
-             horizon: int = 60, **build) -> dict:
+             horizon: int = 60, persistent: bool = False, **build) -> dict:
     """One injection: a strict parity run with the device fault (`hw.real.faults.RealFault`), run until
     it stops (the first failure), the workload ends or `horizon` dispatches.  detected: the run failed
-    at the dispatch the fault fired at and not before; localized: the first divergence names the
-    fault's expected (layer, stage)."""
+    at the dispatch the fault (first) fired at or, persistent, at one after it, and not before;
+    localized: the first divergence names the fault's expected (layer, stage).  latency: dispatches
+    from the first firing to the detection, both counted (1: detected where it first fired), and
+    program_latency the same counted in dispatches of the detecting dispatch's program."""
     from hw.real.faults import RealFault
 
-    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer)
+    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer, persistent=persistent)
     lr = build_lockstep(preset=preset, seed=seed, k=7, max_new=max_new, fault=f, **build)
     s = lr.run(horizon)
     fd = s["first_divergence"]
@@ -253,8 +266,13 @@ def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny",
            "expected": None if f.expected is None else [f.expected[0], list(f.expected[1])],
            "got": None if fd is None else [fd["dispatch"], fd["layer"], fd["stage"]]}
     out["false_alarm"] = bool(fails) and (f.fired_at is None or fails[0] < f.fired_at)
-    out["detected"] = f.fired_at is not None and fails[:1] == [f.fired_at]
+    out["detected"] = f.fired_at is not None and bool(fails) and (
+        fails[0] >= f.fired_at if persistent else fails[0] == f.fired_at)
     out["localized"] = bool(out["detected"] and fd["layer"] == f.expected[0] and fd["stage"] in f.expected[1])
+    if out["detected"]:
+        prog = lr.entries[fails[0]]["program"]
+        out["latency"] = fails[0] - f.fired_at + 1
+        out["program_latency"] = sum(e["program"] == prog for e in lr.entries[f.fired_at:fails[0] + 1])
     return out
 
 
