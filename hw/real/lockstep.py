@@ -90,6 +90,7 @@ class RealLockstep:
         # sampled mode: a `hw.real.coverage.CoveragePlan`; per dispatch only its sites (and the head)
         # are checked, each from the device's recorded state (`hw.real.site_check`)
         self.plan, self.nth = plan, {}
+        self.throughput = {"sites": 0, "site_s": 0.0, "dispatches": 0, "device_s": 0.0}   # sampled mode, measured
         self.index_tie_tol = INDEX_TIE_TOL
         self.backend, self.dev, self.gold = backend, device, golden
         self.policy, self.mode, self.fault = policy or Policy(), mode, fault
@@ -151,6 +152,8 @@ class RealLockstep:
         self.index += 1
         if self.resumed:
             from .replay import fast_forward
+            if self.plan is not None:           # the plan's count of the program's dispatches goes on
+                self.nth[rd.dispatch.program] = self.nth.get(rd.dispatch.program, 0) + 1
             return fast_forward(self, rd, self.resumed.pop(0))
         e = self.check(rd)
         if self.recorder is not None:
@@ -210,7 +213,10 @@ class RealLockstep:
     def device_step(self, rd) -> DeviceStep:
         """The device runs the dispatch (a resume or a replay substitutes the recorded step)."""
         d = Dispatch(rd.dispatch.program, rd.dispatch.args, {**rd.dispatch.meta, "kind": rd.kind, "items": rd.items})
+        t0 = time.perf_counter()
         r = self.backend.run(d, side_state(self.dev))
+        self.throughput["device_s"] += time.perf_counter() - t0
+        self.throughput["dispatches"] += 1
         if r.state:
             install_state(self.dev, {**side_state(self.dev), **r.state})
         rd.rows = [s.index for s in r.seqs]
@@ -355,7 +361,10 @@ class RealLockstep:
         else:
             step = self.last_step = self.device_step(rd)
         view = view_from_step(program, step, before, [dict(p) for p in self.dev.run.caches], state)
+        t0 = time.perf_counter()
         res = check_view(self.site_golden, view, sites)
+        self.throughput["site_s"] += time.perf_counter() - t0
+        self.throughput["sites"] += sum(s[2] != "drafter" for s in sites)
         resyncs += res["resyncs"]
         findings = res["head"] + [r["finding"] for r in res["sites"] if r["verdict"] == "fail"] + drafter
         failed = [f for f in findings if not f["passed"]]
@@ -427,13 +436,22 @@ class RealLockstep:
             self._open()
         config = {**self.config, **({"serving": serving} if serving is not None else {})}
         wall = round(time.perf_counter() - self.t0, 3)
+        timing = {"wall_s_this_session": wall}
+        if self.plan is not None and self.throughput["sites"] and self.throughput["device_s"] > 0:
+            from .coverage import choose_n
+
+            t = self.throughput
+            # the N at which this checker would keep up with this device (measured this session)
+            timing["coverage_throughput"] = choose_n(max(len(s) for s in self.plan.sites.values()),
+                                                     t["sites"] / max(t["site_s"], 1e-9), t["dispatches"] / t["device_s"])
         if self.dir:
             # timings stay out of the report and summary, so a resumed run writes the same bytes
-            write_text(self.dir / "run.json", json.dumps({"wall_s_this_session": wall, "config": config},
+            write_text(self.dir / "run.json", json.dumps({**timing, "config": config},
                                                          indent=2, sort_keys=True) + "\n")
             return write_summary(self.dir, self.entries, config)
         from ..report import summarize
-        return summarize(self.entries, {**config, "wall_s": wall})
+        return summarize(self.entries, {**config, **{("wall_s" if k == "wall_s_this_session" else k): v
+                                                     for k, v in timing.items()}})
 
 
 def _rows_ne(a, b):

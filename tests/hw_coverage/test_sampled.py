@@ -5,13 +5,11 @@ program and localized, and a single-dispatch fault is caught as often as the pla
 import json
 import math
 
-import numpy as np
 import pytest
 
-from hw.real.coverage import CoveragePlan
 from hw.real.faults import REAL_KINDS, RealFault
 from hw.real.site_check import check_recorded
-from twin.functional.parity import build_lockstep, run_case
+from twin.functional.parity import build_lockstep, run_case, single_dispatch_case
 
 N = 4
 
@@ -99,25 +97,16 @@ def test_persistent_fault_is_detected_within_n_dispatches_of_its_program(kind):
     assert r["localized"], r
 
 
-def test_single_dispatch_fault_is_caught_with_the_plans_probability(tmp_path):
-    """kv_row once at a fused dispatch: at N = 1 the dispatch's failing sites are the set A; over
-    plan seeds at N = 4, the recorded dispatch's planned sites catch it (the site check run on the
-    records) as often as `hit_probability` says, within a 4-sigma binomial bound."""
-    at = 6
-    f = RealFault("kv_row", at=at, layer=3, seed=1)
-    lr = build_lockstep(preset="tiny", k=7, max_new=8, coverage=1, fault=f, run_dir=tmp_path, mode="continuous")
-    lr.run(steps=at + 1)
-    e = lr.entries[at]
-    assert f.fired_at == at and e["verdict"] == "fail"
-    prog, nth = e["program"], e["coverage"]["nth"]
-    affected = {(prog, *x[:3]) for x in e["sites"] if x[3] == "fail"}
-    assert affected
-    trials, hits, ps = 48, 0, []
-    for seed in range(trials):
-        plan = CoveragePlan.for_deployment(lr.sim.dep, N, seed)
-        ps.append(plan.hit_probability(prog, affected))
-        r = check_recorded(str(tmp_path), at, plan.plan(prog, nth))
-        hits += any(x["verdict"] == "fail" for x in r["sites"]) or any(not h["passed"] for h in r["head"])
-    p = float(np.mean(ps))
+@pytest.mark.parametrize("kind", ["kv_row", "weight"])
+def test_single_dispatch_fault_is_caught_with_the_plans_probability(kind, tmp_path):
+    """One firing at a fused dispatch (kv_row: one pool row; weight: layer 3's attention output, and
+    through the target hidden the drafter): at N = 1 the dispatch's failing sites are the set A; for
+    each of 40 plan seeds at N = 4 the recorded dispatch's planned sites are checked from the records.
+    Each seed's outcome is the plan's (caught exactly when its slot meets A), and the frequency is
+    within a 4-sigma binomial bound of `hit_probability`."""
+    r = single_dispatch_case(kind, at=6, layer=3, n=N, plan_seeds=range(40), run_dir=tmp_path)
+    assert r["fired_at"] == 6 and r["affected_sites"] and not r["head"]
+    assert r["disagree_with_plan"] == [], r
+    p = r["plan_probability"]
     assert 0 < p < 1
-    assert abs(hits / trials - p) <= 4 * math.sqrt(p * (1 - p) / trials), (hits, trials, p, affected)
+    assert abs(r["frequency"] - p) <= 4 * math.sqrt(p * (1 - p) / r["trials"]), r

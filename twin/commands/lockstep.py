@@ -117,6 +117,12 @@ def run(args) -> int:
                   f"stage {fd['stage']}, tensor {fd['tensor']}: {'; '.join(fd['reasons'])}")
     if fault is not None and fault.fired:
         con.print(f"injected: {fault.fired}")
+    if "coverage" in s:
+        cv = s["coverage"]
+        seen = sum(c["checked"] for c in cv["programs"].values())
+        total = sum(c["sites"] for c in cv["programs"].values())
+        con.print(f"coverage: every site at least once every {cv['n']} dispatches of its program; {seen} of {total} "
+                  f"sites checked so far (per site: summary.json coverage.last_checked)")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
     sv = s["config"].get("serving")

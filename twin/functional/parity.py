@@ -276,6 +276,50 @@ def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny",
     return out
 
 
+def single_dispatch_case(kind: str, *, at: int, layer: int, n: int, plan_seeds, seed: int = 0, preset: str = "tiny",
+                         max_new: int = 8, run_dir) -> dict:
+    """A fault injected into one dispatch, caught by a sampled check with the plan's probability?
+
+    The run is checked at coverage 1 (every site) with records in `run_dir`; the sites failing at the
+    dispatch the fault fired at are the set A it shows at.  For each plan seed, the dispatch's planned
+    sites at coverage `n` are checked from the records (`hw.real.site_check.check_recorded`): caught
+    when one fails, or the head check does, or the drafter site is planned and failed live (it needs
+    golden's whole dispatch, so its verdict is the N = 1 run's).  Returns the measured frequency and the plan's probability
+    (`CoveragePlan.hit_probability`, the chance a seed's slot meets A), and the seeds whose outcome
+    is not the plan's (caught exactly when the slot meets A): none, unless a site check misjudges."""
+    from hw.real.coverage import CoveragePlan
+    from hw.real.faults import RealFault
+    from hw.real.site_check import check_recorded
+
+    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer)
+    lr = build_lockstep(preset=preset, seed=seed, k=7, max_new=max_new, coverage=1, fault=f, run_dir=run_dir,
+                        mode="continuous")
+    lr.run(at + 1)
+    if f.fired_at is None:
+        return {"kind": kind, "fired_at": None}
+    e = lr.entries[f.fired_at]
+    prog, nth = e["program"], e["coverage"]["nth"]
+    affected = sorted((prog, *x[:3]) for x in e["sites"] if x[3] == "fail")
+    head = any(not h["passed"] for h in e["findings"] if tuple(h["site"] or ())[:1] == ("head",))
+    drafter = any(x[1] == "drafter" and x[3] == "fail" for x in e["sites"])
+    caught, probs, disagree = [], [], []
+    for s in plan_seeds:
+        plan = CoveragePlan.for_deployment(lr.sim.dep, n, s)
+        probs.append(1.0 if head else plan.hit_probability(prog, affected))
+        planned = plan.plan(prog, nth)
+        r = check_recorded(str(run_dir), f.fired_at, planned)
+        # the drafter site needs golden's whole dispatch: its verdict is the live check's at N = 1
+        caught.append(any(x["verdict"] == "fail" for x in r["sites"]) or any(not h["passed"] for h in r["head"])
+                      or (drafter and any(x[2] == "drafter" for x in planned)))
+        # each seed's outcome is the plan's: caught exactly when its slot meets A (or the head fails)
+        if caught[-1] != (head or bool(set(planned) & set(affected))):
+            disagree.append(s)
+    return {"kind": kind, "layer": layer, "fired_at": f.fired_at, "program": prog, "n": n, "trials": len(caught),
+            "affected_sites": [list(a) for a in affected], "head": head, "caught": sum(caught),
+            "disagree_with_plan": disagree,
+            "frequency": sum(caught) / len(caught), "plan_probability": float(sum(probs) / len(probs))}
+
+
 def replay_records(run_dir, *, policy=None) -> list[dict]:
     """Re-judge a recorded run offline: its scheduler re-driven with the recorded device outputs and
     state (no device), golden live, the same checks; returns the report entries (one per record)."""
