@@ -86,7 +86,10 @@ class CoveragePlan:
 
     @classmethod
     def for_deployment(cls, dep, n: int = 1, seed: int = 0) -> "CoveragePlan":
-        programs = dict.fromkeys(TARGET_PROGRAMS + DRAFTER_PROGRAMS)
+        """The sites of every program the deployment's executor runs at its K."""
+        from twin.abi.programs import PROGRAMS
+
+        programs = [p for p in dict.fromkeys(TARGET_PROGRAMS + DRAFTER_PROGRAMS) if dep.k in PROGRAMS[p].modes]
         sites = {p: program_sites(dep.model, dep.partitions, p, dep.k) for p in programs}
         return cls({p: s for p, s in sites.items() if s}, n, seed)
 

@@ -45,26 +45,15 @@ from ..tolerance import Policy
 from .faults import RealFault
 from .records import RealRecorder
 from .replay import restore
-from .side import install_state, mapped_rows, side_state
+from .side import INDEX_TIE_TOL, POOL_KIND, POOL_STAGE, install_state, mapped_rows, side_state
 from .step import DECISION_STAGES, DeviceStep, RealDispatch
 
 OUTPUT_KIND = {"main_hidden": ("activation", "bf16", "w8a8"), "state_meta": ("index", "i32", "none")}
 # where a mismatching output is localized: the target's final hidden rows, or the K=7 drafter state
 OUTPUT_SITE = {"main_hidden": ("head", "hidden"), "state_meta": ("dspark", "state_meta")}
-POOL_KIND = {"kv_cache": ("kv_pool", "bf16", "none"), "hca_cmp_kv": ("kv_pool", "bf16", "none"),
-             "csa_cmp_kv": ("kv_pool", "bf16", "none"), "idx_kv_cache": ("kv_pool", "bf16", "none"),
-             "idx_kv_scale": ("state", "f32", "none"), "hca_compress_state": ("state", "f32", "none"),
-             "csa_compress_state": ("state", "f32", "none"), "csa_inner_compress_state": ("state", "f32", "none")}
-POOL_STAGE = {"kv_cache": "kv", "hca_cmp_kv": "cmp_kv", "csa_cmp_kv": "cmp_kv", "idx_kv_cache": "cmp_kv",
-              "idx_kv_scale": "cmp_kv", "hca_compress_state": "cmp_kv", "csa_compress_state": "cmp_kv",
-              "csa_inner_compress_state": "cmp_kv"}
 # which pools the golden carries into the next dispatch: the device's (each dispatch judged from the
 # same inputs, like an offline replay of records) or its own (drift accumulates, see docs/lockstep.md)
 CARRY = ("device", "golden")
-# indexer top-k near-tie margin, relative to the row's largest |score| among the golden's selection:
-# the scores are sums of INT8 products, so a one-LSB change of the per-token query quantization
-# moves them by percents, far more than the FP32 gate scores the policy's route tie_tol is for
-INDEX_TIE_TOL = 0.1           # measured clean (carry=device, seeds 0-2, 63 dispatches each): max 0.048
 SEQ_FIELDS = ("anchor", "current", "generated", "draft_anchor", "released")
 
 

@@ -271,6 +271,18 @@ class Side:
         self.run = copy.deepcopy(run)
 
 
+# each pool's policy kind and the stage a failure in it is localized to
+POOL_KIND = {"kv_cache": ("kv_pool", "bf16", "none"), "hca_cmp_kv": ("kv_pool", "bf16", "none"),
+             "csa_cmp_kv": ("kv_pool", "bf16", "none"), "idx_kv_cache": ("kv_pool", "bf16", "none"),
+             "idx_kv_scale": ("state", "f32", "none"), "hca_compress_state": ("state", "f32", "none"),
+             "csa_compress_state": ("state", "f32", "none"), "csa_inner_compress_state": ("state", "f32", "none")}
+POOL_STAGE = {"kv_cache": "kv", "hca_cmp_kv": "cmp_kv", "csa_cmp_kv": "cmp_kv", "idx_kv_cache": "cmp_kv",
+              "idx_kv_scale": "cmp_kv", "hca_compress_state": "cmp_kv", "csa_compress_state": "cmp_kv",
+              "csa_inner_compress_state": "cmp_kv"}
+# indexer top-k near-tie margin, relative to the row's largest |score| among the golden's selection:
+# the scores are sums of INT8 products, so a one-LSB change of the per-token query quantization
+# moves them by percents, far more than the FP32 gate scores the policy's route tie_tol is for
+INDEX_TIE_TOL = 0.1           # measured clean (carry=device, seeds 0-2, 63 dispatches each): max 0.048
 # the golden slot key (golden.staging.SLOTS) that writes each pool
 POOL_SLOTS = {"kv_cache": "ori", "hca_compress_state": "hca_state", "csa_compress_state": "csa_state",
               "csa_inner_compress_state": "csa_inner_state", "hca_cmp_kv": "hca_cmp", "csa_cmp_kv": "csa_cmp",

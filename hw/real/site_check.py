@@ -35,8 +35,7 @@ from ..compare import Finding, compare_pool, compare_tensor
 from ..localize import compose_kind
 from ..tolerance import Policy
 from .coverage import ATTENTION_STAGES, MOE_STAGES, layer_stages
-from .lockstep import INDEX_TIE_TOL, POOL_KIND, POOL_STAGE
-from .side import POOL_SLOTS, LayerTaps, TapPar
+from .side import INDEX_TIE_TOL, POOL_KIND, POOL_SLOTS, POOL_STAGE, LayerTaps, TapPar
 
 FORMS = (PREFILL, DECODE)
 META_FIELDS = tuple(f.name for f in fields(StepMeta) if f.name not in ("form", "tables", "slots"))

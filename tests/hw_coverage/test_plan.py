@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hw.real.coverage import (DRAFTER_SITE, FUSED, PREFILL, SEED, CoveragePlan, check_n, choose_n, layer_stages,
+from hw.real.coverage import (DECODE, DRAFTER_SITE, FUSED, PREFILL, SEED, CoveragePlan, check_n, choose_n, layer_stages,
                               program_sites)
 from twin.abi.errors import AbiError
 from twin.abi.presets import get_preset
@@ -33,7 +33,10 @@ def test_sites_follow_the_deployment():
     assert "cmp_kv" not in layer_stages(cfg, cfg.swa_layers[0])
     # K=0: no drafter sites, no drafter programs
     plan0 = CoveragePlan.for_deployment(_dep("tiny", 0), 4)
-    assert SEED not in plan0.sites and all(s[2] != "drafter" for p in plan0.sites.values() for s in p)
+    assert set(plan0.sites) == {PREFILL, DECODE}
+    assert all(s[2] != "drafter" for p in plan0.sites.values() for s in p)
+    # K=7 runs the fused program, not the K=0 decode
+    assert set(plan.sites) == {PREFILL, FUSED, SEED}
 
 
 @settings(max_examples=60)

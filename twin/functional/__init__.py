@@ -15,11 +15,12 @@ may not import each other (docs/architecture.md, "Import rules").
     build_lockstep(preset, ..., requests=None, slots=2) -> ParityRun       a parity run: the scheduler driving
                                                                          the lockstep checker (hw.real)
     replay_records(run_dir), run_case(kind, seed=, at=, layer=)          offline re-judging; one injected fault
+    single_dispatch_case(kind, at=, layer=, n=, plan_seeds=, run_dir=)   one firing against the coverage plan
 """
 from .acceptance import acceptance_vector, conditional_rates, load_acceptance
 from .executor import GoldenExecutor
 from .oracle import first_difference, reference_outputs, sequential_greedy
-from .parity import ParityRun, build_lockstep, replay_records, run_case
+from .parity import ParityRun, build_lockstep, replay_records, run_case, single_dispatch_case
 from .replay import ReplayScheduler, scheduler_for
 from .run import FunctionalResult, Recording, decisions, functional_config, functional_simulate, golden_model
 from .same_lengths import ReplayExecutor
@@ -27,4 +28,4 @@ from .same_lengths import ReplayExecutor
 __all__ = ["acceptance_vector", "conditional_rates", "load_acceptance", "GoldenExecutor", "first_difference",
            "reference_outputs", "sequential_greedy", "ReplayScheduler", "scheduler_for", "FunctionalResult",
            "Recording", "decisions", "functional_config", "functional_simulate", "golden_model", "ReplayExecutor",
-           "ParityRun", "build_lockstep", "replay_records", "run_case"]
+           "ParityRun", "build_lockstep", "replay_records", "run_case", "single_dispatch_case"]
