@@ -193,8 +193,7 @@ class RealLockstep:
 
         if ("head", "logits") not in gtaps:
             return
-        dl = dtaps[("head", "logits")]
-        f = sample_finding(np.asarray(dl).argmax(-1), dl, gtaps[("head", "logits")], tie)
+        f = sample_finding(np.asarray(dtaps[("head", "logits")]).argmax(-1), gtaps[("head", "logits")], tie)
         if f is not None:
             findings.append(f)
 
