@@ -11,6 +11,16 @@ names the expected layer and stage), with every miss listed.  The target is 100 
     python benchmarks/real_fault_sweep.py                       # TINY: 3 seeds x 3 dispatch indices
     python benchmarks/real_fault_sweep.py --preset small --seeds 0 --ats 0,6
 
+`--coverage N` runs the sampled lockstep instead (`hw.real.coverage`: every site checked at least once
+every N dispatches of its program, each from the device's state): every kind injected persistently
+(it fires on every dispatch >= AT that can host it) at each layer of `--layers`; per injection the
+detection latency in dispatches from the first firing (1: that dispatch) and in dispatches of the
+detecting program, which the plan bounds by N for a fault that shows on every dispatch of it.
+With `--single-seeds M`, each target-layer kind is also injected into one dispatch and caught or not
+by the planned sites of M plan seeds (checked from the records), against the plan's probability.
+
+    python benchmarks/real_fault_sweep.py --preset small --coverage 16 --seeds 0 --ats 5 --single-seeds 64
+
 `--clean` instead runs clean parity runs (continuous mode, the default policy, four seeded requests
 of `--max-new` tokens each, served to completion) per preset and seed and reports
 false alarms plus the measurement behind the policy's depth-scaled tie margins: per layer depth, the
@@ -92,6 +102,50 @@ def clean(presets, seeds, max_new: int) -> dict:
             "all_clean": all(not r["false_alarms"] for r in runs)}
 
 
+def sampled(a, cfg, seeds, ats) -> dict:
+    """Persistent injections under the coverage plan, and (--single-seeds) single-dispatch ones."""
+    import tempfile
+
+    from hw.real.faults import DRAFTER_KINDS, LAYERLESS, sweep_layers
+    from twin.functional.parity import run_case, single_dispatch_case
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    kinds, singles = {}, []
+    for kind in a.kinds.split(","):
+        layers = sweep_layers(cfg, kind) if a.layers == "sweep" else (sweep_layers(cfg, kind)[0],)
+        cases = [run_case(kind, seed=s, at=at, layer=l, preset=a.preset, max_new=a.max_new, horizon=a.horizon,
+                          persistent=True, coverage=a.coverage, coverage_seed=s)
+                 for s in seeds for at in ats for l in layers]
+        fired = [c for c in cases if c["fired_at"] is not None]
+        det = [c for c in fired if c["detected"]]
+        print(f"{kind}: {len(fired)}/{len(cases)} fired, {len(det)} detected, "
+              f"{sum(c['localized'] for c in det)} localized", file=sys.stderr, flush=True)
+        kinds[kind] = {"injections": len(cases), "fired": len(fired), "detected": len(det),
+                       "localized": sum(c["localized"] for c in det), "false_alarms": sum(c["false_alarm"] for c in cases),
+                       "latency": [c["latency"] for c in det], "program_latency": [c["program_latency"] for c in det],
+                       "max_program_latency": max((c["program_latency"] for c in det), default=None),
+                       "ok": bool(fired) and len(det) == len(fired) and all(c["localized"] for c in det)
+                       and all(c["program_latency"] <= a.coverage for c in det),
+                       "cases": [{k: c.get(k) for k in ("seed", "at", "layer", "fired_at", "detected", "localized",
+                                                        "latency", "program_latency", "expected", "got")}
+                                 for c in cases]}
+        if a.single_seeds and kind not in DRAFTER_KINDS:
+            with tempfile.TemporaryDirectory() as d:
+                layer = 0 if kind in LAYERLESS else layers[0]
+                r = single_dispatch_case(kind, at=ats[0], layer=layer, n=a.coverage, seed=seeds[0],
+                                         plan_seeds=range(a.single_seeds), preset=a.preset, run_dir=d)
+            if r["fired_at"] is not None:
+                p, m = r["plan_probability"], r["trials"]
+                r["sigma"] = round(abs(r["frequency"] - p) / max((p * (1 - p) / m) ** 0.5, 1e-12), 2)
+            singles.append(r)
+            print(f"{kind} once: {r.get('caught')}/{r.get('trials')} caught, plan p = {r.get('plan_probability')}",
+                  file=sys.stderr, flush=True)
+    return {"preset": a.preset, "coverage": a.coverage, "seeds": seeds, "ats": ats, "max_new": a.max_new,
+            "horizon": a.horizon, "wall_s": round(time.perf_counter() - t0, 1),
+            "cpu_s": round(time.process_time() - c0, 1), "all_ok": all(k["ok"] for k in kinds.values()),
+            "persistent": kinds, "single_dispatch": singles}
+
+
 def main(argv=None) -> dict:
     from hw.real.faults import REAL_KINDS, sweep_layers
     from twin.functional.parity import run_case
@@ -106,6 +160,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--horizon", type=int, default=60, help="dispatches a run may take to fire")
     ap.add_argument("--clean", action="store_true", help="clean runs and the depth measurement instead")
     ap.add_argument("--presets", default="tiny,small", help="with --clean")
+    ap.add_argument("--coverage", type=int, default=None, metavar="N",
+                    help="sampled lockstep at coverage N, faults persistent (see above)")
+    ap.add_argument("--layers", default="sweep", choices=("sweep", "first"),
+                    help="with --coverage: every sweep layer of a kind, or its first only")
+    ap.add_argument("--single-seeds", type=int, default=0, metavar="M",
+                    help="with --coverage: single-dispatch injections judged over M plan seeds")
     a = ap.parse_args(argv)
 
     def ints(flag, text):
@@ -131,6 +191,14 @@ def main(argv=None) -> dict:
     if a.preset not in ("tiny", "small"):
         ap.error(f"--preset={a.preset!r}: allowed: tiny or small (the sweep runs whole models on a CPU)")
     cfg = get_preset(a.preset)
+    if a.coverage is not None:
+        if a.coverage < 1:
+            ap.error(f"--coverage={a.coverage}: allowed: an integer N >= 1")
+        if a.single_seeds < 0:
+            ap.error(f"--single-seeds={a.single_seeds}: allowed: an integer >= 0")
+        out = sampled(a, cfg, seeds, ats)
+        print(json.dumps(out, indent=1))
+        return out
     t0, c0 = time.perf_counter(), time.process_time()
     kinds = {}
     for kind in a.kinds.split(","):

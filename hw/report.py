@@ -79,8 +79,26 @@ def summarize(entries: list[dict], config: dict) -> dict:
         "first_divergence": None if first is None else {"dispatch": first["index"], "program": first["program"],
                                                         **first["first_divergence"]},
         "programs": by_prog, "resyncs": dict(sorted(resyncs.items())), "worst_metrics": dict(sorted(worst.items())),
-        "config": config,
+        "config": config, **({"coverage": coverage_ledger(entries, config["coverage"])} if "coverage" in config else {}),
     }
+
+
+def coverage_ledger(entries: list[dict], plan: dict) -> dict:
+    """A sampled run's sites: per program how many were checked, and per site the last dispatch that
+    checked it with its result (`last_checked` rows: program, group, layer, stage, dispatch, verdict)."""
+    last: dict = {}
+    for e in entries:
+        for group, layer, stage, verdict in e.get("sites", ()):
+            last[(e["program"], group, str(layer), stage)] = (e["index"], verdict)
+    programs = {}
+    for p, n in sorted(plan["sites"].items()):
+        mine = {k: v for k, v in last.items() if k[0] == p}
+        programs[p] = {"sites": n, "checked": len(mine), "never_checked": n - len(mine),
+                       "last_failed": sum(v[1] == "fail" for v in mine.values()),
+                       "oldest_last_check": min((v[0] for v in mine.values()), default=None)}
+    return {"n": plan["n"], "seed": plan["seed"], "programs": programs,
+            "last_checked": [[*k, *v] for k, v in sorted(last.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                                       kv[0][2], kv[0][3]))]}
 
 
 def _fd_lines(s: dict) -> list[str]:
@@ -103,6 +121,20 @@ def write_summary(run_dir, entries: list[dict], config: dict) -> dict:
         md.append("")
     md += ["## Dispatches", "", "| program | dispatches | failed |", "|---|---:|---:|"]
     md += [f"| {p} | {c['dispatches']} | {c['failed']} |" for p, c in sorted(s["programs"].items())]
+    if "coverage" in s:
+        cv = s["coverage"]
+        md += ["", f"## Coverage (sampled: every site at least once every {cv['n']} dispatches of its program)", "",
+               "| program | sites | checked | never checked | failing at last check | oldest last check |",
+               "|---|---:|---:|---:|---:|---:|"]
+        md += [f"| {p} | {c['sites']} | {c['checked']} | {c['never_checked']} | {c['last_failed']} | "
+               f"{'-' if c['oldest_last_check'] is None else c['oldest_last_check']} |"
+               for p, c in cv["programs"].items()]
+        bad = [r for r in cv["last_checked"] if r[5] == "fail"]
+        if bad:
+            md += ["", "Sites failing at their last check (program, group, layer, stage, dispatch):", ""]
+            md += [f"- {r[0]} group {r[1]} layer {r[2]} {r[3]}: dispatch {r[4]}" for r in bad[:32]]
+        md.append("")
+        md.append("Per site, the last dispatch that checked it and its result: `summary.json` `coverage.last_checked`.")
     md += ["", "## Re-syncs (golden adopted the device's decision)", ""]
     md += [f"- {k}: {v}" for k, v in s["resyncs"].items()] or ["- none"]
     md += ["", "## Worst metrics by tensor kind", "",

@@ -439,6 +439,11 @@ def _rows():
         "num_speculative_tokens=7", "0 with backend torch: the fused K=7 program l3_decode_fwd_dspark is not in")
     add("lockstep --inject with --backend torch", LW + ["--backend", "torch", "-k", "0", "--inject", "kv_row@1"],
         "--inject", "--inject='kv_row@1'", "none with the torch device")
+    add("lockstep --coverage 0", LW + ["--coverage", "0"], "--coverage", "--coverage=0", "an integer N >= 1")
+    add("lockstep --coverage -4", LW + ["--coverage", "-4"], "--coverage", "--coverage=-4", "an integer N >= 1")
+    add("lockstep --coverage word", LW + ["--coverage", "half"], "--coverage", ["--coverage", "'half'"], "an integer")
+    add("lockstep --coverage with --backend torch", LW + ["--backend", "torch", "-k", "0", "--coverage", "4"],
+        "--coverage", "--coverage=4", "none with backend torch")
     add("lockstep --slots 0", LW + ["--slots", "0"], "--slots", "--slots=0", "1..64")
     add("lockstep --slots with --total-kv-pages", LW + ["--slots", "2", "--total-kv-pages", "100"], "--slots",
         "--slots=2", "not together with --total-kv-pages")

@@ -12,12 +12,12 @@ the device backend and on golden (`golden.dispatch.run_dispatch`), compares, loc
 Public API:
     TorchNumerics(mode, device=...)            hw.real.numerics   golden Numerics whose GEMMs run on torch
     SelfCheckBackend(side, device, fault)      hw.real.selfcheck  the self-check device behind the Backend protocol
-    Side, TapPar, side_state, install_state    hw.real.side       one side's served run state; full taps; its
-                                                                  arrays by name
+    Side, TapPar, side_state, install_state,   hw.real.side       one side's served run state; full taps; its
+    POOL_KIND                                                     arrays by name; each pool's policy kind
     RealFault, REAL_KINDS, KERNEL_KINDS,       hw.real.faults     device-side faults (13 kinds) and where they
     EXPECTED_STAGES, sweep_layers                                 must localize; the layers a kind sweeps
     RealLockstep, build_checker,               hw.real.lockstep   compare, localize, re-sync (tie, route, index,
-    parse_real_fault, POOL_KIND                                   sample, draft, tokens, hidden), report; records
+    parse_real_fault                                              sample, draft, tokens, hidden), report; records
                                                                   and resume with a run_dir (record=True)
     RealDispatch, DeviceStep, DeviceResult,    hw.real.step       one checked dispatch; the device's step of it; a
     DECISION_STAGES                                               backend's result with its decisions
@@ -26,6 +26,10 @@ Public API:
                                                                   records, each checked on its own)
     CheckPool, LocalWorkers, RayWorkers,       hw.real.pool       asynchronous checks on a bounded pool of
     fan_out, POLICIES                                             worker processes or Ray tasks
+    CoveragePlan, choose_n                     hw.real.coverage   sampled checking: which sites each dispatch
+                                                                  checks; the N a checker keeps up at
+    check_recorded, SiteGolden, DispatchView   hw.real.site_check one layer's stages from the device's recorded
+                                                                  state (the sampled lockstep's unit of work)
     DistPar                                    hw.real.dist_par   golden.ranks' par as processes, one per rank
     rank_forward, spawn_local                  hw.real.ranks      the target forward over real collectives,
                                                                   checked on rank 0 (torchrun -m hw.real.ranks)
@@ -39,13 +43,15 @@ from ..lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "numerics": ("TorchNumerics",),
     "selfcheck": ("SelfCheckBackend",),
-    "side": ("Side", "TapPar", "side_state", "install_state"),
+    "side": ("Side", "TapPar", "side_state", "install_state", "POOL_KIND"),
     "faults": ("RealFault", "REAL_KINDS", "KERNEL_KINDS", "EXPECTED_STAGES", "sweep_layers"),
-    "lockstep": ("RealLockstep", "build_checker", "parse_real_fault", "POOL_KIND"),
+    "lockstep": ("RealLockstep", "build_checker", "parse_real_fault"),
     "step": ("RealDispatch", "DeviceStep", "DeviceResult", "DECISION_STAGES"),
     "records": ("RealRecorder",),
     "replay": ("restore", "fast_forward", "Seek"),
     "pool": ("CheckPool", "LocalWorkers", "RayWorkers", "fan_out", "POLICIES"),
+    "coverage": ("CoveragePlan", "choose_n"),
+    "site_check": ("check_recorded", "SiteGolden", "DispatchView"),
     "dist_par": ("DistPar",),
     "ranks": ("rank_forward", "spawn_local"),
 })

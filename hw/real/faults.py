@@ -115,6 +115,7 @@ class RealFault:
     at: int = 0
     layer: int = 0
     seed: int = 0
+    persistent: bool = False           # fire on every dispatch >= AT that can host it (a broken unit), same choices
     armed: bool = False
     fired: str | None = None
     fired_at: int | None = None
@@ -123,6 +124,7 @@ class RealFault:
     _index: int = field(default=-1, repr=False)
     _sites: dict = field(default_factory=dict, repr=False)
     _pools: list = field(default_factory=list, repr=False)
+    _now: bool = field(default=False, repr=False)      # fired in the dispatch armed last
 
     def __post_init__(self):
         if self.kind not in REAL_KINDS:
@@ -152,21 +154,30 @@ class RealFault:
         side.par.fault = self
 
     def arm(self, index: int) -> None:
-        self._index, self._sites = index, {}
-        if self.kind in KERNEL_KINDS:
+        self._index, self._sites, self._now = index, {}, False
+        if self.persistent:
+            self.armed = index >= self.at
+            self.rng = np.random.default_rng(self.seed)      # the same unit breaks the same way each time
+        elif self.kind in KERNEL_KINDS:
             self.armed = self.fired is None and index >= self.at
         else:
             self.armed = index == self.at
         if self.armed and self.kind in DRAFTER_KINDS and self._side.run.pools is not None:
             self._pools = list(self._side.run.pools)     # pools are replaced, never mutated: references suffice
 
+    @property
+    def _fresh(self) -> bool:
+        """Not fired yet: in this dispatch (persistent) or at all (once)."""
+        return not self._now if self.persistent else self.fired is None
+
     def _fire(self, what: str, layer: str, stages=None) -> None:
+        self._now = True
         if self.fired is None:
             self.fired, self.fired_at = what, self._index
             self.expected = (layer, tuple(stages or EXPECTED_STAGES[self.kind]))
 
     def _live(self, kind) -> bool:
-        return self.armed and self.kind == kind and self.fired is None
+        return self.armed and self.kind == kind and self._fresh
 
     # ---- hooks inside the device's target forward (TapPar.target_forward) -----------------------------
     def on_forward(self, meta, caches):
@@ -227,7 +238,7 @@ class RealFault:
         from golden.kernels.moe import moe_experts
 
         def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
-            if taps.layer == self.layer and self.fired is None:
+            if taps.layer == self.layer and self._fresh:
                 idx = self._flip(np.array(idx), taps[(self.layer, "ffn_x_mixed")], ckpt.layer(self.layer), cfg)
                 taps.put(self.layer, "moe_indices", idx)
             return moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
@@ -272,7 +283,7 @@ class RealFault:
 
     def _on_write(self, pool, slots):
         """TorchNumerics.on_write: the device's stores of layer L's raw KV or compressed rows."""
-        if not self.armed or self.fired is not None or self.kind not in ("wrong_slot", "dropped_boundary"):
+        if not self.armed or not self._fresh or self.kind not in ("wrong_slot", "dropped_boundary"):
             return slots
         site = self._sites.get(id(pool))
         want = ("kv_cache",) if self.kind == "wrong_slot" else ("csa_cmp_kv", "hca_cmp_kv")
@@ -300,7 +311,7 @@ class RealFault:
             return out
         self.armed = False
         if self.kind in DRAFTER_KINDS:
-            return self._redraft(side, rd, out) if self.fired is None else out
+            return self._redraft(side, rd, out) if self._fresh else out
         if self.kind == "token":
             name = next(k for k in ("sampled_ids", "accepted_ids") if k in out) if rd.kind != "seed" else None
             if name is None:
@@ -322,7 +333,9 @@ class RealFault:
                 flat[row] = (flat[row].astype(np.float32) + 0.5).astype(flat.dtype)
             else:
                 row = int(np.setdiff1d(np.arange(flat.shape[0]), mapped)[-1])
-                flat[row] = np.asarray(np.full(flat.shape[1], 3.0, np.float32)).astype(flat.dtype)
+                # persistent: other garbage each time (the same bytes again would change nothing)
+                junk = 3.0 + (self._index % 2 if self.persistent else 0)
+                flat[row] = np.asarray(np.full(flat.shape[1], junk, np.float32)).astype(flat.dtype)
             pools["kv_cache"] = kv
             side.run.caches[self.layer] = pools
             self._fire(f"{self.kind} at dispatch {self.at}: layer {self.layer} kv_cache row {row}", str(self.layer))

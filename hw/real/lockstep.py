@@ -45,26 +45,15 @@ from ..tolerance import Policy
 from .faults import RealFault
 from .records import RealRecorder
 from .replay import restore
-from .side import install_state, mapped_rows, side_state
+from .side import INDEX_TIE_TOL, POOL_KIND, POOL_STAGE, install_state, mapped_rows, side_state
 from .step import DECISION_STAGES, DeviceStep, RealDispatch
 
 OUTPUT_KIND = {"main_hidden": ("activation", "bf16", "w8a8"), "state_meta": ("index", "i32", "none")}
 # where a mismatching output is localized: the target's final hidden rows, or the K=7 drafter state
 OUTPUT_SITE = {"main_hidden": ("head", "hidden"), "state_meta": ("dspark", "state_meta")}
-POOL_KIND = {"kv_cache": ("kv_pool", "bf16", "none"), "hca_cmp_kv": ("kv_pool", "bf16", "none"),
-             "csa_cmp_kv": ("kv_pool", "bf16", "none"), "idx_kv_cache": ("kv_pool", "bf16", "none"),
-             "idx_kv_scale": ("state", "f32", "none"), "hca_compress_state": ("state", "f32", "none"),
-             "csa_compress_state": ("state", "f32", "none"), "csa_inner_compress_state": ("state", "f32", "none")}
-POOL_STAGE = {"kv_cache": "kv", "hca_cmp_kv": "cmp_kv", "csa_cmp_kv": "cmp_kv", "idx_kv_cache": "cmp_kv",
-              "idx_kv_scale": "cmp_kv", "hca_compress_state": "cmp_kv", "csa_compress_state": "cmp_kv",
-              "csa_inner_compress_state": "cmp_kv"}
 # which pools the golden carries into the next dispatch: the device's (each dispatch judged from the
 # same inputs, like an offline replay of records) or its own (drift accumulates, see docs/lockstep.md)
 CARRY = ("device", "golden")
-# indexer top-k near-tie margin, relative to the row's largest |score| among the golden's selection:
-# the scores are sums of INT8 products, so a one-LSB change of the per-token query quantization
-# moves them by percents, far more than the FP32 gate scores the policy's route tie_tol is for
-INDEX_TIE_TOL = 0.1           # measured clean (carry=device, seeds 0-2, 63 dispatches each): max 0.048
 SEQ_FIELDS = ("anchor", "current", "generated", "draft_anchor", "released")
 
 
@@ -79,7 +68,7 @@ class RealLockstep:
 
     def __init__(self, backend, device, golden, *, policy: Policy | None = None, mode: str = "strict",
                  fault=None, run_dir=None, config: dict | None = None, carry: str = "device",
-                 record: bool = True, build: dict | None = None, steps: int | None = None):
+                 record: bool = True, build: dict | None = None, steps: int | None = None, plan=None):
         if mode not in MODES:
             raise AbiError("mode", mode, f"one of {MODES}", where="hw.real lockstep")
         if carry not in CARRY:
@@ -87,6 +76,10 @@ class RealLockstep:
         if steps is not None and steps < 1:
             raise AbiError("steps", steps, ">= 1", where="hw.real lockstep")
         self.carry, self.steps = carry, steps
+        # sampled mode: a `hw.real.coverage.CoveragePlan`; per dispatch only its sites (and the head)
+        # are checked, each from the device's recorded state (`hw.real.site_check`)
+        self.plan, self.nth = plan, {}
+        self.throughput = {"sites": 0, "site_s": 0.0, "dispatches": 0, "device_s": 0.0}   # sampled mode, measured
         self.index_tie_tol = INDEX_TIE_TOL
         self.backend, self.dev, self.gold = backend, device, golden
         self.policy, self.mode, self.fault = policy or Policy(), mode, fault
@@ -94,6 +87,11 @@ class RealLockstep:
         # both sides compose golden's kernels, whose compressors run serving's eager-publish contract
         self.config = {**(config or {}), "golden": "real", "mode": mode, "carry": carry, "device": backend.name,
                        "golden_side": golden.name, "compressor_contract": EAGER_PUBLISH}
+        if plan is not None:
+            from .site_check import SiteGolden
+
+            self.config["coverage"] = plan.summary()
+            self.site_golden = SiteGolden(golden.g.cfg, golden.g.ckpt, golden.g.nm, self.policy, INDEX_TIE_TOL)
         self.entries: list[dict] = []
         # records need a run directory and the arguments that rebuild this run offline
         self.build = build
@@ -145,6 +143,8 @@ class RealLockstep:
         self.index += 1
         if self.resumed:
             from .replay import fast_forward
+            if self.plan is not None:           # the plan's count of the program's dispatches goes on
+                self.nth[rd.dispatch.program] = self.nth.get(rd.dispatch.program, 0) + 1
             return fast_forward(self, rd, self.resumed.pop(0))
         if self.seek is not None and rd.index not in self.seek.live:
             return self.seek.forward(rd)
@@ -195,30 +195,42 @@ class RealLockstep:
 
     def _samples(self, dtaps, gtaps, findings, tie: float) -> None:
         """Greedy target samples (argmax of each side's logits), ties judged on the golden's logits."""
+        from .site_check import sample_finding
+
         if ("head", "logits") not in gtaps:
             return
-        gl, dl = np.asarray(gtaps[("head", "logits")], np.float64), np.asarray(dtaps[("head", "logits")], np.float64)
-        gs, ds = gl.argmax(-1), dl.argmax(-1)
-        rows = np.flatnonzero(gs != ds)
-        hard = [int(r) for r in rows if gl[r, ds[r]] < gl[r].max() - tie * max(1.0, abs(gl[r].max()))]
-        if hard:
-            f = Finding("sampled_ids", False, ("sample", "i32", "none"), points=int(gs.size), bad_points=len(hard),
-                        bad_rows=hard, reasons=[f"{len(hard)} of {gs.size} greedy samples differ beyond ties"],
-                        metrics={"mismatches": len(hard)}, site=("head", "sample"))
+        f = sample_finding(np.asarray(dtaps[("head", "logits")]).argmax(-1), gtaps[("head", "logits")], tie)
+        if f is not None:
             findings.append(f)
 
     # ---- one dispatch ------------------------------------------------------------------------------
     def device_step(self, rd) -> DeviceStep:
         """The device runs the dispatch (a resume or a replay substitutes the recorded step)."""
         d = Dispatch(rd.dispatch.program, rd.dispatch.args, {**rd.dispatch.meta, "kind": rd.kind, "items": rd.items})
+        t0 = time.perf_counter()
         r = self.backend.run(d, side_state(self.dev))
+        self.throughput["device_s"] += time.perf_counter() - t0
+        self.throughput["dispatches"] += 1
         if r.state:
             install_state(self.dev, {**side_state(self.dev), **r.state})
         rd.rows = [s.index for s in r.seqs]
         self.last_ran = Ran(r.outputs, list(r.seqs))
-        return DeviceStep(r.outputs, r.taps, r.sampled, r.draft_routes)
+        step = DeviceStep(r.outputs, r.taps, r.sampled, r.draft_routes)
+        if self.plan is not None:
+            from .site_check import site_arrays
+
+            step.site = site_arrays(self.dev, r.seqs, rd.kind)
+        return step
 
     def check(self, rd) -> dict:
+        """Judge dispatch `rd`: in full (every output, tap and pool against golden's whole dispatch)
+        or, with a coverage plan, sampled (`check_sampled`)."""
+        if self.plan is not None:
+            return self.check_sampled(rd)
+        return self.check_full(rd)
+
+    def check_full(self, rd, drafter_only: bool = False) -> dict:
+        """drafter_only: judge only the drafter pools (sampled mode's drafter site)."""
         resyncs = self._adopt_decisions()
         before = [dict(p) for p in self.dev.run.caches]
         gold_before = [dict(p) for p in self.gold.run.caches]
@@ -292,6 +304,8 @@ class RealLockstep:
             f.site = ("drafter", "ctx_kv")
             if not f.passed or len(mapped):
                 findings.append(f)
+        if drafter_only:
+            findings = [f for f in findings if f.site == ("drafter", "ctx_kv")]
         failed = [f for f in findings if not f.passed]
         entry = {"index": rd.index, "program": rd.dispatch.program, "kind": rd.kind, "rows": len(rd.rows),
                  "verdict": "fail" if failed else "pass",
@@ -309,6 +323,70 @@ class RealLockstep:
             self.gold.run.caches = [dict(p) for p in self.dev.run.caches]
             if self.dev.run.pools is not None:
                 self.gold.run.pools = list(self.dev.run.pools)
+        return entry
+
+    def check_sampled(self, rd) -> dict:
+        """The head and the plan's sites of this dispatch, each from the device's own state
+        (`hw.real.site_check`).  A drafter site runs golden's whole dispatch from the device's state
+        (the drafter reads the target hidden the dispatch computes) and judges every group's drafter
+        pool.  A failure is localized by checking every site of the dispatch: the first failing
+        (layer, stage) in dependency order, else the head, else the drafter."""
+        from .coverage import layer_stages
+        from .site_check import check_view, view_from_step
+
+        program = rd.dispatch.program
+        nth = self.nth.get(program, 0)
+        self.nth[program] = nth + 1
+        sites = self.plan.plan(program, nth)
+        drafting = any(s[2] == "drafter" for s in sites)
+        before, state = [dict(p) for p in self.dev.run.caches], self.dev.run.state
+        drafter, resyncs = [], []
+        if drafting:
+            # the golden has not run since its last drafter site: it starts from the device's pools and
+            # slots (check_full adopts the decisions and each request's tokens)
+            self.gold.run.caches = [dict(p) for p in before]
+            if self.dev.run.pools is not None:
+                self.gold.run.pools = list(self.dev.run.pools)
+            for sd, sg in zip(self.dev.run.seqs, self.gold.run.seqs, strict=True):
+                sg.group, sg.lease, sg.generation = sd.group, sd.lease, sd.generation
+            full = self.check_full(rd, drafter_only=True)
+            drafter, resyncs = full["findings"], full["resyncs"]
+            step = self.last_step
+        else:
+            step = self.last_step = self.device_step(rd)
+        view = view_from_step(program, step, before, [dict(p) for p in self.dev.run.caches], state)
+        t0 = time.perf_counter()
+        res = check_view(self.site_golden, view, sites)
+        self.throughput["site_s"] += time.perf_counter() - t0
+        self.throughput["sites"] += sum(s[2] != "drafter" for s in sites)
+        resyncs += res["resyncs"]
+        findings = res["head"] + [r["finding"] for r in res["sites"] if r["verdict"] == "fail"] + drafter
+        failed = [f for f in findings if not f["passed"]]
+        ran = {tuple(r["site"]): r["verdict"] for r in res["sites"]}
+        ran.update({s: "fail" if any(not f["passed"] for f in drafter) else "pass" for s in sites if s[2] == "drafter"})
+        entry = {"index": rd.index, "program": program, "kind": rd.kind, "rows": len(rd.rows),
+                 "verdict": "fail" if failed else "pass", "findings": findings, "first_divergence": None,
+                 "resyncs": resyncs, "coverage": {"nth": nth, "sites": len(sites)},
+                 "sites": [[s[1], s[2], s[3], ran[tuple(s)]] for s in sites]}
+        if failed:
+            cfg = self.dev.g.cfg
+            every = [s for s in self.plan.sites[program] if s[2] != "drafter"]
+            order = {(layer, st): (layer, i) for layer in range(cfg.num_hidden_layers)
+                     for i, st in enumerate(layer_stages(cfg, layer))}
+            every.sort(key=lambda s: order[(s[2], s[3])])
+            full = check_view(self.site_golden, view, every)["sites"] if every and view.meta is not None else []
+            bad = [r for r in full if r["verdict"] == "fail"]
+            entry["localized_over"] = len(full)
+            if bad:
+                entry["first_divergence"] = bad[0]["first_divergence"]
+            else:
+                # a layer's pool (a seeding wave's stray write) in layer order, then the head, then the drafter
+                rank = {("head", "hidden"): 0, ("head", "logits"): 1, ("head", "sample"): 2, ("drafter", "ctx_kv"): 3}
+                f = min(failed, key=lambda f: (0, f["site"][0], 0) if isinstance(f["site"][0], int)
+                        else (1, 0, rank.get(tuple(f["site"]), 4)))
+                entry["first_divergence"] = {"layer": str(f["site"][0]), "stage": f["site"][1], "tensor": f["name"],
+                                             "reasons": f["reasons"], "metrics": f["metrics"],
+                                             "bad_rows": f["bad_rows"][:8]}
         return entry
 
     def localize(self, order, dtaps, gtaps, failed) -> dict:
@@ -352,13 +430,22 @@ class RealLockstep:
             self._open()
         config = {**self.config, **({"serving": serving} if serving is not None else {})}
         wall = round(time.perf_counter() - self.t0, 3)
+        timing = {"wall_s_this_session": wall}
+        if self.plan is not None and self.throughput["sites"] and self.throughput["device_s"] > 0:
+            from .coverage import choose_n
+
+            t = self.throughput
+            # the N at which this checker would keep up with this device (measured this session)
+            timing["coverage_throughput"] = choose_n(max(len(s) for s in self.plan.sites.values()),
+                                                     t["sites"] / max(t["site_s"], 1e-9), t["dispatches"] / t["device_s"])
         if self.dir:
             # timings stay out of the report and summary, so a resumed run writes the same bytes
-            write_text(self.dir / "run.json", json.dumps({"wall_s_this_session": wall, "config": config},
+            write_text(self.dir / "run.json", json.dumps({**timing, "config": config},
                                                          indent=2, sort_keys=True) + "\n")
             return write_summary(self.dir, self.entries, config)
         from ..report import summarize
-        return summarize(self.entries, {**config, "wall_s": wall})
+        return summarize(self.entries, {**config, **{("wall_s" if k == "wall_s_this_session" else k): v
+                                                     for k, v in timing.items()}})
 
 
 def _rows_ne(a, b):
@@ -380,7 +467,8 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                   golden_mode: str = "device",
                   fault=None, policy: Policy | None = None, run_dir=None, carry: str = "device",
                   record: bool = True, build: dict | None = None, steps: int | None = None,
-                  config: dict | None = None, nproc: int = 1) -> RealLockstep:
+                  config: dict | None = None, nproc: int = 1, coverage: int | None = None,
+                  coverage_seed: int = 0) -> RealLockstep:
     """The checker of a parity run on `ctx` (a `twin.abi.lowering.LoweringContext` of a small
     preset's deployment): golden's side in `golden_mode` numerics and the device, both on the
     synthetic checkpoint of `seed`.  backend "selfcheck": `SelfCheckBackend` (the same compositions
@@ -420,5 +508,10 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
         backend = SelfCheckBackend(dev, device, fault)
     config = {**(config or {}), "preset": cfg.name, "seed": seed, "k": dep.k, "golden_mode": golden_mode,
               "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer}}
+    plan = None
+    if coverage is not None:
+        from .coverage import CoveragePlan
+
+        plan = CoveragePlan.for_deployment(dep, coverage, coverage_seed)
     return RealLockstep(backend, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config,
-                        carry=carry, record=record, build=build, steps=steps)
+                        carry=carry, record=record, build=build, steps=steps, plan=plan)

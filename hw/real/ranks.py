@@ -91,7 +91,7 @@ def rank_forward(rank: int, world: int, *, preset: str = "tiny", seed: int = 0, 
     from ..compare import compare_pool, compare_tensor
     from ..localize import compose_kind, first_divergent_tap
     from ..tolerance import Policy
-    from .lockstep import POOL_KIND
+    from .side import POOL_KIND
 
     cfg, ckpt, meta, caches, owners, layout, nm = first_prefill(preset, world, seed, mode)
     par = DistPar(layout, rank, reduction)

@@ -42,7 +42,8 @@ TUPLES = ("chunk_tokens", "pending_drafts", "context_positions")
 SEQ_KEYS = ("anchor", "current", "draft_anchor", "released", "lease", "generation", "group")
 # records/config.json: the arguments that rebuild the parity run (twin.functional.parity.build_lockstep)
 BUILD_KEYS = ("preset", "backend", "device", "mode", "seed", "golden_mode", "k", "slots", "total_kv_pages", "chunk",
-              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "ep", "carry", "requests", "fault")
+              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "ep", "carry", "requests", "fault",
+              "coverage", "coverage_seed")
 
 
 def seqs_state(store: RecordStore, seqs) -> list[dict]:
@@ -82,16 +83,19 @@ def _put_outputs(store, step, *, all_taps: bool) -> dict:
                 out[f"tap:{layer}/{stage}"] = store.put(v)
     out.update({f"sampled:{i}": store.put(v) for i, v in enumerate(step.sampled)})
     out.update({f"route:{i}": store.put(v) for i, v in enumerate(step.draft_routes)})
+    out.update({name: store.put(v) for name, v in step.site.items()})
     return out
 
 
 def outputs_step(arrays: dict):
     """The recorded outputs back as a `DeviceStep`."""
-    outs, taps, parts, sampled, routes = {}, {}, {}, {}, {}
+    outs, taps, parts, sampled, routes, staged = {}, {}, {}, {}, {}, {}
     for name, v in arrays.items():
         kind, _, rest = name.partition(":")
         if not rest:
             outs[name] = v
+        elif kind == "site":
+            staged[name] = v
         elif kind == "sampled":
             sampled[int(rest)] = v
         elif kind == "route":
@@ -105,7 +109,7 @@ def outputs_step(arrays: dict):
             else:
                 taps[key] = v
     taps.update({k: tuple(p[i] for i in sorted(p)) for k, p in parts.items()})
-    return DeviceStep(outs, taps, [sampled[i] for i in sorted(sampled)], [routes[i] for i in sorted(routes)])
+    return DeviceStep(outs, taps, [sampled[i] for i in sorted(sampled)], [routes[i] for i in sorted(routes)], staged)
 
 
 def _items_json(items) -> list:
@@ -162,7 +166,8 @@ class RealRecorder:
                 "dev_seqs": dev_seqs, "gold_seqs": gold_seqs}
         rec = Record(index=rd.index, program=rd.dispatch.program, meta={**rd.dispatch.meta, "real": real},
                      inputs=s.put_all(dict(rd.dispatch.args)),
-                     outputs=_put_outputs(s, step, all_taps=entry["verdict"] == "fail"),
+                     # a sampled run's site checks read any layer's taps (hw.real.site_check)
+                     outputs=_put_outputs(s, step, all_taps=entry["verdict"] == "fail" or "sites" in entry),
                      state_delta=self._delta("dev", side_state(lockstep.dev)),
                      golden_state_delta=self._delta("gold", side_state(lockstep.gold)),
                      weights=self.build_fingerprint())

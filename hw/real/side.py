@@ -87,12 +87,7 @@ class TapPar:
         elif self.route_from is None:
             out = self.base.target_forward(ckpt, meta, caches, owners, cfg=cfg, nm=nm, taps=full)
         else:
-            def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
-                idx, wts = self._adopt_routes(full, ckpt, meta, idx, wts, cfg=cfg, nm=nm)
-                return moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
-            def indexer(*a, **kw):
-                score, topk = lightning_indexer(*a, **kw)
-                return score, self._adopt_topk(full.layer, score, topk)
+            moe, indexer = self.resync_hooks(full, ckpt)
             out = forward(ckpt, meta, caches, cfg=cfg, nm=nm, taps=full, moe=moe, indexer=indexer)
         if self.sample_from is not None and len(self.calls) < len(self.sample_from):
             out.sampled = self._adopt_samples(full, out.sampled, self.sample_from[len(self.calls)])
@@ -101,6 +96,18 @@ class TapPar:
                 taps.put(layer, stage, v)
         self.calls.append((staged, full, np.asarray(out.sampled)))
         return out
+
+    def resync_hooks(self, taps: LayerTaps, ckpt):
+        """(moe, indexer) for golden.compose that adopt the device's near-tie routes and indexer rows
+        (`route_from`) layer by layer; `taps` are the forward's, whose `layer` names the layer."""
+        def moe(x_i8, x_scale, idx, wts, expert, shared, *, cfg, nm):
+            idx, wts = self._adopt_routes(taps, ckpt, None, idx, wts, cfg=cfg, nm=nm)
+            return moe_experts(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
+
+        def indexer(*a, **kw):
+            score, topk = lightning_indexer(*a, **kw)
+            return score, self._adopt_topk(taps.layer, score, topk)
+        return moe, indexer
 
     def _adopt_topk(self, layer, score, topk):
         """Indexer top-k: where the device selected other compressed rows and every one of them
@@ -264,6 +271,18 @@ class Side:
         self.run = copy.deepcopy(run)
 
 
+# each pool's policy kind and the stage a failure in it is localized to
+POOL_KIND = {"kv_cache": ("kv_pool", "bf16", "none"), "hca_cmp_kv": ("kv_pool", "bf16", "none"),
+             "csa_cmp_kv": ("kv_pool", "bf16", "none"), "idx_kv_cache": ("kv_pool", "bf16", "none"),
+             "idx_kv_scale": ("state", "f32", "none"), "hca_compress_state": ("state", "f32", "none"),
+             "csa_compress_state": ("state", "f32", "none"), "csa_inner_compress_state": ("state", "f32", "none")}
+POOL_STAGE = {"kv_cache": "kv", "hca_cmp_kv": "cmp_kv", "csa_cmp_kv": "cmp_kv", "idx_kv_cache": "cmp_kv",
+              "idx_kv_scale": "cmp_kv", "hca_compress_state": "cmp_kv", "csa_compress_state": "cmp_kv",
+              "csa_inner_compress_state": "cmp_kv"}
+# indexer top-k near-tie margin, relative to the row's largest |score| among the golden's selection:
+# the scores are sums of INT8 products, so a one-LSB change of the per-token query quantization
+# moves them by percents, far more than the FP32 gate scores the policy's route tie_tol is for
+INDEX_TIE_TOL = 0.1           # measured clean (carry=device, seeds 0-2, 63 dispatches each): max 0.048
 # the golden slot key (golden.staging.SLOTS) that writes each pool
 POOL_SLOTS = {"kv_cache": "ori", "hca_compress_state": "hca_state", "csa_compress_state": "csa_state",
               "csa_inner_compress_state": "csa_inner_state", "hca_cmp_kv": "hca_cmp", "csa_cmp_kv": "csa_cmp",

@@ -20,6 +20,7 @@ class DeviceStep:
     taps: dict
     sampled: list
     draft_routes: list
+    site: dict = field(default_factory=dict)        # sampled mode: what a site check reads (hw.real.site_check)
 
 
 @dataclass

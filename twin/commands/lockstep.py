@@ -27,7 +27,7 @@ DEVICE_SIDE = {"preset": "tiny", "backend": "selfcheck", "device": "cpu", "steps
                "fresh": False, "inject": None, "seed": 0, "no_records": False, "workload": None, "trace": None,
                "requests": None, "k": 7,
                "slots": None, "total_kv_pages": None, "measured_free_bytes": None, "measured_used_bytes": None,
-               "measured_slots": None}
+               "measured_slots": None, "coverage": None}
 
 LOCKSTEP_RANKS = 8          # the parity deployment: TP4 x EP8 (twin.functional.parity.build_lockstep)
 
@@ -51,6 +51,10 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
     p.add_argument("--seed", type=seed, default=d["seed"], help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
+    p.add_argument("--coverage", type=integer, default=d["coverage"], metavar="N",
+                   help="sampled checking: every site (program, group, layer, stage) checked at least once every N "
+                        "dispatches of its program, each from the device's state; the head every dispatch "
+                        "(default: every dispatch checked in full)")
     p.add_argument("--replay", nargs="?", const=True, default=False, metavar="RUN_DIR",
                    help="no device: re-judge the records in RUN_DIR (default --run-dir) against the golden "
                         "offline and compare with its report")
@@ -204,6 +208,12 @@ def _run(args, nproc: int) -> int:
         con.print(f"checked {ck['checked']} of {len(ck['per_dispatch'])} dispatches on {ck['workers']['n']} "
                   f"{ck['workers']['kind']} worker(s): backlog high-water {ck['backlog_high_water']} of "
                   f"{ck['backlog']} ({ck['policy']}), {len(ck['skipped'])} skipped")
+    if "coverage" in s:
+        cv = s["coverage"]
+        seen = sum(c["checked"] for c in cv["programs"].values())
+        total = sum(c["sites"] for c in cv["programs"].values())
+        con.print(f"coverage: every site at least once every {cv['n']} dispatches of its program; {seen} of {total} "
+                  f"sites checked so far (per site: summary.json coverage.last_checked)")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
     sv = s["config"].get("serving")
@@ -299,8 +309,11 @@ def _parity(args, run_dir, resumed: bool, fault, policy, nproc: int = 1):
             return build_lockstep(preset=args.preset, backend=args.backend, device=args.device, mode=args.mode,
                                   seed=args.seed, k=args.k, requests=requests, slots=args.slots,
                                   total_kv_pages=pages, fault=fault, policy=policy, run_dir=run_dir,
-                                  record=not args.no_records, nproc=nproc)
+                                  record=not args.no_records, nproc=nproc,
+                                  coverage=args.coverage)
     except AbiError as e:
+        if e.name == "coverage":
+            raise AbiError("--coverage", args.coverage, e.allowed, e.where) from None
         if e.name != "fault":
             raise
         raise AbiError("--inject", args.inject, e.allowed, e.where) from None

@@ -17,11 +17,13 @@ may not import each other (docs/architecture.md, "Import rules").
     replay_records(run_dir, workers=None), run_case(kind, seed=, at=, layer=)   offline re-judging; one injected fault
     check(run_dir, index) -> entry, check_dispatches(run_dir, indices)   one recorded dispatch re-judged from the records
     ParityRun.run_async(steps, workers=1, backlog=8, policy="throttle")  checks on a worker pool (hw.real.pool)
+    single_dispatch_case(kind, at=, layer=, n=, plan_seeds=, run_dir=)   one firing against the coverage plan
 """
 from .acceptance import acceptance_vector, conditional_rates, load_acceptance
 from .executor import GoldenExecutor
 from .oracle import first_difference, reference_outputs, sequential_greedy
-from .parity import ParityRun, build_lockstep, check, check_dispatches, replay_records, run_case
+from .parity import (ParityRun, build_lockstep, check, check_dispatches, replay_records, run_case,
+                     single_dispatch_case)
 from .replay import ReplayScheduler, scheduler_for
 from .run import FunctionalResult, Recording, decisions, functional_config, functional_simulate, golden_model
 from .same_lengths import ReplayExecutor
@@ -29,4 +31,5 @@ from .same_lengths import ReplayExecutor
 __all__ = ["acceptance_vector", "conditional_rates", "load_acceptance", "GoldenExecutor", "first_difference",
            "reference_outputs", "sequential_greedy", "ReplayScheduler", "scheduler_for", "FunctionalResult",
            "Recording", "decisions", "functional_config", "functional_simulate", "golden_model", "ReplayExecutor",
-           "ParityRun", "build_lockstep", "check", "check_dispatches", "replay_records", "run_case"]
+           "ParityRun", "build_lockstep", "check", "check_dispatches", "replay_records", "run_case",
+           "single_dispatch_case"]

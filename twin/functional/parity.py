@@ -200,7 +200,8 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                    slots: int | None = None, total_kv_pages: int | None = None, chunk: int = 64,
                    max_model_len: int = 512, max_num_seqs: int | None = None, max_num_batched_tokens: int = 256,
                    ep: int = 8, fault=None, policy=None, run_dir=None, carry: str = "device", record: bool = True,
-                   steps: int | None = None, nproc: int = 1) -> ParityRun:
+                   steps: int | None = None, nproc: int = 1, coverage: int | None = None,
+                   coverage_seed: int = 0) -> ParityRun:
     """A parity run on a small preset's deployment (TP4, EP8 by default: two cache partitions).
 
     requests: `twin.abi.batches.Request`s (a workload spec's or a trace's), default `seeded_requests`.
@@ -209,7 +210,9 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     GEMMs, `hw.real.selfcheck`) or "torch" (the independent `hw.torchdev.TorchBackend`, K=0 only:
     the fused K=7 program is not in it yet), on `device`.  nproc: the torch device's ranks split
     over that many torch.distributed processes, this one process 0 (`hw.launch.torch_device_ranks`
-    sets them up); the results, and so the run, are the same bit for bit."""
+    sets them up); the results, and so the run, are the same bit for bit.  coverage: None checks every dispatch in
+    full; N samples (`hw.real.coverage`: every site at least once every N dispatches of its program,
+    the permutation of `coverage_seed`; N = 1 checks every site, each from the device's state)."""
     from hw.real.lockstep import BACKENDS, build_checker
 
     cfg = get_preset(preset)
@@ -223,6 +226,13 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                        "torch device yet", where="lockstep")
     if slots is not None and total_kv_pages is not None:
         raise AbiError("slots", slots, "not together with total_kv_pages (one KV budget)", where="lockstep")
+    if coverage is not None:
+        from hw.real.coverage import check_n
+
+        coverage = check_n(coverage, where="lockstep")
+        if backend != "selfcheck":
+            raise AbiError("coverage", coverage, "none with backend torch (a site check reads the staged meta of "
+                           "the self-check device's forward)", where="lockstep")
     if slots is None and total_kv_pages is None:
         slots = 2
     if requests is None:
@@ -238,13 +248,15 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     build_args = {"preset": preset, "backend": backend, "device": device, "mode": mode, "seed": seed, "golden_mode": golden_mode, "k": k,
                   "slots": slots, "total_kv_pages": total_kv_pages, "chunk": chunk, "max_model_len": max_model_len,
                   "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "ep": ep,
-                  "carry": carry, "requests": request_rows(requests),
+                  "carry": carry, "requests": request_rows(requests), "coverage": coverage,
+                  "coverage_seed": coverage_seed,
                   "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer,
                                                       "seed": fault.seed}}
     checker = build_checker(LoweringContext(dep, admitted), backend=backend, device=device, mode=mode, seed=seed,
                             golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
                             record=record, build=build_args, steps=steps,
-                            config={"requests": len(requests), "slots_per_partition": admitted}, nproc=nproc)
+                            config={"requests": len(requests), "slots_per_partition": admitted}, nproc=nproc,
+                            coverage=coverage, coverage_seed=coverage_seed)
     run = ParityRun(sim, checker, admitted)
 
     def factory(cost, slots_):
@@ -269,14 +281,16 @@ def rebuild(build_args: dict, **kw) -> ParityRun:
 
 
 def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny", max_new: int = 40,
-             horizon: int = 60, **build) -> dict:
+             horizon: int = 60, persistent: bool = False, **build) -> dict:
     """One injection: a strict parity run with the device fault (`hw.real.faults.RealFault`), run until
     it stops (the first failure), the workload ends or `horizon` dispatches.  detected: the run failed
-    at the dispatch the fault fired at and not before; localized: the first divergence names the
-    fault's expected (layer, stage)."""
+    at the dispatch the fault (first) fired at or, persistent, at one after it, and not before;
+    localized: the first divergence names the fault's expected (layer, stage).  latency: dispatches
+    from the first firing to the detection, both counted (1: detected where it first fired), and
+    program_latency the same counted in dispatches of the detecting dispatch's program."""
     from hw.real.faults import RealFault
 
-    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer)
+    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer, persistent=persistent)
     lr = build_lockstep(preset=preset, seed=seed, k=7, max_new=max_new, fault=f, **build)
     s = lr.run(horizon)
     fd = s["first_divergence"]
@@ -286,9 +300,58 @@ def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny",
            "expected": None if f.expected is None else [f.expected[0], list(f.expected[1])],
            "got": None if fd is None else [fd["dispatch"], fd["layer"], fd["stage"]]}
     out["false_alarm"] = bool(fails) and (f.fired_at is None or fails[0] < f.fired_at)
-    out["detected"] = f.fired_at is not None and fails[:1] == [f.fired_at]
+    out["detected"] = f.fired_at is not None and bool(fails) and (
+        fails[0] >= f.fired_at if persistent else fails[0] == f.fired_at)
     out["localized"] = bool(out["detected"] and fd["layer"] == f.expected[0] and fd["stage"] in f.expected[1])
+    if out["detected"]:
+        prog = lr.entries[fails[0]]["program"]
+        out["latency"] = fails[0] - f.fired_at + 1
+        out["program_latency"] = sum(e["program"] == prog for e in lr.entries[f.fired_at:fails[0] + 1])
     return out
+
+
+def single_dispatch_case(kind: str, *, at: int, layer: int, n: int, plan_seeds, seed: int = 0, preset: str = "tiny",
+                         max_new: int = 8, run_dir) -> dict:
+    """A fault injected into one dispatch, caught by a sampled check with the plan's probability?
+
+    The run is checked at coverage 1 (every site) with records in `run_dir`; the sites failing at the
+    dispatch the fault fired at are the set A it shows at.  For each plan seed, the dispatch's planned
+    sites at coverage `n` are checked from the records (`hw.real.site_check.check_recorded`): caught
+    when one fails, or the head check does, or the drafter site is planned and failed live (it needs
+    golden's whole dispatch, so its verdict is the N = 1 run's).  Returns the measured frequency and the plan's probability
+    (`CoveragePlan.hit_probability`, the chance a seed's slot meets A), and the seeds whose outcome
+    is not the plan's (caught exactly when the slot meets A): none, unless a site check misjudges."""
+    from hw.real.coverage import CoveragePlan
+    from hw.real.faults import RealFault
+    from hw.real.site_check import check_recorded
+
+    f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer)
+    lr = build_lockstep(preset=preset, seed=seed, k=7, max_new=max_new, coverage=1, fault=f, run_dir=run_dir,
+                        mode="continuous")
+    lr.run(at + 1)
+    if f.fired_at is None:
+        return {"kind": kind, "fired_at": None}
+    e = lr.entries[f.fired_at]
+    prog, nth = e["program"], e["coverage"]["nth"]
+    affected = sorted((prog, *x[:3]) for x in e["sites"] if x[3] == "fail")
+    head = any(not h["passed"] for h in e["findings"] if tuple(h["site"] or ())[:1] == ("head",))
+    drafter = any(x[1] == "drafter" and x[3] == "fail" for x in e["sites"])
+    caught, probs, disagree = [], [], []
+    for s in plan_seeds:
+        plan = CoveragePlan.for_deployment(lr.sim.dep, n, s)
+        probs.append(1.0 if head else plan.hit_probability(prog, affected))
+        planned = plan.plan(prog, nth)
+        r = check_recorded(str(run_dir), f.fired_at, planned)
+        # the drafter site needs golden's whole dispatch: its verdict is the live check's at N = 1
+        caught.append(any(x["verdict"] == "fail" for x in r["sites"]) or any(not h["passed"] for h in r["head"])
+                      or (drafter and any(x[2] == "drafter" for x in planned)))
+        # each seed's outcome is the plan's: caught exactly when its slot meets A (or the head fails)
+        if caught[-1] != (head or bool(set(planned) & set(affected))):
+            disagree.append(s)
+    return {"kind": kind, "layer": layer, "fired_at": f.fired_at, "program": prog, "n": n, "trials": len(caught),
+            "affected_sites": [list(a) for a in affected], "head": head, "caught": sum(caught),
+            "disagree_with_plan": disagree,
+            "frequency": sum(caught) / len(caught), "plan_probability": float(sum(probs) / len(probs))}
 
 
 def replay_records(run_dir, *, policy=None, workers=None) -> list[dict]:

@@ -1,0 +1,381 @@
+"""The site check: one target layer's stages judged from the device's recorded state alone.
+
+Checking a site (program, group, layer, stage) runs golden's sub-layer that computes the stage
+from the device's own tap of that sub-layer's input (`attn_in` for the attention stages,
+`attn_x_hc` for the MoE stages) and the device's pools before the dispatch, with the dispatch's
+staged metadata, and compares the stage's tap on the group's token rows (and, for the pool stages
+kv and cmp_kv, the pool rows the group's tokens map, with every unmapped row held to its bytes
+before) under the lockstep's tolerance policy.  So a check needs no layer before it, and a mismatch
+is localized within the sub-layer: the first of its stages, in dependency order, that fails.
+Near-tie routes and indexer rows are adopted from the device as in the full lockstep
+(`hw.real.side.TapPar.resync_hooks`).
+
+Every dispatch also gets the head check (and a dispatch without a target forward, the check that it
+wrote no target pool): golden's final head from the device's last layer output
+gives the logits; the device's greedy samples are judged against them with the sample tie rule, its
+sampled-token outputs must be those samples, and a fused K=7 dispatch's accepted tokens must be
+golden's acceptance (`golden.dspark.state.accept`) of them from the K=7 state before the dispatch.
+
+`check_recorded(run_dir, index, sites)` is the unit a checker pool or a Ray task runs: paths, ints
+and site lists in, plain dicts out.  `check_view` is the same on a live dispatch (`DispatchView`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from golden.compose import attention_sublayer, device_meta, final_head, moe_sublayer, rope_inputs
+from golden.dspark.state import DeviceState, SlotRef, accept, prepare
+from golden.numerics import numerics
+from golden.paged import DECODE, PREFILL, StepMeta
+
+from ..compare import Finding, compare_pool, compare_tensor
+from ..localize import compose_kind
+from ..tolerance import Policy
+from .coverage import ATTENTION_STAGES, MOE_STAGES, layer_stages
+from .side import INDEX_TIE_TOL, POOL_KIND, POOL_SLOTS, POOL_STAGE, LayerTaps, TapPar
+
+FORMS = (PREFILL, DECODE)
+META_FIELDS = tuple(f.name for f in fields(StepMeta) if f.name not in ("form", "tables", "slots"))
+
+
+@dataclass
+class DispatchView:
+    """What the site check reads of one dispatch, all of it the device's or the staged dispatch's.
+
+    meta: the staged `StepMeta` of the dispatch's target forward (None: no target forward);
+    taps: the device's taps of it; before / after: the device's target pools per layer around the
+    dispatch; row_group: each token row's TP group; sampled: the device's greedy tokens of the
+    forward; outputs: the device's outputs; state: the K=7 state before the dispatch and refs the
+    slots of its requests in row order (fused dispatches)."""
+
+    program: str
+    meta: StepMeta | None
+    taps: dict
+    before: list
+    after: list
+    row_group: np.ndarray
+    sampled: np.ndarray | None = None
+    outputs: dict | None = None
+    state: DeviceState | None = None
+    refs: list | None = None
+
+
+class SiteGolden:
+    """Golden's weights, numerics and the tie margins a site check uses."""
+
+    def __init__(self, cfg, ckpt, nm="device", policy: Policy | None = None, index_tie_tol: float = INDEX_TIE_TOL):
+        self.cfg, self.ckpt, self.nm = cfg, ckpt, numerics(nm, cfg=cfg)
+        self.policy = policy or Policy()
+        self.index_tie_tol = index_tie_tol
+
+    def par(self, dtaps) -> TapPar:
+        par = TapPar()
+        par.route_from = dtaps
+        par.tie_tol = lambda d: self.policy.lookup("route", "i32", depth=d).tie_tol or 0.0
+        par.index_tie_tol = self.index_tie_tol
+        return par
+
+    @property
+    def tie_samples(self) -> float:
+        return self.policy.lookup("sample", "i32", depth=self.cfg.num_hidden_layers).tie_tol or 0.0
+
+
+def sample_finding(device_tokens, golden_logits, tie: float) -> Finding | None:
+    """The device's greedy tokens against the golden's logits: a token is right when its golden logit
+    is within `tie` (relative) of the golden's best (a near-tie either side may pick)."""
+    gl = np.asarray(golden_logits, np.float64)
+    ds = np.asarray(device_tokens).reshape(-1)
+    if ds.size != gl.shape[0]:
+        return Finding("sampled_ids", False, ("sample", "i32", "none"), points=int(gl.shape[0]),
+                       reasons=[f"{ds.size} greedy samples for {gl.shape[0]} logit rows"], site=("head", "sample"))
+    gs = gl.argmax(-1)
+    rows = np.flatnonzero(gs != ds)
+    hard = [int(r) for r in rows if gl[r, ds[r]] < gl[r].max() - tie * max(1.0, abs(gl[r].max()))]
+    if not hard:
+        return None
+    return Finding("sampled_ids", False, ("sample", "i32", "none"), points=int(gs.size), bad_points=len(hard),
+                   bad_rows=hard, reasons=[f"{len(hard)} of {gs.size} greedy samples differ beyond ties"],
+                   metrics={"mismatches": len(hard)}, site=("head", "sample"))
+
+
+# ---- the target layer sites ---------------------------------------------------------------------------
+def _sublayer(stage: str) -> str:
+    return "attn" if stage in ATTENTION_STAGES else "moe"
+
+
+def _golden_sublayer(sg: SiteGolden, view: DispatchView, layer: int, part: str, par: TapPar) -> LayerTaps:
+    cfg, nm, meta = sg.cfg, sg.nm, view.meta
+    m = device_meta(meta, nm)
+    taps = LayerTaps()
+    moe, indexer = par.resync_hooks(taps, sg.ckpt)
+    w = sg.ckpt.layer(layer)
+    if part == "attn":
+        _, pools = attention_sublayer(view.taps[(layer, "attn_in")], layer, w, view.before[layer], m,
+                                      rope_inputs(cfg, meta.position_ids, nm), cfg=cfg, nm=nm, form=meta.form,
+                                      taps=taps, indexer=indexer)
+        taps.pools = pools
+    else:
+        expert = sg.ckpt.experts_of(layer) if hasattr(sg.ckpt, "experts_of") else (lambda e: sg.ckpt.expert(layer, e))
+        moe_sublayer(view.taps[(layer, "attn_x_hc")], layer, w, expert, m["input_ids"], cfg=cfg, nm=nm, taps=taps,
+                     moe=moe)
+    return taps
+
+
+def _pool_findings(sg: SiteGolden, view: DispatchView, layer: int, stage: str, rows, golden_pools) -> list[Finding]:
+    """The pools of `stage` in `layer`: rows the group's tokens map within tolerance; rows no token of
+    the dispatch maps bit-identical to before (rows other groups map are theirs to check)."""
+    out = []
+    for pool, st in POOL_STAGE.items():
+        if st != stage or pool not in golden_pools:
+            continue
+        a, e, b = (np.asarray(x[pool]) for x in (view.after[layer], golden_pools, view.before[layer]))
+        a2, e2, b2 = (x.reshape(-1, x.shape[-1]) for x in (a, e, b))
+        slots = np.asarray(view.meta.slots[POOL_SLOTS[pool]], np.int64)
+        mine = np.unique(slots[rows][slots[rows] >= 0])
+        others = np.setdiff1d(np.unique(slots[slots >= 0]), mine)
+        keep = np.ones(a2.shape[0], bool)
+        keep[others] = False
+        kind = POOL_KIND[pool]
+        f = compare_pool(f"{layer}/{pool}", a2[keep], e2[keep], b2[keep], np.searchsorted(np.flatnonzero(keep), mine),
+                         sg.policy.lookup(*kind), kind)
+        f.site = (layer, stage)
+        out.append(f)
+    return out
+
+
+def _stage_findings(sg: SiteGolden, view: DispatchView, layer: int, stage: str, rows, gtaps) -> list[Finding]:
+    site = (layer, stage)
+    out = []
+    if stage in ("kv", "cmp_kv"):
+        out += _pool_findings(sg, view, layer, stage, rows, gtaps.pools)
+    if site in gtaps and site in view.taps:
+        kind = compose_kind(site)
+        dv, gv = view.taps[site], gtaps[site]
+        if isinstance(gv, (tuple, list)):           # cmp_kv: (token rows pooled, their compressed rows)
+            parts = list(zip(dv, gv))
+        else:
+            parts = [(np.asarray(dv)[rows], np.asarray(gv)[rows])]
+        for i, (a, e) in enumerate(parts):
+            f = compare_tensor(f"{layer}/{stage}" + (f"[{i}]" if len(parts) > 1 else ""), a, e,
+                               sg.policy.lookup(*kind), kind)
+            f.site = site
+            out.append(f)
+    return out
+
+
+def check_layer_sites(sg: SiteGolden, view: DispatchView, sites) -> tuple[list[dict], list[dict]]:
+    """Per target site (program, group, layer, stage): {"site", "verdict", "rows"} and, failing, the
+    finding and the first divergent stage of its sub-layer ("first_divergence"); with the re-syncs
+    (near-tie routes and indexer rows the golden adopted)."""
+    par = sg.par(view.taps)
+    runs: dict = {}
+    out = []
+    for site in sites:
+        _, group, layer, stage = site
+        rows = np.flatnonzero(np.asarray(view.row_group) == group)
+        res = {"site": list(site), "rows": int(rows.size), "verdict": "pass"}
+        if not rows.size and stage in ("kv", "cmp_kv"):
+            # the group has no rows here: its pool site still holds every row no token maps to its bytes
+            bad = [f for f in _pool_findings(sg, view, layer, stage, rows, view.before[layer]) if not f.passed]
+            if bad:
+                res.update(verdict="fail", finding=bad[0].to_dict(), first_divergence=localized(bad[0]))
+        elif rows.size:
+            key = (layer, _sublayer(stage))
+            if key not in runs:
+                runs[key] = _golden_sublayer(sg, view, layer, key[1], par)
+            fs = _stage_findings(sg, view, layer, stage, rows, runs[key])
+            bad = [f for f in fs if not f.passed]
+            if bad:
+                res["verdict"] = "fail"
+                res["finding"] = bad[0].to_dict()
+                res["first_divergence"] = _localize_in_sublayer(sg, view, layer, stage, rows, runs[key])
+        out.append(res)
+    return out, par.resyncs
+
+
+def _localize_in_sublayer(sg, view, layer, stage, rows, gtaps) -> dict:
+    order = ATTENTION_STAGES if _sublayer(stage) == "attn" else MOE_STAGES
+    for s in (s for s in order if s in layer_stages(sg.cfg, layer)):
+        bad = [f for f in _stage_findings(sg, view, layer, s, rows, gtaps) if not f.passed]
+        if bad:
+            return localized(bad[0])
+        if s == stage:
+            break
+    raise AssertionError("a failing stage localizes to itself at the latest")
+
+
+def localized(f: Finding) -> dict:
+    return {"layer": str(f.site[0]), "stage": f.site[1], "tensor": f.name, "reasons": f.reasons,
+            "metrics": f.to_dict()["metrics"], "bad_rows": f.bad_rows[:8]}
+
+
+# ---- the head, every dispatch --------------------------------------------------------------------------
+def head_findings(sg: SiteGolden, view: DispatchView) -> list[Finding]:
+    """Logits from golden's head on the device's last layer output; samples, sampled-token outputs and
+    (fused) accepted tokens from them."""
+    cfg, nm = sg.cfg, sg.nm
+    out: list[Finding] = []
+    last = (cfg.num_hidden_layers - 1, "x_hc")
+    if view.meta is None or last not in view.taps or ("head", "logits") not in view.taps:
+        return out
+    m = device_meta(view.meta, nm)
+    gtaps = LayerTaps()
+    logits, _ = final_head(view.taps[last], sg.ckpt.model(), m["logit_row_indices"], cfg=cfg, nm=nm, taps=gtaps)
+    for stage in ("hidden", "logits"):
+        site = ("head", stage)
+        kind = compose_kind(site)
+        f = compare_tensor(f"head/{stage}", view.taps[site], gtaps[site], sg.policy.lookup(*kind), kind)
+        f.site = site
+        out.append(f)
+    s = sample_finding(view.sampled, logits, sg.tie_samples)
+    if s is not None:
+        out.append(s)
+    outs = view.outputs or {}
+    if "sampled_ids" in outs and not np.array_equal(np.asarray(outs["sampled_ids"]).reshape(-1),
+                                                    np.asarray(view.sampled).reshape(-1)):
+        out.append(Finding("sampled_ids", False, ("sample", "i32", "none"), points=int(np.size(view.sampled)),
+                           reasons=["the dispatch's sampled tokens are not its greedy samples (exact)"],
+                           site=("head", "sample")))
+    if "accepted_ids" in outs and view.state is not None:
+        prep = prepare(view.state, view.refs)
+        flat = np.asarray(view.sampled, np.int64).reshape(-1)
+        sampled = np.full(prep.tokens.shape, -1, np.int64)
+        starts = np.concatenate([[0], np.cumsum(prep.active_width)])
+        for i in range(len(view.refs)):
+            sampled[i, :prep.active_width[i]] = flat[starts[i]:starts[i + 1]]
+        acc, _ = accept(view.state, prep, sampled)
+        if not (np.array_equal(acc.token_ids, outs["accepted_ids"])
+                and np.array_equal(acc.counts, outs["accepted_counts"])):
+            out.append(Finding("accepted_ids", False, ("sample", "i32", "none"), points=int(acc.token_ids.size),
+                               reasons=["differs from golden's acceptance of the device's samples (exact)"],
+                               site=("head", "sample")))
+    return out
+
+
+def unwritten_findings(view: DispatchView) -> list[Finding]:
+    """A dispatch without a target forward (a seeding wave) writes no target pool: any target pool row
+    it changed is a stray write, found on every such dispatch (identity first: pools are replaced,
+    never mutated, so an untouched pool is the same array)."""
+    out = []
+    if view.meta is not None:
+        return out
+    for layer, (pb, pa) in enumerate(zip(view.before, view.after)):
+        for pool, b in pb.items():
+            a = pa[pool]
+            if a is b:
+                continue
+            a2, b2 = (np.asarray(x).reshape(-1, np.shape(x)[-1]) for x in (a, b))
+            moved = np.flatnonzero((a2.view(np.uint8).reshape(a2.shape[0], -1)
+                                    != b2.view(np.uint8).reshape(b2.shape[0], -1)).any(-1))
+            if moved.size:
+                out.append(Finding(f"{layer}/{pool}", False, POOL_KIND[pool], points=int(b2.size),
+                                   bad_rows=moved[:8].tolist(),
+                                   reasons=[f"{moved.size} rows changed by a dispatch that writes no target pool"],
+                                   metrics={"unmapped_modified_rows": int(moved.size)},
+                                   site=(layer, POOL_STAGE[pool])))
+    return out
+
+
+def check_view(sg: SiteGolden, view: DispatchView, sites) -> dict:
+    """The head check and the target `sites` of one dispatch: {"head": [findings], "sites": [...],
+    "resyncs": [...]} (plain data)."""
+    target = [tuple(s) for s in sites if s[2] != "drafter"]
+    res, resyncs = check_layer_sites(sg, view, target) if view.meta is not None else ([], [])
+    # the drafter reads the target hidden its dispatch computes: its site is the live lockstep's (golden's
+    # whole dispatch from the device's state, `RealLockstep.check_sampled`), not a records-only check
+    res += [{"site": list(s), "rows": 0, "verdict": "unchecked",
+             "why": "the drafter site runs golden's whole dispatch (the lockstep, live or replayed)"}
+            for s in sites if s[2] == "drafter"]
+    every = head_findings(sg, view) + unwritten_findings(view)
+    return {"head": [f.to_dict() for f in every], "sites": res, "resyncs": resyncs}
+
+
+# ---- from records ----------------------------------------------------------------------------------
+def site_arrays(side, seqs, kind: str) -> dict:
+    """What a site check reads of a live dispatch beyond the device's outputs and taps (recorded
+    with them): the staged meta of the device side's last target forward, each token row's group,
+    the form, and the K=7 slots of a fused dispatch's requests in row order."""
+    calls = side.par.calls
+    out = {}
+    if calls:
+        meta = calls[-1][0]
+        group_of = {s.index: s.group for s in side.run.seqs}
+        out["site:row_group"] = np.array([group_of[int(r)] for r in meta.req], np.int64)
+        out["site:form"] = np.array([FORMS.index(meta.form)], np.int64)
+        out.update({f"site:meta/{k}": np.asarray(getattr(meta, k)) for k in META_FIELDS})
+        out.update({f"site:tables/{k}": np.asarray(v) for k, v in meta.tables.items()})
+        out.update({f"site:slots/{k}": np.asarray(v) for k, v in meta.slots.items()})
+    if kind == "decode" and side.served.k:
+        out["site:refs"] = np.array([[s.group, s.lease, s.generation] for s in seqs], np.int64).reshape(-1, 3)
+    return out
+
+
+def view_from_step(program: str, step, before: list, after: list, state) -> DispatchView:
+    """The view of one dispatch from its `DeviceStep` (live, or read back from its record)."""
+    a = step.site
+    meta = None
+    if "site:form" in a:
+        get = {k[len("site:meta/"):]: v for k, v in a.items() if k.startswith("site:meta/")}
+        tables = {k[len("site:tables/"):]: v for k, v in a.items() if k.startswith("site:tables/")}
+        slots = {k[len("site:slots/"):]: v for k, v in a.items() if k.startswith("site:slots/")}
+        meta = StepMeta(FORMS[int(a["site:form"][0])], **{k: get[k] for k in META_FIELDS}, tables=tables, slots=slots)
+    refs = [SlotRef(int(g), int(le), int(ge)) for g, le, ge in a["site:refs"]] if "site:refs" in a else None
+    return DispatchView(program, meta, step.taps, before, after, a.get("site:row_group", np.zeros(0, np.int64)),
+                        step.sampled[-1] if step.sampled else None, step.outputs, state, refs)
+
+
+_GOLDEN: dict = {}
+_STATES: dict = {}
+
+
+def recorded_golden(run_dir, policy: str | None = None) -> tuple[SiteGolden, dict]:
+    """The golden of a recorded run (its config's preset, seed and numerics) under the tolerance
+    policy in the JSON file `policy` (default: the built-in one); cached per process."""
+    from golden.checkpoint import SyntheticCheckpoint
+    from twin.abi.presets import get_preset
+
+    from .records import read_config
+
+    key = (str(Path(run_dir).resolve()), policy)
+    if key not in _GOLDEN:
+        b = read_config(run_dir)
+        cfg = get_preset(b["preset"])
+        pol = Policy.from_json(policy) if policy else None
+        _GOLDEN[key] = (SiteGolden(cfg, SyntheticCheckpoint(cfg, b["seed"]), b["golden_mode"], pol), b)
+    return _GOLDEN[key]
+
+
+def check_recorded(run_dir: str, index: int, sites, policy: str | None = None) -> dict:
+    """Check `sites` (lists or tuples (program, group, layer, stage)) of recorded dispatch `index` of
+    the run in `run_dir` from its records alone (a run recorded with coverage keeps what this reads),
+    under the tolerance policy file `policy` (the lockstep's --policy; default the built-in one)."""
+    from ..records import RecordStore
+    from .records import apply_deltas, outputs_step
+
+    sg, _ = recorded_golden(run_dir, policy)
+    key = (str(Path(run_dir).resolve()), int(index))
+    if key not in _STATES:
+        # the device's state before and after the dispatch: the initial state with the deltas applied
+        store = RecordStore(Path(run_dir) / "records")
+        recs = store.records()
+        state = {k: store.get(h) for k, h in store.initial_hashes().items()}
+        for rec in recs[:index]:
+            state = apply_deltas(store, state, rec.state_delta)
+        rec = recs[index]
+        _STATES.clear()                     # one dispatch held: a worker checks a dispatch's sites together
+        _STATES[key] = (rec, state, apply_deltas(store, state, rec.state_delta),
+                        outputs_step({k: store.get(h) for k, h in rec.outputs.items()}))
+    rec, state, after, step = _STATES[key]
+    n = sg.cfg.num_hidden_layers
+
+    def layers(st):
+        return [{k.split("/", 1)[1]: v for k, v in st.items() if k.split("/", 1)[0] == str(layer)} for layer in range(n)]
+
+    st = None
+    if "dspark/tokens" in state:
+        st = DeviceState(state["dspark/tokens"], state["dspark/meta"], sg.cfg.dspark_noise_token_id)
+    view = view_from_step(rec.program, step, layers(state), layers(after), st)
+    return {"index": int(index), "program": rec.program, **check_view(sg, view, sites)}
