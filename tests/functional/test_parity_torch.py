@@ -5,7 +5,8 @@ A clean K=0 run on TINY with a shared 128-token prefix (a prefix-cache hit), a p
 split decodes passes under the default tolerance policy; a bug seeded into golden (the mask off by
 one and the scale transposed of the kernel-level seeded test, reused so both levels seed the same
 mistakes) makes the run fail at the dispatch it first matters in, localized to its (layer, stage),
-with every dispatch before it passing.  Dispatch counts stay under 20 and torch runs one thread."""
+with every dispatch before it passing.  On SMALL (11 layers, 32 experts over 16 ranks) a clean K=0
+run passes too.  Dispatch counts stay under 20 and torch runs one thread."""
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -79,6 +80,17 @@ def test_the_clean_run_compared_every_written_pool_and_the_hidden(clean):
     # an independent device: FP32 sums against golden's float64 ones, so the hidden is close, not equal
     assert all(0 < f["metrics"]["rel_l2"] for f in hidden)
     assert all(f["passed"] for f in hidden)
+
+
+def test_a_clean_small_run_against_the_torch_device_passes():
+    lr = build_lockstep(preset="small", backend="torch", k=0, n_requests=3, max_new=4, record=False)
+    s = lr.run(10)
+    assert s["verdict"] == "PASS" and s["failed_dispatches"] == 0, s["first_divergence"]
+    assert s["programs"]["l3_prefill_fwd"]["dispatches"] >= 2 and s["programs"]["l3_decode_fwd"]["dispatches"] >= 3
+    seen = {f["name"].split("/")[-1] for e in lr.entries for f in e["findings"]}
+    assert {"main_hidden", "kv_cache", "csa_cmp_kv", "idx_kv_cache", "csa_compress_state", "hca_compress_state"} <= seen
+    # an independent FP32 device against golden's float64 sums: close, never bit-equal
+    assert all(0 < m["max_rel_l2"] for m in s["worst_metrics"].values())
 
 
 @pytest.mark.parametrize("bug, site", [("mask", ("0", "attn")), ("scale", ("2", "idx_topk"))])
