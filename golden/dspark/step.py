@@ -345,9 +345,14 @@ def plain_step(g: Golden, run: Run, seqs) -> None:
     flat, mh = forward_spans(g, run, spans, DECODE)
     for i, s in enumerate(seqs):
         _log_hidden(run, s, [s.anchor], mh[i:i + 1])
-        s.anchor, s.current = s.anchor + 1, int(flat[i])
-        s.generated.append(s.current)
+        advance(s, flat[i])
     run.steps += 1
+
+
+def advance(s: Seq, token) -> None:
+    """K=0 commit: the token sampled at the anchor becomes the current one, one position on."""
+    s.anchor, s.current = s.anchor + 1, int(token)
+    s.generated.append(s.current)
 
 
 def generate(g: Golden, requests, *, k: int, chunk: int | None = None, draft_policy: DraftPolicy | None = None,

@@ -10,8 +10,9 @@ rows on its group's ranks; decode: the request's verify row on its owner rank; l
 request's logit entry, the full vocabulary).
 
 The adapter also keeps the served requests' bookkeeping (anchor, current token, generated tokens,
-the captured hidden tail) from the device's own samples, so what the scheduler commits is the
-torch device's.  Only the K=0 programs (`l3_prefill_fwd`, `l3_decode_fwd`) run here: the fused K=7
+the captured hidden tail) from the device's own samples, through golden's own commit rules
+(`golden.dispatch.commit_prefill`, `golden.dspark.step.advance`), so what the scheduler commits is
+the torch device's.  Only the K=0 programs (`l3_prefill_fwd`, `l3_decode_fwd`) run here: the fused K=7
 step is not in the torch device, and `build_lockstep` refuses `k=7` with this backend.
 """
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Mapping
 import ml_dtypes
 import numpy as np
 
-from golden.dispatch import placement_order
-from twin.abi import constants as C
+from golden.dispatch import commit_prefill, placement_order
+from golden.dspark.step import advance
 from twin.abi.errors import AbiError
 from twin.abi.programs import STATE, bind
 
@@ -107,12 +108,12 @@ class TorchLockstepDevice:
         sv.run.caches = caches
         if kind == "prefill":
             mh = np.stack([_widen(res.outputs["dspark_target_hidden"][r, i]) for r, i in tok])
-            self._commit_prefill(seqs, items, sampled, mh)
+            commit_prefill(seqs, items, sampled, mh)
             out = {"sampled_ids": sampled, "main_hidden": mh}
         else:
             for it, s, t in zip(items, seqs, sampled):
-                s.anchor, s.current = int(it.anchor) + 1, int(t)
-                s.generated.append(s.current)
+                s.anchor = int(it.anchor)          # the staged position, as golden's split decode runs
+                advance(s, t)
             sv.run.steps += 1
             out = {"sampled_ids": sampled}
         after = side_state(side)
@@ -134,22 +135,6 @@ class TorchLockstepDevice:
                 raise AbiError(name, "differs", "the scheduler's lowering of the same batch", where=self.name)
         return Dispatch(d.program, {**d.args, "x_hc": e.args["x_hc"]}, {**d.meta, **e.meta, "kind": d.meta["kind"],
                                                                          "items": d.meta["items"]})
-
-    @staticmethod
-    def _commit_prefill(seqs, items, sampled, mh) -> None:
-        """A prefill's bookkeeping from the device's samples: the rolling 128-row hidden tail of each
-        chunk and, at a prompt's terminal chunk, its anchor and first token (golden.dispatch's rule)."""
-        row = 0
-        for s, it, t in zip(seqs, items, sampled):
-            a, b = it.num_computed, it.end
-            for p, h in zip(range(a, b), mh[row:row + b - a]):
-                s.tail[p] = h
-            s.tail = {p: h for p, h in s.tail.items() if p > b - 1 - C.SLIDING_WINDOW}
-            row += b - a
-            if it.terminal:
-                s.req = type(s.req)(s.req.request_id, s.req.prompt[:it.prompt_len], s.req.max_new_tokens)
-                s.anchor, s.current = b, int(t)
-                s.generated.append(s.current)
 
     def _rows(self, d, items):
         """(token rows, logit rows) of the dispatch in golden's order, each (rank, row in the rank)."""
