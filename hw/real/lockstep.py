@@ -379,7 +379,7 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
     preset's deployment): golden's side in `golden_mode` numerics and the device, both on the
     synthetic checkpoint of `seed`.  backend "selfcheck": `SelfCheckBackend` (the same compositions
     with `TorchNumerics(golden_mode, device)`); "torch": the independent `hw.torchdev.TorchBackend`
-    behind `TorchLockstepDevice` (K=0 only, no device faults)."""
+    behind `TorchLockstepDevice` (K=0 and K=7, no device faults)."""
     from golden.checkpoint import SyntheticCheckpoint
     from golden.dspark.weights import DrafterCheckpoint
 
@@ -405,7 +405,7 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                            "device's compositions)", where="hw.real lockstep")
         # the device side keeps golden-layout pools and request bookkeeping; the torch device computes
         dev = Side(f"torch:{device}", cfg, ck, dk, golden_mode, ctx)
-        backend = TorchLockstepDevice(dev, ctx, device, ck)
+        backend = TorchLockstepDevice(dev, ctx, device, ck, dk)
     else:
         dev = Side(f"torch:{device}", cfg, ck, dk, TorchNumerics(golden_mode, device=device), ctx)
         backend = SelfCheckBackend(dev, device, fault)
