@@ -50,7 +50,7 @@ def _state(rng, n_live: int, limit: int = 300):
 def test_acceptance_and_commit_equal_golden_exactly(seed):
     rng = np.random.default_rng(seed)
     st, refs = _state(rng, 6)
-    live, stale = refs[:-1], refs[-1]
+    live = refs[:-1]
     slot_ids = torch.tensor([r.lease for r in refs] + [-1])
     gens = torch.tensor([r.generation for r in refs] + [-1])
     tok, meta = torch.from_numpy(st.tokens[0].copy()), torch.from_numpy(st.meta[0].copy())
