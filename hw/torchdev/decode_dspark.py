@@ -194,12 +194,14 @@ def _drafter_args(a, cfg, dep, preps, accs, B):
         ctx_slot.append(torch.stack(per_layer))
         q_slot.append(torch.stack(q_layer))
     gpos_all = [torch.cat(ctx_pos[(r // tp) * tp:(r // tp) * tp + tp]) for r in range(R)]
-    qpos = [(anchors[r].long()[:, None] + 1 + torch.arange(QW, device=dev)[None, :]).reshape(-1) for r in range(R)]
+    # query rows a+1..a+7 of the rows that redraft; every other row's RoPE rows are zero
+    qpos = [torch.where(ns[r].bool()[:, None], anchors[r].long()[:, None] + 1 + torch.arange(QW, device=dev)[None, :],
+                        -1).reshape(-1) for r in range(R)]
     qrows = C.DECODE_BATCH // tp * QW
-    qpad = [torch.cat([q, torch.zeros(qrows - q.shape[0], dtype=q.dtype, device=dev)]) for q in qpos]
+    qpad = [torch.cat([q, torch.full((qrows - q.shape[0],), -1, dtype=q.dtype, device=dev)]) for q in qpos]
     return {
         "target_hidden": torch.stack(hidden), "num_sampled": torch.stack(ns), "last_sampled": torch.stack(last),
-        "next_prefill_tokens": torch.stack(last), "anchor_positions": torch.stack(anchors).to(torch.int32),
+        "next_prefill_tokens": torch.zeros_like(torch.stack(last)), "anchor_positions": torch.stack(anchors).to(torch.int32),
         "context_group_slot_mapping": torch.stack(ctx_slot),
         "context_group_freqs_cos": torch.stack([_rope(swa_c[r], gpos_all[r]) for r in range(R)]),
         "context_group_freqs_sin": torch.stack([_rope(swa_s[r], gpos_all[r]) for r in range(R)]),

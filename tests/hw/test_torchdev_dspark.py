@@ -11,12 +11,13 @@ from golden.dspark import state as GS  # noqa: E402
 from golden.dspark.weights import DrafterCheckpoint  # noqa: E402
 from hw.golden_args import stage_weights  # noqa: E402
 from hw.torchdev.args import Args, to_numpy  # noqa: E402
-from hw.torchdev.decode_dspark import _target_args, extents  # noqa: E402
+from hw.torchdev.decode_dspark import View, _drafter_args, _target_args, extents  # noqa: E402
 from hw.torchdev.device_state import accept, commit, prepare  # noqa: E402
 from twin.abi import constants as C  # noqa: E402
-from twin.abi.batches import DecodeBatch, DecodeItem  # noqa: E402
-from twin.abi.lowering import lower_decode, validate  # noqa: E402
+from twin.abi.batches import DecodeBatch, DecodeItem, DrafterBatch, DrafterItem  # noqa: E402
+from twin.abi.lowering import lower_decode, lower_drafter, validate  # noqa: E402
 from twin.abi.lowering.fused import lower_fused  # noqa: E402
+from twin.abi.programs import get_program  # noqa: E402
 from torchdev_case import build  # noqa: E402
 
 NOISE = 7
@@ -112,7 +113,8 @@ def derived():
     preps = [prepare(a["state_tokens"][g * tp], a["state_meta"][g * tp], a["group_state_slot_ids"][g * tp],
                      a["group_state_generations"][g * tp]) for g in range(dep.partitions)]
     out = _target_args(a, cfg, dep, preps)
-    return split, fused, {k: to_numpy(v, a.bound[k].dtype if k in a.bound else _split_dtype(k)) for k, v in out.items()}
+    out = {k: to_numpy(v, a.bound[k].dtype if k in a.bound else _split_dtype(k)) for k, v in out.items()}
+    return split, fused, out, (case, items, a, preps)
 
 
 def _bound(d, dep, slots):
@@ -143,14 +145,14 @@ EXACT = ("position_ids", "position_ids_local", "swa_slot_mapping", "csa_ori_slot
 @pytest.mark.parametrize("name", EXACT)
 def test_derived_target_arguments_equal_the_split_lowering(derived, name):
     """Integer descriptors and RoPE rows (the same table rows, bit for bit: one function writes both)."""
-    split, _, out = derived
+    split, _, out, _ = derived
     assert np.array_equal(out[name], np.asarray(split.args[name])), name
     if "slot" in name or "indices" in name:
         assert (out[name] >= 0).any()          # live rows write (and read) somewhere: not a vacuous -1 match
 
 
 def test_derived_per_request_arguments_equal_on_live_rows(derived):
-    split, fused, out = derived
+    split, fused, out, _ = derived
     ntpo = np.asarray(fused.args["num_tokens_per_owner"])
     for r in range(ntpo.shape[0]):
         n = int(ntpo[r])
@@ -161,3 +163,42 @@ def test_derived_per_request_arguments_equal_on_live_rows(derived):
     for k in ("hca_cmp_freqs_cos", "hca_cmp_freqs_sin"):
         assert np.array_equal(out[k][live], np.asarray(split.args[k])[live])
     assert live.sum() == 3 * C.TP_SIZE
+
+
+def test_derived_drafter_arguments_equal_the_drafter_lowering(derived):
+    """After the acceptance (here 3, 1 and 8 accepted tokens), the drafter's inputs the device builds
+    equal the redraft batch `l3_dspark_drafter` would be staged with: the accepted rows as context
+    at old_anchor + o, the query block after the new drafter anchor, every slot in the lease's ring."""
+    _, fused, _, (case, items, a, preps) = derived
+    ctx, dep, cfg = case.ctx, case.dep, case.cfg
+    tp = ctx.tp
+    counts = {"r0": 3, "r1": 1, "r2": 8}
+    accs = []
+    for g in range(dep.partitions):
+        p = preps[g]
+        smp = torch.full((C.DECODE_BATCH, 8), 5, dtype=torch.long)
+        for it in items:
+            if it.partition == g:
+                s = int(np.flatnonzero(np.asarray(fused.args["group_state_slot_ids"])[g * tp] == it.lease)[0])
+                k = counts[it.request_id] - 1
+                smp[s, :k] = torch.tensor(it.pending_drafts[:k])
+        accs.append(accept(p.tokens.clone(), torch.zeros(64, 6, dtype=torch.int32), p, smp, NOISE))
+    B = int(fused.args["draft_block_tables"].shape[2])
+    hidden = torch.zeros(dep.ranks, 128, 3 * cfg.hidden_size)
+    got = _drafter_args(View(a, {"dspark_target_hidden_out": hidden}), cfg, dep, preps, accs, B)
+    rows = []
+    for it in items:
+        c = counts[it.request_id]
+        # the bonus token is the target's sample after the last accepted draft: 5 everywhere here
+        rows.append(DrafterItem(it.request_id, it.partition, it.lease, 1, it.anchor + c - 1,
+                                tuple(range(it.anchor, it.anchor + c)), 1, last_sampled=5))
+    want = lower_drafter(DrafterBatch(tuple(rows)), ctx)
+    assert want.meta["B"] == B
+    for name in ("num_sampled", "last_sampled", "next_prefill_tokens", "anchor_positions",
+                 "context_group_slot_mapping", "context_group_freqs_cos", "context_group_freqs_sin",
+                 "query_group_slot_mapping", "query_freqs_cos", "query_freqs_sin"):
+        dt = get_program("l3_dspark_drafter").arg(name).dtype
+        assert np.array_equal(to_numpy(got[name], dt), np.asarray(want.args[name])), name
+    # every accepted row's context slot, in each of the 3 draft layers, on each of its group's ranks
+    assert (np.asarray(want.args["context_group_slot_mapping"]) >= 0).sum() == 3 * tp * sum(counts.values())
+    assert sorted(int(x) for acc in accs for x in acc.counts if x) == [1, 3, 8]
