@@ -26,7 +26,8 @@ import ml_dtypes
 import numpy as np
 
 from golden.dispatch import commit_prefill, placement_order
-from golden.dspark.state import Accepted, DeviceState
+from golden.dspark.state import DRAFTS, Accepted, DeviceState, prepare
+from twin.abi import constants as C
 from golden.dspark.step import advance, commit_seed, commit_verify
 from twin.abi.errors import AbiError
 from twin.abi.programs import STATE, bind
@@ -38,6 +39,7 @@ from .side import install_state, side_state
 PROGRAMS = {("prefill", 0): "l3_prefill_fwd", ("decode", 0): "l3_decode_fwd", ("prefill", 7): "l3_prefill_fwd",
             ("seed", 7): "l3_dspark_draft_step_device_state", ("decode", 7): "l3_decode_fwd_dspark"}
 K7_POOLS = ("drafter", "device_state")
+FUSED = "l3_decode_fwd_dspark"
 
 
 def _extents(d) -> dict:
@@ -116,7 +118,7 @@ class TorchLockstepDevice:
         ext = _extents(dispatch)
         pools = stage_pools(dispatch.program, self.dep, self.slots, self.ctx, sv.run.caches, **ext)
         pools.update(self._stage_k7(dispatch.program, ext))
-        self._meta_before = None if sv.run.state is None else sv.run.state.meta.copy()
+        self._prep = prepare(sv.run.state, [s.ref for s in seqs]) if dispatch.program == FUSED else None
         res = self.torch.run(dispatch, pools)
         before = side_state(side)
         self._unstage_k7(res.state)
@@ -130,8 +132,8 @@ class TorchLockstepDevice:
             taps[site] = np.stack([v[r, i] for r, i in rows])
         sampled = np.array([int(res.outputs["sampled_ids"][r, i, 0]) for r, i in logit], np.int64)
         sv.run.caches = caches
-        if dispatch.program == "l3_decode_fwd_dspark":
-            out = self._verified(dispatch, items, seqs, res, tok)
+        if dispatch.program == FUSED:
+            out = self._verified(dispatch, items, seqs, res)
         elif kind == "prefill":
             mh = np.stack([_widen(res.outputs["dspark_target_hidden"][r, i]) for r, i in tok])
             commit_prefill(seqs, items, sampled, mh)
@@ -144,7 +146,7 @@ class TorchLockstepDevice:
             out = {"sampled_ids": sampled}
         after = side_state(side)
         routes = []
-        if dispatch.program == "l3_decode_fwd_dspark":
+        if dispatch.program == FUSED:
             calls: dict = {}
             for it, s, red in zip(items, seqs, out.pop("redraft")):
                 if red:
@@ -249,42 +251,35 @@ class TorchLockstepDevice:
         return DeviceResult(out, {k: v for k, v in after.items() if before.get(k) is not v}, {}, [],
                             self._draft_routes(res.taps, calls), seqs)
 
-    def _verified(self, d, items, seqs, res, tok) -> dict:
-        """The fused step's acceptance as golden's `Accepted` record, committed to the requests."""
-        sv = self.side.served
-        st_before = self._meta_before
-        n = len(seqs)
-        counts = np.zeros(n, np.int64)
-        ids = np.full((n, 8), -1, np.int64)
-        old, proposed, limit = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
-        for i, (it, s) in enumerate(zip(items, seqs)):
-            pl = d.meta["placement"][it.request_id]
-            r, b = pl["rank"], pl["local_row"]
-            counts[i] = int(res.outputs["accepted_counts"][r, b])
-            ids[i] = res.outputs["accepted_token_ids"][r, b]
-            m = st_before[s.group, s.lease]
-            old[i], limit[i] = m[2], m[5]
-            proposed[i] = m[4] if m[2] + m[4] < m[5] else 0
-        nxt = ids[np.arange(n), counts - 1]
-        acc = Accepted(counts, ids, nxt, old, old + counts - 1, old + counts + 7 < limit, counts - 1, proposed)
+    def _verified(self, d, items, seqs, res) -> dict:
+        """The device's acceptance as golden's `Accepted` record, committed to the requests: its accepted
+        tokens and counts, the bonus token (the last accepted one), and a redraft where the device
+        committed new drafts (draft_count 7 in its state)."""
+        sv, prep = self.side.served, self._prep
+        where = [(d.meta["placement"][it.request_id]["rank"], d.meta["placement"][it.request_id]["local_row"])
+                 for it in items]
+        counts = np.array([int(res.outputs["accepted_counts"][r, b]) for r, b in where], np.int64)
+        ids = np.stack([np.asarray(res.outputs["accepted_token_ids"][r, b], np.int64) for r, b in where])
+        st = sv.run.state                              # the device's, unstaged
+        redraft = np.array([st.meta[s.group, s.lease, DRAFTS] == C.DSPARK_QUERY_WIDTH for s in seqs])
+        acc = Accepted(counts, ids, ids[np.arange(len(seqs)), counts - 1], prep.anchor, prep.anchor + counts - 1,
+                       redraft, counts - 1, prep.draft_count)
         commit_verify(sv.run, seqs, acc)
         sv.run.steps += 1
-        st = sv.run.state
-        return {"redraft": acc.redraft, "accepted_ids": ids, "accepted_counts": counts, "num_draft_tokens": proposed,
+        return {"redraft": acc.redraft, "accepted_ids": ids, "accepted_counts": counts,
+                "num_draft_tokens": np.asarray(prep.draft_count, np.int64),
                 "drafts": np.stack([st.tokens[s.group, s.lease] for s in seqs]),
                 "state_meta": np.stack([st.meta[s.group, s.lease] for s in seqs])}
 
     def _rows(self, d, items):
         """(token rows, logit rows) of the dispatch in golden's order, each (rank, row in the rank)."""
         meta, tp = d.meta, self.ctx.tp
-        if d.program == "l3_decode_fwd_dspark":
+        if d.program == FUSED:
+            # each request's live verify rows (golden's prepare: the active width), on its owner rank
             rows = []
-            for it in items:
-                s = self.side.served.seqs[it.request_id]
-                m = self._meta_before[s.group, s.lease]
-                width = int(m[4]) + 1 if m[2] + m[4] < m[5] else 1
+            for it, width in zip(items, self._prep.active_width):
                 pl = meta["placement"][it.request_id]
-                rows += [(pl["rank"], pl["local_row"] * 8 + o) for o in range(width)]
+                rows += [(pl["rank"], pl["local_row"] * 8 + o) for o in range(int(width))]
             return rows, rows
         if d.program == "l3_decode_fwd":
             tok = [(meta["placement"][it.request_id]["rank"], meta["placement"][it.request_id]["local_row"] * 8)

@@ -150,8 +150,9 @@ def _target_args(a, cfg, dep, preps):
     return out
 
 
-def _drafter_args(a, cfg, dep, preps, accs, B):
-    """The drafter's host-staged tensors, built on device from the acceptance."""
+def _drafter_args(a, cfg, dep, preps, accs, B, target_hidden):
+    """The drafter's host-staged tensors, built on device from the acceptance and the verify's K21
+    target hidden [R, LOCAL_ROWS, 3 D]."""
     R, tp = dep.ranks, dep.topology.tp
     dev = a.device
     per = C.DECODE_BATCH // tp
@@ -161,7 +162,7 @@ def _drafter_args(a, cfg, dep, preps, accs, B):
     swa_c, swa_s = a["swa_rope_cos_table"], a["swa_rope_sin_table"]
     hidden, ctx_pos, ctx_slot, ns, last, anchors, q_slot = [], [], [], [], [], [], []
     for r in range(R):
-        g0, m = (r // tp) * tp, r % tp
+        m = r % tp
         acc, p = accs[r // tp], preps[r // tp]
         sl = slice(m * per, m * per + B)
         cnt, red = acc.counts[sl], acc.redraft[sl]
@@ -169,7 +170,7 @@ def _drafter_args(a, cfg, dep, preps, accs, B):
         use = red[:, None] & (o[None, :] < cnt[:, None])                                    # [B, 8]
         pos = torch.where(use, p.anchor[sl][:, None] + o[None, :], torch.full_like(use, -1, dtype=torch.long))
         ctx_pos.append(pos.reshape(-1))
-        th = a["dspark_target_hidden_out"][r][:TM]
+        th = target_hidden[r][:TM]
         hidden.append(torch.where(use.reshape(-1)[:, None], th, torch.zeros((), device=dev)))
         ns.append(red.to(torch.int32))
         last.append(torch.where(red, acc.next_token[sl], torch.zeros_like(acc.next_token[sl])))
@@ -230,8 +231,7 @@ def run_dspark(a, cfg, dep):
                      cfg.dspark_noise_token_id)
         accs.append((acc, t, mt))
     B = a["draft_block_tables"].shape[2]
-    dargs = _drafter_args(View(a, {"dspark_target_hidden_out": outs["dspark_target_hidden"]}), cfg, dep, preps,
-                          [x[0] for x in accs], B)
+    dargs = _drafter_args(a, cfg, dep, preps, [x[0] for x in accs], B, outs["dspark_target_hidden"])
     dv = View(a, dargs, prefix="draft_")
     head, dtaps = run_drafter(dv, cfg, dep)
     taps.update(dtaps)

@@ -11,7 +11,7 @@ from golden.dspark import state as GS  # noqa: E402
 from golden.dspark.weights import DrafterCheckpoint  # noqa: E402
 from hw.golden_args import stage_weights  # noqa: E402
 from hw.torchdev.args import Args, to_numpy  # noqa: E402
-from hw.torchdev.decode_dspark import View, _drafter_args, _target_args, extents  # noqa: E402
+from hw.torchdev.decode_dspark import _drafter_args, _target_args, extents  # noqa: E402
 from hw.torchdev.device_state import accept, commit, prepare  # noqa: E402
 from twin.abi import constants as C  # noqa: E402
 from twin.abi.batches import DecodeBatch, DecodeItem, DrafterBatch, DrafterItem  # noqa: E402
@@ -185,7 +185,7 @@ def test_derived_drafter_arguments_equal_the_drafter_lowering(derived):
         accs.append(accept(p.tokens.clone(), torch.zeros(64, 6, dtype=torch.int32), p, smp, NOISE))
     B = int(fused.args["draft_block_tables"].shape[2])
     hidden = torch.zeros(dep.ranks, 128, 3 * cfg.hidden_size)
-    got = _drafter_args(View(a, {"dspark_target_hidden_out": hidden}), cfg, dep, preps, accs, B)
+    got = _drafter_args(a, cfg, dep, preps, accs, B, hidden)
     rows = []
     for it in items:
         c = counts[it.request_id]
