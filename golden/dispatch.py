@@ -159,18 +159,26 @@ def _prefill(sv: Served, d, items) -> Ran:
     if sv.check:
         check_prefill(d, golden_lower(sv.g.cfg, spans, form=PREFILL), items, sv.pages)
     sampled, mh = S.forward_spans(sv.g, sv.run, spans, PREFILL)
+    commit_prefill(seqs, items, sampled, mh)
+    return Ran({"sampled_ids": np.asarray(sampled, np.int64), "main_hidden": np.asarray(mh, np.float32)}, seqs)
+
+
+def commit_prefill(seqs, items, sampled, mh) -> None:
+    """A packed prefill's per-request bookkeeping from its sampled tokens and captured hidden rows
+    (in the dispatch's row order): the rolling 128-row hidden tail each chunk extends (the seed's
+    context) and, at a prompt's terminal chunk, the anchor and the first generated token.  Every
+    executor that serves a prefill (golden, a device behind the lockstep) commits through this."""
     row = 0
-    for i, (s, it) in enumerate(zip(seqs, items)):
+    for s, it, t in zip(seqs, items, sampled):
         a, b = it.num_computed, it.end
         for p, h in zip(range(a, b), mh[row:row + b - a]):
             s.tail[p] = h
-        s.tail = {p: h for p, h in s.tail.items() if p > b - 1 - C.SLIDING_WINDOW}   # rolling, 128 rows
+        s.tail = {p: h for p, h in s.tail.items() if p > b - 1 - C.SLIDING_WINDOW}
         row += b - a
         if it.terminal:
             s.req = S.Prompt(s.req.request_id, s.req.prompt[:it.prompt_len], s.req.max_new_tokens)
-            s.anchor, s.current = b, int(sampled[i])
+            s.anchor, s.current = b, int(t)
             s.generated.append(s.current)
-    return Ran({"sampled_ids": np.asarray(sampled, np.int64), "main_hidden": np.asarray(mh, np.float32)}, seqs)
 
 
 def _state_outputs(sv: Served, seqs) -> dict:

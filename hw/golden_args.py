@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from twin.abi.programs import STATE, WEIGHT, bind
-from twin.abi.lowering.context import NP_DTYPES
+from twin.abi.lowering.context import NP_DTYPES, default_rope
 
 STACK_LAYERS = {"NL": lambda c: range(c.num_hidden_layers), "NC": lambda c: c.csa_layers,
                 "NH": lambda c: c.hca_layers, "DL": lambda c: range(c.dspark_num_layers)}
@@ -46,10 +46,31 @@ def _fit(v, shape, dtype):
     return out
 
 
+FUSED = "l3_decode_fwd_dspark"
+# the fused program's position tables (one row per position of the deployment) and their RoPE profile
+ROPE_TABLES = {"swa_rope": 0, "ratio4_rope": 4, "ratio128_rope": 128}
+
+
+def _fused_weights(dep, slots: int, ckpt, drafter) -> dict:
+    """The fused K=7 program's weights: the target decode's, the drafter's and Markov sampler's
+    under their draft_ names, and the RoPE position tables."""
+    out = stage_weights("l3_decode_fwd", dep, slots, ckpt)
+    for prog in ("l3_dspark_drafter", "l3_distributed_markov_sample"):
+        out.update({"draft_" + n: v for n, v in stage_weights(prog, dep, slots, ckpt, drafter).items()})
+    rope = default_rope(dep.model)
+    pos = np.arange(dep.limits.max_model_len)
+    for name, ratio in ROPE_TABLES.items():
+        for part, t in zip(("cos", "sin"), rope(ratio, pos)):
+            out[f"{name}_{part}_table"] = np.broadcast_to(_abi(t, "bf16"), (dep.ranks,) + t.shape)
+    return {b.name: out[b.name] for b in bind(FUSED, dep, slots) if b.arg.role == WEIGHT}
+
+
 def stage_weights(program: str, dep, slots: int, ckpt, drafter=None, **extents) -> dict:
     """ckpt: the target checkpoint; drafter: the DSpark drafter's (golden.dspark.weights), whose
     model tensors and layers the drafter and Markov programs' arguments name first (a target
     program takes the target's only, whatever is passed)."""
+    if program == FUSED:
+        return _fused_weights(dep, slots, ckpt, drafter)
     cfg, topo = dep.model, dep.topology
     tp, n_local = topo.tp, topo.experts_per_rank(cfg)
     lg = cfg.o_groups // tp

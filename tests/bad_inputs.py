@@ -435,8 +435,6 @@ def _rows():
     add("lockstep -k 3", LW + ["-k", "3"], "-k", "num_speculative_tokens=3", "0 (target only) or 7")
     add("lockstep --backend word", LW + ["--backend", "pypto"], "--backend", ["--backend", "'pypto'"],
         "choose from 'selfcheck', 'torch'")
-    add("lockstep --backend torch -k 7", LW + ["--backend", "torch", "-k", "7"], "--backend",
-        "num_speculative_tokens=7", "0 with backend torch: the fused K=7 program l3_decode_fwd_dspark is not in")
     add("lockstep --inject with --backend torch", LW + ["--backend", "torch", "-k", "0", "--inject", "kv_row@1"],
         "--inject", "--inject='kv_row@1'", "none with the torch device")
     add("lockstep --coverage 0", LW + ["--coverage", "0"], "--coverage", "--coverage=0", "an integer N >= 1")

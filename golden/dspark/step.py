@@ -257,13 +257,22 @@ def seed_wave(g: Golden, run: Run, wave) -> None:
             raise AbiError("tail", (min(s.tail), max(s.tail)) if s.tail else None,
                            f"positions [{want[0]}, {a}] (the last 128 prompt rows)", where=s.req.request_id)
         if a + QW >= g.max_model_len:              # the seed's query block would not fit: no drafts
-            run.state = seed(run.state, s.ref, s.current, [], prompt_len=L, position_limit=g.max_model_len)
+            commit_seed(run, s, None, None, g.max_model_len)
             continue
         row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=owner_rank(s, g.tp))
         mh = np.stack([s.tail[p] for p in want])
         drafts, conf = draft_rows(g, run, s.group, [row], mh, num_sampled=0)
-        s.draft_anchor, s.confidence_logit = a, conf[0]
-        run.state = seed(run.state, s.ref, s.current, drafts[0], prompt_len=L, position_limit=g.max_model_len)
+        commit_seed(run, s, drafts[0], conf[0], g.max_model_len)
+
+
+def commit_seed(run: Run, s: Seq, drafts, confidence, limit: int) -> None:
+    """A seeded request's bookkeeping: its slot gets [first token, drafts] (no drafts when the
+    seed's query block does not fit: `drafts` None) and the drafter anchor the last prompt position."""
+    L = len(s.req.prompt)
+    if drafts is not None:
+        s.draft_anchor, s.confidence_logit = L - 1, confidence
+    run.state = seed(run.state, s.ref, s.current, [] if drafts is None else drafts, prompt_len=L,
+                     position_limit=limit)
 
 
 def pad_rows(rows, group: int, tp: int) -> list:
@@ -314,16 +323,13 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
     for i in range(len(seqs)):
         sampled[i, :prep.active_width[i]] = flat[starts[i]:starts[i + 1]]
     acc, run.state = accept(run.state, prep, sampled)
-    run.counters.record([s.req.request_id for s in seqs], acc)
+    commit_verify(run, seqs, acc)
     by_group: dict[int, list] = {}
     for i, s in enumerate(seqs):
         c = int(acc.counts[i])
         pos = np.arange(int(acc.old_anchor[i]), int(acc.old_anchor[i]) + c)
         _log_hidden(run, s, pos, mh[starts[i]:starts[i] + c])
-        s.generated.extend(int(t) for t in acc.token_ids[i, :c])
-        s.anchor, s.current = int(acc.old_anchor[i]) + c, int(acc.next_token[i])
         if acc.redraft[i]:
-            s.draft_anchor = int(acc.drafter_anchor[i])
             by_group.setdefault(s.group, []).append((i, s, mh[starts[i]:starts[i] + c], pos))
     for group, items in sorted(by_group.items()):
         rows = [DraftRow(s.lease, int(acc.drafter_anchor[i]), int(acc.next_token[i]), tuple(int(p) for p in pos),
@@ -339,15 +345,32 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
     return acc
 
 
+def commit_verify(run: Run, seqs, acc) -> None:
+    """A verify step's bookkeeping from its `Accepted` record: the speculation counters, each
+    request's accepted tokens, its new anchor and current token, and (redrafting) its drafter anchor."""
+    run.counters.record([s.req.request_id for s in seqs], acc)
+    for i, s in enumerate(seqs):
+        c = int(acc.counts[i])
+        s.generated.extend(int(t) for t in acc.token_ids[i, :c])
+        s.anchor, s.current = int(acc.old_anchor[i]) + c, int(acc.next_token[i])
+        if acc.redraft[i]:
+            s.draft_anchor = int(acc.drafter_anchor[i])
+
+
 def plain_step(g: Golden, run: Run, seqs) -> None:
     """K=0: one row per request (the current token at its anchor), one new token each."""
     spans = [Span(s.index, s.anchor, (s.current,), run.blocks[s.index]) for s in seqs]
     flat, mh = forward_spans(g, run, spans, DECODE)
     for i, s in enumerate(seqs):
         _log_hidden(run, s, [s.anchor], mh[i:i + 1])
-        s.anchor, s.current = s.anchor + 1, int(flat[i])
-        s.generated.append(s.current)
+        advance(s, flat[i])
     run.steps += 1
+
+
+def advance(s: Seq, token) -> None:
+    """K=0 commit: the token sampled at the anchor becomes the current one, one position on."""
+    s.anchor, s.current = s.anchor + 1, int(token)
+    s.generated.append(s.current)
 
 
 def generate(g: Golden, requests, *, k: int, chunk: int | None = None, draft_policy: DraftPolicy | None = None,

@@ -473,7 +473,7 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
     preset's deployment): golden's side in `golden_mode` numerics and the device, both on the
     synthetic checkpoint of `seed`.  backend "selfcheck": `SelfCheckBackend` (the same compositions
     with `TorchNumerics(golden_mode, device)`); "torch": the independent `hw.torchdev.TorchBackend`
-    behind `TorchLockstepDevice` (K=0 only, no device faults), split over `nproc` processes."""
+    behind `TorchLockstepDevice` (K=0 and K=7, no device faults), split over `nproc` processes."""
     from golden.checkpoint import SyntheticCheckpoint
     from golden.dspark.weights import DrafterCheckpoint
 
@@ -499,7 +499,7 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                            "device's compositions)", where="hw.real lockstep")
         # the device side keeps golden-layout pools and request bookkeeping; the torch device computes
         dev = Side(f"torch:{device}", cfg, ck, dk, golden_mode, ctx)
-        backend = TorchLockstepDevice(dev, ctx, device, ck, nproc)
+        backend = TorchLockstepDevice(dev, ctx, device, ck, dk, nproc)
     else:
         if nproc != 1:
             raise AbiError("nproc", nproc, "1 with the self-check device (only the torch device splits its "

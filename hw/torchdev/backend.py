@@ -1,5 +1,4 @@
-"""TorchBackend: five of the six programs in torch (l3_decode_fwd_dspark is refused by name), run
-from a lowered Dispatch alone.
+"""TorchBackend: the six programs in torch, run from a lowered Dispatch alone.
 
     be = TorchBackend(deployment, slots, device="cpu")
     res = be.run(dispatch, state, weights)      # or TorchBackend(..., weights=w).run(dispatch, state)
@@ -32,6 +31,9 @@ def _program_runner(name: str):
     if name == "l3_decode_fwd":
         from .decode import run_decode
         return run_decode, None
+    if name == "l3_decode_fwd_dspark":
+        from .decode_dspark import run_dspark, extents
+        return run_dspark, extents
     if name == "l3_prefill_fwd":
         from .prefill import run_prefill, extents
         return run_prefill, extents
@@ -48,8 +50,8 @@ def _program_runner(name: str):
                    where="TorchBackend")
 
 
-IMPLEMENTED = ("l3_decode_fwd", "l3_prefill_fwd", "l3_dspark_drafter", "l3_dspark_draft_step_device_state",
-               "l3_distributed_markov_sample")
+IMPLEMENTED = ("l3_decode_fwd", "l3_prefill_fwd", "l3_decode_fwd_dspark", "l3_dspark_drafter",
+               "l3_dspark_draft_step_device_state", "l3_distributed_markov_sample")
 
 
 class TorchBackend:

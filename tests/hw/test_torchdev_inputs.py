@@ -28,11 +28,14 @@ def test_unknown_device_is_refused():
         TorchBackend(deployment("tiny"), 1, "tpu")
 
 
-def test_unimplemented_program_is_refused_by_name(markov):
+def test_every_abi_program_is_implemented_and_another_is_refused_by_name(markov):
     dep, d, w = markov
+    from hw.torchdev.backend import IMPLEMENTED
     from twin.abi.batches import Dispatch
-    with pytest.raises(AbiError, match="l3_decode_fwd_dspark"):
-        TorchBackend(dep, 1).run(Dispatch("l3_decode_fwd_dspark", {}), {}, w)
+    from twin.abi.programs import PROGRAMS
+    assert sorted(IMPLEMENTED) == sorted(PROGRAMS)
+    with pytest.raises(AbiError, match="program.*'l3_mtp_fwd'.*TorchBackend implements"):
+        TorchBackend(dep, 1).run(Dispatch("l3_mtp_fwd", {}), {}, w)
 
 
 def test_missing_and_misshaped_arguments_are_named(markov):

@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default=d["preset"], help="a small preset (tiny or small); FLASH does not run whole on a CPU")
     p.add_argument("--backend", default=d["backend"], choices=("selfcheck", "torch"),
                    help="the device: selfcheck (golden's compositions with torch GEMMs, default) or torch (the "
-                        "independent hw.torchdev.TorchBackend; -k 0 only)")
+                        "independent hw.torchdev.TorchBackend)")
     p.add_argument("--device", default=d["device"], help="torch device: cpu, cuda[:n] or npu[:n] (default cpu)")
     p.add_argument("--nproc", type=integer, default=1,
                    help=f"--backend torch: split the device's {LOCKSTEP_RANKS} ranks over this many local gloo "

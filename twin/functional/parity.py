@@ -207,8 +207,7 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     requests: `twin.abi.batches.Request`s (a workload spec's or a trace's), default `seeded_requests`.
     slots / total_kv_pages: the KV budget (default 2 slots per partition; total_kv_pages: startup
     admission from upstream's page budget).  backend: "selfcheck" (golden's compositions with torch
-    GEMMs, `hw.real.selfcheck`) or "torch" (the independent `hw.torchdev.TorchBackend`, K=0 only:
-    the fused K=7 program is not in it yet), on `device`.  nproc: the torch device's ranks split
+    GEMMs, `hw.real.selfcheck`) or "torch" (the independent `hw.torchdev.TorchBackend`), on `device`.  nproc: the torch device's ranks split
     over that many torch.distributed processes, this one process 0 (`hw.launch.torch_device_ranks`
     sets them up); the results, and so the run, are the same bit for bit.  coverage: None checks every dispatch in
     full; N samples (`hw.real.coverage`: every site at least once every N dispatches of its program,
@@ -221,9 +220,6 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                        where="lockstep")
     if backend not in BACKENDS:
         raise AbiError("backend", backend, f"one of {', '.join(BACKENDS)}", where="lockstep")
-    if backend == "torch" and k != 0:
-        raise AbiError("num_speculative_tokens", k, "0 with backend torch: the fused K=7 program l3_decode_fwd_dspark is not in the "
-                       "torch device yet", where="lockstep")
     if slots is not None and total_kv_pages is not None:
         raise AbiError("slots", slots, "not together with total_kv_pages (one KV budget)", where="lockstep")
     if coverage is not None:
