@@ -17,7 +17,6 @@ taken since the last change holds every slot.  No SimPy here.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -147,20 +146,77 @@ class PageLog:
         return out
 
 
-def _decref(ref: list, free: dict, blocks, freed: list | None, name: str, p: int) -> None:
-    """One reference fewer on each block of one pool (None: no page); a page left unreferenced
-    joins the free queue's tail (its hash kept) and, with a decision log, the `freed` list."""
+class FreeQueue:
+    """One pool's free pages in eviction order: freed pages append at the tail, takes pop the head,
+    a prefix hit pulls a page out from anywhere.  A list with a moving head, so a take of n pages
+    is one slice; a page pulled out leaves a hole (-1) that takes skip.  Past the head each free
+    page appears once (a taken page is behind the head, a pulled one is a hole), so a pull finds
+    its page by a search from the head (pulls are rare: prefix hits on pages nobody holds)."""
+
+    __slots__ = ("q", "head", "n", "holes")
+
+    def __init__(self, size: int):
+        self.q = list(range(size))
+        self.head = self.holes = 0
+        self.n = size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return (b for b in self.q[self.head:] if b >= 0)
+
+    def __contains__(self, b: int) -> bool:
+        return b >= 0 and b in self.q[self.head:]
+
+    def take(self, k: int) -> list[int]:
+        """The first `k` queued pages, in order (the caller has checked `k <= len(self)`)."""
+        q, h = self.q, self.head
+        if self.holes:
+            out = []
+            while len(out) < k:
+                b = q[h]
+                h += 1
+                if b < 0:
+                    self.holes -= 1
+                else:
+                    out.append(b)
+        else:
+            out = q[h:h + k]
+            h += k
+        self.n -= k
+        if h > 1024 and 2 * h > len(q):           # drop the taken prefix now and then
+            del q[:h]
+            h = 0
+        self.head = h
+        return out
+
+    def push(self, blocks: list[int]) -> None:
+        self.q.extend(blocks)
+        self.n += len(blocks)
+
+    def remove(self, b: int) -> None:
+        self.q[self.q.index(b, self.head)] = -1
+        self.holes += 1
+        self.n -= 1
+
+
+def _decref(ref: list, free: FreeQueue, blocks, name: str, p: int) -> list[int]:
+    """One reference fewer on each block of one pool (None: no page); the pages left unreferenced
+    join the free queue's tail in order (their hashes kept) and are returned."""
+    freed = []
     for b in blocks:
         if b is None:
             continue
         x = ref[b] - 1
         ref[b] = x
         if x == 0:
-            free[b] = None
-            if freed is not None:
-                freed.append(b)
+            freed.append(b)
         elif x < 0:
             raise AssertionError(f"{name} p{p} block {b}: negative ref count")
+    if freed:
+        free.push(freed)
+    return freed
 
 
 class KvCacheManager:
@@ -191,8 +247,8 @@ class KvCacheManager:
         self.ref = [[[0] * f.blocks_per_partition for _ in range(partitions)] for f in families]
         self.bhash = [[[None] * f.blocks_per_partition for _ in range(partitions)] for f in families]
         self.index: list[list[dict]] = [[{} for _ in range(partitions)] for _ in families]
-        self.free: list[list[OrderedDict]] = [[OrderedDict.fromkeys(range(f.blocks_per_partition))
-                                               for _ in range(partitions)] for f in families]
+        self.free: list[list[FreeQueue]] = [[FreeQueue(f.blocks_per_partition) for _ in range(partitions)]
+                                            for f in families]
         for i in range(nf):                 # a mirrored family shows its canonical family's pool
             c = of[i]
             self.ref[i], self.bhash[i], self.index[i], self.free[i] = (
@@ -236,9 +292,8 @@ class KvCacheManager:
 
     def _take_n(self, f: int, p: int, n: int) -> list[int]:
         """Pop `n` pages from the free-queue head, in order; taking a page evicts its hash."""
-        free, bh, ref = self.free[f][p], self.bhash[f][p], self.ref[f][p]
-        popitem = free.popitem
-        out = [popitem(False)[0] for _ in range(n)]
+        bh, ref = self.bhash[f][p], self.ref[f][p]
+        out = self.free[f][p].take(n)
         if self.log is not None:
             self.log.take(f, p, out)
         evicted = 0
@@ -255,12 +310,17 @@ class KvCacheManager:
             self.stats["evictions"] += evicted * self._mult[f]
         return out
 
+    def _freed(self, f: int, p: int, blocks: list[int]) -> None:
+        """Unreferenced pages join the free queue's tail in order, their hashes kept."""
+        self.free[f][p].push(blocks)
+        if self.log is not None:
+            self.log.free(f, p, blocks)
+
     def _decref_all(self, f: int, p: int, blocks) -> None:
         """One reference fewer on each block (None: no page); a page left unreferenced joins the
         free queue's tail with its hash kept."""
-        freed = [] if self.log is not None else None
-        _decref(self.ref[f][p], self.free[f][p], blocks, freed, self.names[f], p)
-        if freed:
+        freed = _decref(self.ref[f][p], self.free[f][p], blocks, self.names[f], p)
+        if freed and self.log is not None:
             self.log.free(f, p, freed)
 
     # ---- growth (`ensure_group_blocks`) ------------------------------------------------------
@@ -479,16 +539,17 @@ class KvCacheManager:
         if len(free) >= n:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
             # cannot be among them: popping first is the same order as interleaving
-            popitem = free.popitem
-            new = [popitem(False)[0] for _ in range(n)]
+            new = free.take(n)
+            freed = []
             if held is None:
-                shared = [ref[b] > 1 for b in old]
-                detaches = sum(shared)
+                detaches = 0
                 for b in old:
                     r = ref[b] - 1
                     ref[b] = r
-                    if r == 0:
-                        free[b] = None
+                    if r:
+                        detaches += 1
+                    else:
+                        freed.append(b)
             elif all(x == 1 for x in held):
                 detaches = n                  # each page moves from the owner to its one pin
             else:
@@ -499,17 +560,18 @@ class KvCacheManager:
                     r += k - 1
                     ref[b] = r
                     if r == 0:
-                        free[b] = None
+                        freed.append(b)
+            if freed:
+                free.push(freed)
             for nb in new:
                 ref[nb] = 1
             if self.log is not None:
                 self.log.take(f, p, new)
-                self.log.free(f, p, [b for b in old if ref[b] == 0])
+                self.log.free(f, p, freed)
         else:
             # the queue may run dry: a page freed by this rewrite is taken again, in order
             new = []
             detaches = 0
-            popitem = free.popitem
             for i, b in enumerate(old):
                 r = ref[b]
                 k = held[i] if held is not None else 0
@@ -517,10 +579,10 @@ class KvCacheManager:
                 r += k - 1
                 ref[b] = r
                 if r == 0:
-                    free[b] = None
+                    free.push([b])
                     if self.log is not None:
                         self.log.free(f, p, (b,))
-                nb = popitem(False)[0]
+                nb = free.take(1)[0]
                 ref[nb] = 1
                 new.append(nb)
                 if self.log is not None:
@@ -601,7 +663,7 @@ class KvCacheManager:
             for b in t:
                 if b is not None:
                     if self.ref[f][partition][b] == 0:
-                        del self.free[f][partition][b]
+                        self.free[f][partition].remove(b)
                         if self.log is not None:
                             self.log.take(f, partition, (b,))
                     self.ref[f][partition][b] += 1
@@ -640,16 +702,22 @@ class KvCacheManager:
         p = pin.partition
         log = self.log
         cur = -1
-        r = fr = freed = None
+        r = freed = None
         for f, _, bs in st:
             if f != cur:                        # runs sorted by family: one pool lookup per family
                 if freed:
-                    log.free(cur, p, freed)
-                cur, r, fr = f, self.ref[f][p], self.free[f][p]
-                freed = [] if log is not None else None
-            _decref(r, fr, bs, freed, self.names[f], p)
+                    self._freed(cur, p, freed)
+                cur, r, freed = f, self.ref[f][p], []
+            for b in bs:
+                if b is not None:
+                    x = r[b] - 1
+                    r[b] = x
+                    if x == 0:
+                        freed.append(b)
+                    elif x < 0:
+                        raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
         if freed:
-            log.free(cur, p, freed)
+            self._freed(cur, p, freed)
         st.clear()
 
     def _store_pin(self, pin: Pin) -> None:
