@@ -292,23 +292,31 @@ class KvCacheManager:
 
     def _take_n(self, f: int, p: int, n: int) -> list[int]:
         """Pop `n` pages from the free-queue head, in order; taking a page evicts its hash."""
-        bh, ref = self.bhash[f][p], self.ref[f][p]
+        ref = self.ref[f][p]
         out = self.free[f][p].take(n)
         if self.log is not None:
             self.log.take(f, p, out)
-        evicted = 0
         for b in out:
             ref[b] = 1
-            h = bh[b]
+        self._evict(f, p, out)
+        return out
+
+    def _evict(self, f: int, p: int, taken: list[int]) -> None:
+        """Taking a page evicts its cached content: its hash, and the index entry if it is the
+        hash's owner."""
+        bh = self.bhash[f][p]
+        hs = [bh[b] for b in taken]
+        unhashed = hs.count(None)
+        if unhashed == len(hs):
+            return
+        idx = self.index[f][p]
+        get = idx.get
+        for b, h in zip(taken, hs):
             if h is not None:
-                idx = self.index[f][p]
-                if idx.get(h) == b:
+                if get(h) == b:
                     del idx[h]
                 bh[b] = None
-                evicted += 1
-        if evicted:
-            self.stats["evictions"] += evicted * self._mult[f]
-        return out
+        self.stats["evictions"] += (len(hs) - unhashed) * self._mult[f]
 
     def _freed(self, f: int, p: int, blocks: list[int]) -> None:
         """Unreferenced pages join the free queue's tail in order, their hashes kept."""
@@ -587,21 +595,11 @@ class KvCacheManager:
                 new.append(nb)
                 if self.log is not None:
                     self.log.take(f, p, (nb,))
-        bh = self.bhash[f][p]
-        evictions = 0
-        for nb in new:
-            h = bh[nb]
-            if h is not None:                 # taking a page evicts its cached content
-                idx = self.index[f][p]
-                if idx.get(h) == nb:
-                    del idx[h]
-                bh[nb] = None
-                evictions += 1
+        self._evict(f, p, new)
         st = self.stats
         m = self._mult[f]
         st["detaches"] += detaches * m
         st["rotations"] += (n - detaches) * m
-        st["evictions"] += evictions * m
         if end <= maxb:
             return t[:s0] + tuple(new) + t[end:]
         k = maxb - s0
@@ -720,10 +718,14 @@ class KvCacheManager:
             self._freed(cur, p, freed)
         st.clear()
 
-    def _store_pin(self, pin: Pin) -> None:
+    def _store_pin(self, pin: Pin, owner: list | None = None) -> set:
         """The owner drops every page: each page the pin still holds implicitly becomes a stored
-        reference, so it stays in use until the in-flight step settles (upstream's snapshot ref)."""
+        reference, so it stays in use until the in-flight step settles (upstream's snapshot ref).
+        `owner`: the tables of an owner this pin is the only pin of; a family whose table the pin
+        shares takes the owner's references over (no page can reach zero in that family: a +1 then
+        a -1 on each), and the families taken over are returned for the owner to skip."""
         p = pin.partition
+        moved = set()
         held: dict[int, set] = {}
         for f, s0, bs in pin.stored:
             held.setdefault(f, set()).update(range(s0, s0 + len(bs)))
@@ -731,8 +733,12 @@ class KvCacheManager:
             t = pin.tables[f]
             if not t:
                 continue
-            r = self.ref[f][p]
             h = held.get(f)
+            if owner is not None and owner[f] is t and h is None:
+                pin.stored.append((f, 0, t))
+                moved.add(f)
+                continue
+            r = self.ref[f][p]
             if h is None:
                 pin.stored.append((f, 0, t))
                 for b in t:
@@ -743,6 +749,7 @@ class KvCacheManager:
                 if b is not None and s not in h:
                     pin.stored.append((f, s, (b,)))
                     r[b] += 1
+        return moved
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
         """`cache_group_blocks_from_snapshot`: after a confirmed step, hash the completed prompt
@@ -797,14 +804,15 @@ class KvCacheManager:
         o = self.reqs.pop(rid, None)
         if o is None:
             return
+        tables = o.tables
+        moved = ()
         for pin in o.pins:
-            self._store_pin(pin)
+            moved = self._store_pin(pin, tables if len(o.pins) == 1 else None)
             self.orphans.add(pin)
         o.pins = []
         p = o.partition
-        tables = o.tables
         for f in self._canon:
-            if tables[f]:
+            if tables[f] and f not in moved:
                 self._decref_all(f, p, tables[f])
         if p is not None:
             self.load[p] -= 1
