@@ -302,21 +302,30 @@ class KvCacheManager:
         return out
 
     def _evict(self, f: int, p: int, taken: list[int]) -> None:
-        """Taking a page evicts its cached content: its hash, and the index entry if it is the
-        hash's owner."""
+        """Taking a page evicts its cached content: the page's hash goes (its index entry is
+        left stale, see `_owner`)."""
         bh = self.bhash[f][p]
-        hs = [bh[b] for b in taken]
-        unhashed = hs.count(None)
-        if unhashed == len(hs):
-            return
-        idx = self.index[f][p]
-        get = idx.get
-        for b, h in zip(taken, hs):
-            if h is not None:
-                if get(h) == b:
-                    del idx[h]
+        evicted = 0
+        for b in taken:
+            if bh[b] is not None:
                 bh[b] = None
-        self.stats["evictions"] += (len(hs) - unhashed) * self._mult[f]
+                evicted += 1
+        if evicted:
+            self.stats["evictions"] += evicted * self._mult[f]
+
+    def _owner(self, f: int, p: int, h: int) -> int | None:
+        """The page holding content `h` in pool (f, p), or None.  An index entry is live only while
+        its page still carries that hash: evicting or re-hashing a page leaves its old entry in the
+        index, stale, instead of deleting it page by page (`_prune` drops stale ones in bulk)."""
+        b = self.index[f][p].get(h)
+        return b if b is not None and self.bhash[f][p][b] == h else None
+
+    def _prune(self, f: int, p: int) -> None:
+        """Drop stale index entries once they outnumber the pool's pages (amortised O(1) per
+        publication; keeps the index within twice the pool)."""
+        idx, bh = self.index[f][p], self.bhash[f][p]
+        for h in [h for h, b in idx.items() if bh[b] != h]:
+            del idx[h]
 
     def _freed(self, f: int, p: int, blocks: list[int]) -> None:
         """Unreferenced pages join the free queue's tail in order, their hashes kept."""
@@ -616,10 +625,14 @@ class KvCacheManager:
             cand = max_hit_tokens // A * A
             for f in self._full:
                 fam = self.families[f]
-                idx, hs = self.index[f][p], hashes[fam.page_tokens]
+                get, bh, hs = self.index[f][p].get, self.bhash[f][p], hashes[fam.page_tokens]
                 hits = 0
                 limit = cand // fam.page_tokens
-                while hits < limit and hs[hits] in idx:
+                while hits < limit:
+                    h = hs[hits]
+                    b = get(h)
+                    if b is None or bh[b] != h:
+                        break
                     hits += 1
                 cand = min(cand, hits * fam.page_tokens) // A * A
             while cand > best:
@@ -633,10 +646,10 @@ class KvCacheManager:
     def _rolling_valid(self, p: int, hashes, end: int) -> bool:
         for f in self._roll:
             fam = self.families[f]
-            idx, hs = self.index[f][p], hashes[fam.page_tokens]
+            hs = hashes[fam.page_tokens]
             eb = end // fam.page_tokens
             for i in range(max(0, eb - fam.tail_pages), eb):
-                if hs[i] not in idx:
+                if self._owner(f, p, hs[i]) is None:
                     return False
         return True
 
@@ -649,15 +662,15 @@ class KvCacheManager:
         self.load[partition] += 1
         for f in self._canon:
             fam = self.families[f]
-            idx, hs = self.index[f][partition], hashes[fam.page_tokens]
+            hs = hashes[fam.page_tokens]
             eb = hit // fam.page_tokens
             if fam.rolling:
                 size = min(eb, fam.max_blocks_per_seq)
                 t: list = [None] * size
                 for i in range(max(0, eb - fam.tail_pages), eb):
-                    t[i % size] = idx[hs[i]]
+                    t[i % size] = self._cached(f, partition, hs[i])
             else:
-                t = [idx[hs[i]] for i in range(eb)]
+                t = [self._cached(f, partition, hs[i]) for i in range(eb)]
             for b in t:
                 if b is not None:
                     if self.ref[f][partition][b] == 0:
@@ -671,6 +684,12 @@ class KvCacheManager:
             o.holes |= None in t
             o.logical[f] = eb
             o.cached[f] = eb
+
+    def _cached(self, f: int, p: int, h: int) -> int:
+        b = self._owner(f, p, h)
+        if b is None:
+            raise KeyError(f"{self.names[f]} p{p}: no cached page for hash {h} (attach past the lookup's hit)")
+        return b
 
     # ---- pins and publication ---------------------------------------------------------------
     def pin(self, rid: str) -> Pin:
@@ -782,17 +801,13 @@ class KvCacheManager:
                 if b is None:
                     continue
                 owner = get(h)
-                if owner is None:
-                    old = bh[b]
-                    if old is not None and get(old) == b:
-                        del idx[old]
-                    bh[b] = h
+                if owner is None or bh[owner] != h:     # no live owner: this block caches it
+                    bh[b] = h                           # (its old hash's entry goes stale)
                     idx[h] = b
                 elif owner != b:          # duplicate content: keep the index, drop this block's hash
-                    old = bh[b]
-                    if old is not None and get(old) == b:
-                        del idx[old]
                     bh[b] = None
+            if len(idx) > 2 * len(bh):
+                self._prune(f, p)
             o.cached[f] = max(o.cached[f], done)
         o.published = complete
 
@@ -868,7 +883,7 @@ class KvCacheManager:
 
     def check(self) -> None:
         """Assert the pool invariants: no leaks, ref counts equal live references, no block twice
-        in one request's row, free queue = zero-ref pages, index entries point at their hashes."""
+        in one request's row, free queue = zero-ref pages, every cached page is its hash's index entry."""
         eff = self.effective_refs()
         imp = self.implicit_pins()
         for f, fam in enumerate(self.families):
@@ -879,8 +894,9 @@ class KvCacheManager:
                     got = r[b] + imp[f][p].get(b, 0)
                     assert got == want, f"{fam.name} p{p} block {b}: ref {r[b]}+{imp[f][p].get(b, 0)} != live {want}"
                     assert (b in self.free[f][p]) == (r[b] == 0), f"{fam.name} p{p} block {b}: free queue vs ref {r[b]}"
-                for h, b in self.index[f][p].items():
-                    assert self.bhash[f][p][b] == h, f"{fam.name} p{p}: index entry for block {b} is stale"
+                for b, h in enumerate(self.bhash[f][p]):
+                    assert h is None or self.index[f][p].get(h) == b, f"{fam.name} p{p}: block {b}'s hash not indexed to it"
+                assert len(self.index[f][p]) <= 2 * fam.blocks_per_partition, f"{fam.name} p{p}: stale entries unpruned"
         for rid, o in self.reqs.items():
             for f, twins in self.twins.items():
                 assert all(o.tables[g] == o.tables[f] for g in twins), f"{rid}: a mirrored table drifted"
