@@ -30,9 +30,13 @@ class KVCacheCapacityError(RuntimeError):
     (in family order) that is short."""
 
     def __init__(self, partition: int, need: dict[str, int], free: dict[str, int]):
+        super().__init__(partition, need, free)
         self.partition, self.need, self.free = partition, need, free
-        short = ", ".join(f"{k} need {need[k]}/free {free[k]}" for k in need if need[k] > free[k])
-        super().__init__(f"partition {partition}: not enough KV pages ({short})")
+
+    def __str__(self) -> str:             # worded only when shown: the scheduler catches most
+        short = ", ".join(f"{k} need {self.need[k]}/free {self.free[k]}" for k in self.need
+                          if self.need[k] > self.free[k])
+        return f"partition {self.partition}: not enough KV pages ({short})"
 
 
 @dataclass(frozen=True)
@@ -292,24 +296,30 @@ class KvCacheManager:
 
     def _take_n(self, f: int, p: int, n: int) -> list[int]:
         """Pop `n` pages from the free-queue head, in order; taking a page evicts its hash."""
-        ref = self.ref[f][p]
         out = self.free[f][p].take(n)
         if self.log is not None:
             self.log.take(f, p, out)
-        for b in out:
-            ref[b] = 1
-        self._evict(f, p, out)
+        self._claim(f, p, out)
         return out
 
-    def _evict(self, f: int, p: int, taken: list[int]) -> None:
-        """Taking a page evicts its cached content: the page's hash goes (its index entry is
-        left stale, see `_owner`)."""
+    def _claim(self, f: int, p: int, taken: list[int], owned: bool = False) -> None:
+        """Pages just taken from the free queue: one owner each (unless `owned`: already set), and
+        taking a page evicts its cached content: the page's hash goes (its index entry is left
+        stale, see `_owner`)."""
         bh = self.bhash[f][p]
         evicted = 0
-        for b in taken:
-            if bh[b] is not None:
-                bh[b] = None
-                evicted += 1
+        if owned:
+            for b in taken:
+                if bh[b] is not None:
+                    bh[b] = None
+                    evicted += 1
+        else:
+            ref = self.ref[f][p]
+            for b in taken:
+                ref[b] = 1
+                if bh[b] is not None:
+                    bh[b] = None
+                    evicted += 1
         if evicted:
             self.stats["evictions"] += evicted * self._mult[f]
 
@@ -553,7 +563,8 @@ class KvCacheManager:
             else:
                 stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
-        if len(free) >= n:
+        short = len(free) < n                 # the dry path below sets the new pages' owners itself
+        if not short:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
             # cannot be among them: popping first is the same order as interleaving
             new = free.take(n)
@@ -580,8 +591,6 @@ class KvCacheManager:
                         freed.append(b)
             if freed:
                 free.push(freed)
-            for nb in new:
-                ref[nb] = 1
             if self.log is not None:
                 self.log.take(f, p, new)
                 self.log.free(f, p, freed)
@@ -604,7 +613,7 @@ class KvCacheManager:
                 new.append(nb)
                 if self.log is not None:
                     self.log.take(f, p, (nb,))
-        self._evict(f, p, new)
+        self._claim(f, p, new, owned=short)
         st = self.stats
         m = self._mult[f]
         st["detaches"] += detaches * m
