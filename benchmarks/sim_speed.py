@@ -15,16 +15,18 @@ every import) that generates the workload, runs `simulate` once and reports:
   same simulation.
 
 Sizes 1,000 and 10,000 requests (`--quick`: 100 and 1,000), the working tree and the `twin`
-package as committed at `--baseline` (default 55baf65; `git archive` into a scratch directory)
+package as committed at `--baseline` (default ccab681; `git archive` into a scratch directory)
 in alternating rounds (`--repeat`, best of the rounds per side), then the working tree again at
-the small size with the decision log on, for its cost.  `cpu_ratio` is the 1,000 -> 10,000 CPU
-growth (linear: 10).
+the small size with the decision log on, for its cost, and the baseline's too: `same_as_baseline`
+says whether the two decision logs (every decision, page ids included) are byte-identical.
+`cpu_ratio` is the 1,000 -> 10,000 CPU growth (linear: 10).
 
     python benchmarks/sim_speed.py [--quick] [--baseline REF | --no-baseline] [--repeat N]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -33,15 +35,12 @@ import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-BASELINE = "55baf65"     # the commit this tree's simulator is measured against unless --baseline names another
+BASELINE = "ccab681"     # the commit this tree's simulator is measured against unless --baseline names another
 
 
-def worker(n: int, decision_log: bool) -> dict:
-    """One run in this (fresh) process; every import happens here, inside the process's CPU time."""
-    import numpy as np
-
+def workload(n: int):
+    """The benchmark's deployment and its `n`-request saturated burst (tests replay it too)."""
     from twin.abi import deployment
-    from twin.sim.run import SimConfig, simulate
     from twin.sim.workload import LengthDist, WorkloadSpec, generate
 
     dep = deployment("flash", ep=16, max_model_len=1024, long_prefill_token_threshold=128, max_num_seqs=256,
@@ -49,6 +48,24 @@ def worker(n: int, decision_log: bool) -> dict:
     # prompt + output under ~70% of max_model_len: the pools, not the context limit, bind
     reqs = generate(WorkloadSpec(num_requests=n, arrival="burst", prompt=LengthDist("uniform", 192, 128, 64, 320),
                                  output=LengthDist("uniform", 320, 160, 160, 400), eos_fraction=0.2, seed=0))
+    return dep, reqs
+
+
+def log_digest(records: list[dict]) -> str:
+    """sha256 of the decision log as `decisions.jsonl` holds it (integers and strings only)."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update((json.dumps(r) + "\n").encode())
+    return h.hexdigest()
+
+
+def worker(n: int, decision_log: bool) -> dict:
+    """One run in this (fresh) process; every import happens here, inside the process's CPU time."""
+    import numpy as np
+
+    from twin.sim.run import SimConfig, simulate
+
+    dep, reqs = workload(n)
     cfg = SimConfig(dep, reqs, **({"decision_log": True} if decision_log else {}))
     c0 = time.process_time()
     res = simulate(cfg)
@@ -62,7 +79,7 @@ def worker(n: int, decision_log: bool) -> dict:
            "preemptions": res.summary["preemptions"], "loop_cpu_s": loop,
            "loop_sim_s_per_cpu_s": res.sim_s / loop,
            "loop_cpu_us_per_request_step": 1e6 * loop / request_steps if request_steps else None,
-           "saturated": None}
+           "saturated": None, "decision_log_sha256": log_digest(res.decisions) if decision_log else None}
     cpu = np.asarray(res.recorder.cpu)
     t = st.t.to_numpy()
     busy = np.flatnonzero(waiting[:-1] > 0)          # full steps with a successor to time them by
@@ -138,6 +155,7 @@ def main() -> None:
                 for s, root in sides.items():       # alternating: both sides see the same load
                     runs[s][n].append(in_subprocess(root, n))
         log_on = in_subprocess(ROOT, small, decision_log=True)
+        base_log = in_subprocess(sides["baseline"], small, decision_log=True) if "baseline" in sides else None
     out = {"benchmark": "sim_speed", "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
            "sizes": [small, big], "repeat": args.repeat, "targets": {"loop_sim_s_per_cpu_s": 200,
                                                                    "process_sim_s_per_cpu_s": 100}}
@@ -153,7 +171,10 @@ def main() -> None:
     off = out["current"]["runs"][str(small)]
     out["decision_log"] = {"requests": small, "loop_cpu_s_off": off["loop_cpu_s"], "loop_cpu_s_on": log_on["loop_cpu_s"],
                            "cpu_ratio": log_on["loop_cpu_s"] / off["loop_cpu_s"],
-                           "same_run": (log_on["steps"], log_on["simulated_s"]) == (off["steps"], off["simulated_s"])}
+                           "same_run": (log_on["steps"], log_on["simulated_s"]) == (off["steps"], off["simulated_s"]),
+                           "sha256": log_on["decision_log_sha256"],
+                           "same_as_baseline": None if base_log is None else
+                           base_log["decision_log_sha256"] == log_on["decision_log_sha256"]}
     print(json.dumps(out, indent=2))
 
 

@@ -15,13 +15,15 @@ form, move a sum by ~1e-13; a changed cost rule moves it by far more).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+from pathlib import Path
 
 import pytest
 
 from simtest import make_dep
 from twin.sim.acceptance import ForcedAcceptance
 from twin.sim.loop import run_sync
-from twin.sim.run import SimConfig, build
+from twin.sim.run import SimConfig, build, simulate
 from twin.sim.workload import LengthDist, WorkloadSpec, generate
 
 
@@ -153,3 +155,24 @@ PINNED_SYNC = {2: "f01c363aeacf8146cbed3d28e8dd7361fda7d49deed9d0062227767abb7a0
 @pytest.mark.parametrize("depth", [2, 1])
 def test_wall_clock_driver_fingerprint_is_unchanged(depth):
     assert fingerprint_sync(pressure_cfg(depth), depth) == PINNED_SYNC[depth]
+
+
+def _speed_benchmark():
+    spec = importlib.util.spec_from_file_location("sim_speed", Path(__file__).resolve().parents[2] / "benchmarks"
+                                                  / "sim_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# the speed benchmark's own workload and pools (boot-sized slots), 300 requests: saturated (about 17
+# preemptions per request), so every page path the benchmark times runs here; the log holds integers
+# and strings only (page ids of every take and free, in order), so its bytes are the decisions
+PINNED_BENCHMARK_LOG = ("80ec87a991d0bbdcb46f95ac5cbb63fe33d5d1baae9677536f6628ec6f42d7e2", 784, 5208)
+
+
+def test_speed_benchmark_decision_log_is_unchanged():
+    bench = _speed_benchmark()
+    dep, reqs = bench.workload(300)
+    res = simulate(SimConfig(dep, reqs, decision_log=True))
+    assert (bench.log_digest(res.decisions), len(res.decisions), res.summary["preemptions"]) == PINNED_BENCHMARK_LOG

@@ -17,7 +17,6 @@ taken since the last change holds every slot.  No SimPy here.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -31,9 +30,13 @@ class KVCacheCapacityError(RuntimeError):
     (in family order) that is short."""
 
     def __init__(self, partition: int, need: dict[str, int], free: dict[str, int]):
+        super().__init__(partition, need, free)
         self.partition, self.need, self.free = partition, need, free
-        short = ", ".join(f"{k} need {need[k]}/free {free[k]}" for k in need if need[k] > free[k])
-        super().__init__(f"partition {partition}: not enough KV pages ({short})")
+
+    def __str__(self) -> str:             # worded only when shown: the scheduler catches most
+        short = ", ".join(f"{k} need {self.need[k]}/free {self.free[k]}" for k in self.need
+                          if self.need[k] > self.free[k])
+        return f"partition {self.partition}: not enough KV pages ({short})"
 
 
 @dataclass(frozen=True)
@@ -147,20 +150,77 @@ class PageLog:
         return out
 
 
-def _decref(ref: list, free: dict, blocks, freed: list | None, name: str, p: int) -> None:
-    """One reference fewer on each block of one pool (None: no page); a page left unreferenced
-    joins the free queue's tail (its hash kept) and, with a decision log, the `freed` list."""
+class FreeQueue:
+    """One pool's free pages in eviction order: freed pages append at the tail, takes pop the head,
+    a prefix hit pulls a page out from anywhere.  A list with a moving head, so a take of n pages
+    is one slice; a page pulled out leaves a hole (-1) that takes skip.  Past the head each free
+    page appears once (a taken page is behind the head, a pulled one is a hole), so a pull finds
+    its page by a search from the head (pulls are rare: prefix hits on pages nobody holds)."""
+
+    __slots__ = ("q", "head", "n", "holes")
+
+    def __init__(self, size: int):
+        self.q = list(range(size))
+        self.head = self.holes = 0
+        self.n = size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return (b for b in self.q[self.head:] if b >= 0)
+
+    def __contains__(self, b: int) -> bool:
+        return b >= 0 and b in self.q[self.head:]
+
+    def take(self, k: int) -> list[int]:
+        """The first `k` queued pages, in order (the caller has checked `k <= len(self)`)."""
+        q, h = self.q, self.head
+        if self.holes:
+            out = []
+            while len(out) < k:
+                b = q[h]
+                h += 1
+                if b < 0:
+                    self.holes -= 1
+                else:
+                    out.append(b)
+        else:
+            out = q[h:h + k]
+            h += k
+        self.n -= k
+        if h > 1024 and 2 * h > len(q):           # drop the taken prefix now and then
+            del q[:h]
+            h = 0
+        self.head = h
+        return out
+
+    def push(self, blocks: list[int]) -> None:
+        self.q.extend(blocks)
+        self.n += len(blocks)
+
+    def remove(self, b: int) -> None:
+        self.q[self.q.index(b, self.head)] = -1
+        self.holes += 1
+        self.n -= 1
+
+
+def _decref(ref: list, free: FreeQueue, blocks, name: str, p: int) -> list[int]:
+    """One reference fewer on each block of one pool (None: no page); the pages left unreferenced
+    join the free queue's tail in order (their hashes kept) and are returned."""
+    freed = []
     for b in blocks:
         if b is None:
             continue
         x = ref[b] - 1
         ref[b] = x
         if x == 0:
-            free[b] = None
-            if freed is not None:
-                freed.append(b)
+            freed.append(b)
         elif x < 0:
             raise AssertionError(f"{name} p{p} block {b}: negative ref count")
+    if freed:
+        free.push(freed)
+    return freed
 
 
 class KvCacheManager:
@@ -191,8 +251,8 @@ class KvCacheManager:
         self.ref = [[[0] * f.blocks_per_partition for _ in range(partitions)] for f in families]
         self.bhash = [[[None] * f.blocks_per_partition for _ in range(partitions)] for f in families]
         self.index: list[list[dict]] = [[{} for _ in range(partitions)] for _ in families]
-        self.free: list[list[OrderedDict]] = [[OrderedDict.fromkeys(range(f.blocks_per_partition))
-                                               for _ in range(partitions)] for f in families]
+        self.free: list[list[FreeQueue]] = [[FreeQueue(f.blocks_per_partition) for _ in range(partitions)]
+                                            for f in families]
         for i in range(nf):                 # a mirrored family shows its canonical family's pool
             c = of[i]
             self.ref[i], self.bhash[i], self.index[i], self.free[i] = (
@@ -236,31 +296,58 @@ class KvCacheManager:
 
     def _take_n(self, f: int, p: int, n: int) -> list[int]:
         """Pop `n` pages from the free-queue head, in order; taking a page evicts its hash."""
-        free, bh, ref = self.free[f][p], self.bhash[f][p], self.ref[f][p]
-        popitem = free.popitem
-        out = [popitem(False)[0] for _ in range(n)]
+        out = self.free[f][p].take(n)
         if self.log is not None:
             self.log.take(f, p, out)
+        self._claim(f, p, out)
+        return out
+
+    def _claim(self, f: int, p: int, taken: list[int], owned: bool = False) -> None:
+        """Pages just taken from the free queue: one owner each (unless `owned`: already set), and
+        taking a page evicts its cached content: the page's hash goes (its index entry is left
+        stale, see `_owner`)."""
+        bh = self.bhash[f][p]
         evicted = 0
-        for b in out:
-            ref[b] = 1
-            h = bh[b]
-            if h is not None:
-                idx = self.index[f][p]
-                if idx.get(h) == b:
-                    del idx[h]
-                bh[b] = None
-                evicted += 1
+        if owned:
+            for b in taken:
+                if bh[b] is not None:
+                    bh[b] = None
+                    evicted += 1
+        else:
+            ref = self.ref[f][p]
+            for b in taken:
+                ref[b] = 1
+                if bh[b] is not None:
+                    bh[b] = None
+                    evicted += 1
         if evicted:
             self.stats["evictions"] += evicted * self._mult[f]
-        return out
+
+    def _owner(self, f: int, p: int, h: int) -> int | None:
+        """The page holding content `h` in pool (f, p), or None.  An index entry is live only while
+        its page still carries that hash: evicting or re-hashing a page leaves its old entry in the
+        index, stale, instead of deleting it page by page (`_prune` drops stale ones in bulk)."""
+        b = self.index[f][p].get(h)
+        return b if b is not None and self.bhash[f][p][b] == h else None
+
+    def _prune(self, f: int, p: int) -> None:
+        """Drop stale index entries once they outnumber the pool's pages (amortised O(1) per
+        publication; keeps the index within twice the pool)."""
+        idx, bh = self.index[f][p], self.bhash[f][p]
+        for h in [h for h, b in idx.items() if bh[b] != h]:
+            del idx[h]
+
+    def _freed(self, f: int, p: int, blocks: list[int]) -> None:
+        """Unreferenced pages join the free queue's tail in order, their hashes kept."""
+        self.free[f][p].push(blocks)
+        if self.log is not None:
+            self.log.free(f, p, blocks)
 
     def _decref_all(self, f: int, p: int, blocks) -> None:
         """One reference fewer on each block (None: no page); a page left unreferenced joins the
         free queue's tail with its hash kept."""
-        freed = [] if self.log is not None else None
-        _decref(self.ref[f][p], self.free[f][p], blocks, freed, self.names[f], p)
-        if freed:
+        freed = _decref(self.ref[f][p], self.free[f][p], blocks, self.names[f], p)
+        if freed and self.log is not None:
             self.log.free(f, p, freed)
 
     # ---- growth (`ensure_group_blocks`) ------------------------------------------------------
@@ -476,19 +563,21 @@ class KvCacheManager:
             else:
                 stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
-        if len(free) >= n:
+        short = len(free) < n                 # the dry path below sets the new pages' owners itself
+        if not short:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
             # cannot be among them: popping first is the same order as interleaving
-            popitem = free.popitem
-            new = [popitem(False)[0] for _ in range(n)]
+            new = free.take(n)
+            freed = []
             if held is None:
-                shared = [ref[b] > 1 for b in old]
-                detaches = sum(shared)
+                detaches = 0
                 for b in old:
                     r = ref[b] - 1
                     ref[b] = r
-                    if r == 0:
-                        free[b] = None
+                    if r:
+                        detaches += 1
+                    else:
+                        freed.append(b)
             elif all(x == 1 for x in held):
                 detaches = n                  # each page moves from the owner to its one pin
             else:
@@ -499,17 +588,16 @@ class KvCacheManager:
                     r += k - 1
                     ref[b] = r
                     if r == 0:
-                        free[b] = None
-            for nb in new:
-                ref[nb] = 1
+                        freed.append(b)
+            if freed:
+                free.push(freed)
             if self.log is not None:
                 self.log.take(f, p, new)
-                self.log.free(f, p, [b for b in old if ref[b] == 0])
+                self.log.free(f, p, freed)
         else:
             # the queue may run dry: a page freed by this rewrite is taken again, in order
             new = []
             detaches = 0
-            popitem = free.popitem
             for i, b in enumerate(old):
                 r = ref[b]
                 k = held[i] if held is not None else 0
@@ -517,29 +605,19 @@ class KvCacheManager:
                 r += k - 1
                 ref[b] = r
                 if r == 0:
-                    free[b] = None
+                    free.push([b])
                     if self.log is not None:
                         self.log.free(f, p, (b,))
-                nb = popitem(False)[0]
+                nb = free.take(1)[0]
                 ref[nb] = 1
                 new.append(nb)
                 if self.log is not None:
                     self.log.take(f, p, (nb,))
-        bh = self.bhash[f][p]
-        evictions = 0
-        for nb in new:
-            h = bh[nb]
-            if h is not None:                 # taking a page evicts its cached content
-                idx = self.index[f][p]
-                if idx.get(h) == nb:
-                    del idx[h]
-                bh[nb] = None
-                evictions += 1
+        self._claim(f, p, new, owned=short)
         st = self.stats
         m = self._mult[f]
         st["detaches"] += detaches * m
         st["rotations"] += (n - detaches) * m
-        st["evictions"] += evictions * m
         if end <= maxb:
             return t[:s0] + tuple(new) + t[end:]
         k = maxb - s0
@@ -556,10 +634,14 @@ class KvCacheManager:
             cand = max_hit_tokens // A * A
             for f in self._full:
                 fam = self.families[f]
-                idx, hs = self.index[f][p], hashes[fam.page_tokens]
+                get, bh, hs = self.index[f][p].get, self.bhash[f][p], hashes[fam.page_tokens]
                 hits = 0
                 limit = cand // fam.page_tokens
-                while hits < limit and hs[hits] in idx:
+                while hits < limit:
+                    h = hs[hits]
+                    b = get(h)
+                    if b is None or bh[b] != h:
+                        break
                     hits += 1
                 cand = min(cand, hits * fam.page_tokens) // A * A
             while cand > best:
@@ -573,10 +655,10 @@ class KvCacheManager:
     def _rolling_valid(self, p: int, hashes, end: int) -> bool:
         for f in self._roll:
             fam = self.families[f]
-            idx, hs = self.index[f][p], hashes[fam.page_tokens]
+            hs = hashes[fam.page_tokens]
             eb = end // fam.page_tokens
             for i in range(max(0, eb - fam.tail_pages), eb):
-                if hs[i] not in idx:
+                if self._owner(f, p, hs[i]) is None:
                     return False
         return True
 
@@ -589,19 +671,19 @@ class KvCacheManager:
         self.load[partition] += 1
         for f in self._canon:
             fam = self.families[f]
-            idx, hs = self.index[f][partition], hashes[fam.page_tokens]
+            hs = hashes[fam.page_tokens]
             eb = hit // fam.page_tokens
             if fam.rolling:
                 size = min(eb, fam.max_blocks_per_seq)
                 t: list = [None] * size
                 for i in range(max(0, eb - fam.tail_pages), eb):
-                    t[i % size] = idx[hs[i]]
+                    t[i % size] = self._cached(f, partition, hs[i])
             else:
-                t = [idx[hs[i]] for i in range(eb)]
+                t = [self._cached(f, partition, hs[i]) for i in range(eb)]
             for b in t:
                 if b is not None:
                     if self.ref[f][partition][b] == 0:
-                        del self.free[f][partition][b]
+                        self.free[f][partition].remove(b)
                         if self.log is not None:
                             self.log.take(f, partition, (b,))
                     self.ref[f][partition][b] += 1
@@ -611,6 +693,12 @@ class KvCacheManager:
             o.holes |= None in t
             o.logical[f] = eb
             o.cached[f] = eb
+
+    def _cached(self, f: int, p: int, h: int) -> int:
+        b = self._owner(f, p, h)
+        if b is None:
+            raise KeyError(f"{self.names[f]} p{p}: no cached page for hash {h} (attach past the lookup's hit)")
+        return b
 
     # ---- pins and publication ---------------------------------------------------------------
     def pin(self, rid: str) -> Pin:
@@ -640,22 +728,32 @@ class KvCacheManager:
         p = pin.partition
         log = self.log
         cur = -1
-        r = fr = freed = None
+        r = freed = None
         for f, _, bs in st:
             if f != cur:                        # runs sorted by family: one pool lookup per family
                 if freed:
-                    log.free(cur, p, freed)
-                cur, r, fr = f, self.ref[f][p], self.free[f][p]
-                freed = [] if log is not None else None
-            _decref(r, fr, bs, freed, self.names[f], p)
+                    self._freed(cur, p, freed)
+                cur, r, freed = f, self.ref[f][p], []
+            for b in bs:
+                if b is not None:
+                    x = r[b] - 1
+                    r[b] = x
+                    if x == 0:
+                        freed.append(b)
+                    elif x < 0:
+                        raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
         if freed:
-            log.free(cur, p, freed)
+            self._freed(cur, p, freed)
         st.clear()
 
-    def _store_pin(self, pin: Pin) -> None:
+    def _store_pin(self, pin: Pin, owner: list | None = None) -> set:
         """The owner drops every page: each page the pin still holds implicitly becomes a stored
-        reference, so it stays in use until the in-flight step settles (upstream's snapshot ref)."""
+        reference, so it stays in use until the in-flight step settles (upstream's snapshot ref).
+        `owner`: the tables of an owner this pin is the only pin of; a family whose table the pin
+        shares takes the owner's references over (no page can reach zero in that family: a +1 then
+        a -1 on each), and the families taken over are returned for the owner to skip."""
         p = pin.partition
+        moved = set()
         held: dict[int, set] = {}
         for f, s0, bs in pin.stored:
             held.setdefault(f, set()).update(range(s0, s0 + len(bs)))
@@ -663,8 +761,12 @@ class KvCacheManager:
             t = pin.tables[f]
             if not t:
                 continue
-            r = self.ref[f][p]
             h = held.get(f)
+            if owner is not None and owner[f] is t and h is None:
+                pin.stored.append((f, 0, t))
+                moved.add(f)
+                continue
+            r = self.ref[f][p]
             if h is None:
                 pin.stored.append((f, 0, t))
                 for b in t:
@@ -675,6 +777,7 @@ class KvCacheManager:
                 if b is not None and s not in h:
                     pin.stored.append((f, s, (b,)))
                     r[b] += 1
+        return moved
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
         """`cache_group_blocks_from_snapshot`: after a confirmed step, hash the completed prompt
@@ -707,17 +810,13 @@ class KvCacheManager:
                 if b is None:
                     continue
                 owner = get(h)
-                if owner is None:
-                    old = bh[b]
-                    if old is not None and get(old) == b:
-                        del idx[old]
-                    bh[b] = h
+                if owner is None or bh[owner] != h:     # no live owner: this block caches it
+                    bh[b] = h                           # (its old hash's entry goes stale)
                     idx[h] = b
                 elif owner != b:          # duplicate content: keep the index, drop this block's hash
-                    old = bh[b]
-                    if old is not None and get(old) == b:
-                        del idx[old]
                     bh[b] = None
+            if len(idx) > 2 * len(bh):
+                self._prune(f, p)
             o.cached[f] = max(o.cached[f], done)
         o.published = complete
 
@@ -729,14 +828,15 @@ class KvCacheManager:
         o = self.reqs.pop(rid, None)
         if o is None:
             return
+        tables = o.tables
+        moved = ()
         for pin in o.pins:
-            self._store_pin(pin)
+            moved = self._store_pin(pin, tables if len(o.pins) == 1 else None)
             self.orphans.add(pin)
         o.pins = []
         p = o.partition
-        tables = o.tables
         for f in self._canon:
-            if tables[f]:
+            if tables[f] and f not in moved:
                 self._decref_all(f, p, tables[f])
         if p is not None:
             self.load[p] -= 1
@@ -792,7 +892,7 @@ class KvCacheManager:
 
     def check(self) -> None:
         """Assert the pool invariants: no leaks, ref counts equal live references, no block twice
-        in one request's row, free queue = zero-ref pages, index entries point at their hashes."""
+        in one request's row, free queue = zero-ref pages, every cached page is its hash's index entry."""
         eff = self.effective_refs()
         imp = self.implicit_pins()
         for f, fam in enumerate(self.families):
@@ -803,8 +903,9 @@ class KvCacheManager:
                     got = r[b] + imp[f][p].get(b, 0)
                     assert got == want, f"{fam.name} p{p} block {b}: ref {r[b]}+{imp[f][p].get(b, 0)} != live {want}"
                     assert (b in self.free[f][p]) == (r[b] == 0), f"{fam.name} p{p} block {b}: free queue vs ref {r[b]}"
-                for h, b in self.index[f][p].items():
-                    assert self.bhash[f][p][b] == h, f"{fam.name} p{p}: index entry for block {b} is stale"
+                for b, h in enumerate(self.bhash[f][p]):
+                    assert h is None or self.index[f][p].get(h) == b, f"{fam.name} p{p}: block {b}'s hash not indexed to it"
+                assert len(self.index[f][p]) <= 2 * fam.blocks_per_partition, f"{fam.name} p{p}: stale entries unpruned"
         for rid, o in self.reqs.items():
             for f, twins in self.twins.items():
                 assert all(o.tables[g] == o.tables[f] for g in twins), f"{rid}: a mirrored table drifted"
