@@ -499,6 +499,9 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                            "device's compositions)", where="hw.real lockstep")
         # the device side keeps golden-layout pools and request bookkeeping; the torch device computes
         dev = Side(f"torch:{device}", cfg, ck, dk, golden_mode, ctx)
+        if nproc != 1 and ctx.deployment.k:
+            raise AbiError("nproc", nproc, "1 at K=7 (the fused K=7 step runs the device's ranks in one process)",
+                           where="lockstep")
         backend = TorchLockstepDevice(dev, ctx, device, ck, dk, nproc)
     else:
         if nproc != 1:

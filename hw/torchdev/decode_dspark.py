@@ -54,6 +54,9 @@ class View:
     def layer(self, name, i):
         return self.a.layer(self.prefix + name, i)
 
+    def __getattr__(self, name):            # the ranks held, the bound arguments: the program's own
+        return getattr(self.a, name)
+
 
 def _refuse_grammar(a):
     if bool((a["grammar_mask"] != -1).any()):
@@ -214,6 +217,10 @@ def _drafter_args(a, cfg, dep, preps, accs, B, target_hidden):
 
 def run_dspark(a, cfg, dep):
     R, tp = dep.ranks, dep.topology.tp
+    if a.ranks.world != 1:
+        # accept and commit read every group's replica and every rank's samples by global rank
+        raise AbiError("ranks", f"{a.ranks.world} processes", "1 (the fused K=7 step runs its ranks in one "
+                       "process; the split programs run over several)", where="l3_decode_fwd_dspark")
     per = C.DECODE_BATCH // tp
     _refuse_grammar(a)
     G = R // tp

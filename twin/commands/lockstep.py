@@ -128,6 +128,9 @@ def _nproc(args) -> int:
     if args.device != "cpu":
         raise AbiError(flag, n, f"1 with --device {args.device} (the split device's collectives are gloo on cpu)",
                        where="lockstep")
+    if args.k:
+        raise AbiError(flag, n, f"1 with -k {args.k} (the fused K=7 step runs the device's ranks in one process; "
+                       "-k 0 splits them)", where="lockstep")
     from hw.launch import gloo_problem
 
     problem = gloo_problem()
