@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from golden.compose import SHARED_NAMES
 from golden.heap import retain_heap
 from golden.kernels.hyper_connections import sinkhorn
+from golden.kernels import moe
 from golden.kernels.moe import moe_experts, routed_expert, shared_expert
 from golden.kernels.rope import rope_tail, rope_tail_bf16
 from golden.kernels.sparse_attention import (TILE, _combine_tiles_np, attend, candidate_slots, gather_candidates,
@@ -82,8 +83,12 @@ def _check_against_one_call_per_expert(x_i8, x_scale, idx, wts, expert, shared, 
     assert np.array_equal(got, nm.bf16(out))
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1, 3 * 8 * SMALL.hidden_size])
 @pytest.mark.parametrize("mode", ["device", "exact", "official"])
-def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mode):
+def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mode, chunk_bytes, monkeypatch):
+    """chunk_bytes: all routes in one chunk (SMALL's default), one expert per chunk, >= 3 routes per chunk."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(moe, "ROUTE_CHUNK_BYTES", chunk_bytes)
     cfg, nm, layer = SMALL, Numerics(mode), 4
     w, expert = small_ckpt.layer(layer), (lambda e: small_ckpt.expert(layer, e))
     rng = np.random.default_rng(7)
