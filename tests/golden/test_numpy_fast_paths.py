@@ -13,6 +13,7 @@ from golden.compose import SHARED_NAMES
 from golden.heap import retain_heap
 from golden.kernels.hyper_connections import sinkhorn
 from golden.kernels import moe
+from golden.kernels import sparse_attention as sa
 from golden.kernels.moe import moe_experts, routed_expert, shared_expert
 from golden.kernels.rope import rope_tail, rope_tail_bf16
 from golden.kernels.sparse_attention import (TILE, _combine_tiles_np, attend, candidate_slots, gather_candidates,
@@ -100,9 +101,13 @@ def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mod
     _check_against_one_call_per_expert(x_i8, x_scale, idx, wts, expert, {k: w[k] for k in SHARED_NAMES}, cfg, nm)
 
 
+@pytest.mark.parametrize("rope_rows", [None, 3])
 @pytest.mark.parametrize("mode", ["device", "exact"])
-def test_attention_chunks_do_not_change_bits(mode):
+def test_attention_chunks_do_not_change_bits(mode, rope_rows, monkeypatch):
+    """rope_rows: the output rows per inverse-RoPE pass (None: every row in one pass on SMALL)."""
     cfg, nm = SMALL, Numerics(mode)
+    if rope_rows is not None:
+        monkeypatch.setattr(sa, "CHUNK_BYTES", rope_rows * 8 * cfg.num_attention_heads * cfg.head_dim)
     rng = np.random.default_rng(3)
     T, H, HD, pages, rpp = 20, cfg.num_attention_heads, cfg.head_dim, 8, 32
     bf = lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)
