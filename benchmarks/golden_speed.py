@@ -16,9 +16,10 @@
      CPU time, interleaved; agreement with NumPy per logit row (kernel-math §2 tolerances), as
      it is and with NumPy's routing re-synced at near ties (golden.jax_resync).
 2. one FLASH-shaped layer at the 512-row decode tile (64 requests x 8 rows at position ~4096;
-   --flash-requests 16: one rank's 128 rows; resident pools filled with random rows, the experts
-   generated lazily): the NumPy layer step against its GEMMs alone, and the INT8 weights'
-   widening to f32 alone (where the rest goes).
+   --flash-requests 16: one rank's 128 rows; 64,16: both tiles, interleaved in one loop; resident
+   pools filled with random rows, the experts generated once): the NumPy layer step against its
+   GEMMs alone, and the INT8 weights' widening to f32 alone (where the rest goes); the least of the
+   repeats (CPU and wall) and the medians.
 
 Targets: the small step <= 2x its GEMMs, the FLASH layer (a checker's unit of work) <= 1.5x;
 JAX >= 5x faster than NumPy on the small decode step.  The JSON names the device JAX ran on
@@ -27,8 +28,8 @@ Threads: NumPy's BLAS and XLA both get one thread by default (--blas-threads, --
 setting is fixed when JAX starts, so it applies to the whole process).  Heap: freed temporaries are
 kept for reuse (golden.heap.retain_heap; --default-heap for glibc's own thresholds).
 
-    python benchmarks/golden_speed.py [--skip-flash] [--reps 3] [--modes device,exact] [--requests 16]
-        [--flash-requests 64]
+    python benchmarks/golden_speed.py [--skip-flash | --skip-small] [--reps 3] [--modes device,exact]
+        [--requests 16] [--flash-requests 64,16]
 """
 from __future__ import annotations
 
@@ -174,16 +175,10 @@ def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests
     return out
 
 
-def flash_layer(reps: int, layer: int = 4, requests: int = C.DECODE_BATCH) -> dict:
-    cfg, B, S, pos0 = FLASH, requests, C.DECODE_SEQ, 4088
-    nm = Numerics("device")
-    ck = SyntheticCheckpoint(cfg, seed=0)
-    rng = np.random.default_rng(2)
-    t0 = time.perf_counter()
-    ck.layer(layer)
-    for e in range(cfg.n_routed_experts):
-        ck.expert(layer, e)
-    gen_s = time.perf_counter() - t0
+def _flash_tile(cfg, ck, layer: int, requests: int, nm, rng):
+    """One FLASH layer's step at `requests` x 8 decode rows at position ~4096 (resident pools filled
+    with random rows) and the GEMMs it runs (recorded)."""
+    B, S, pos0 = requests, C.DECODE_SEQ, 4088
     blocks, pages = assign_blocks(cfg, B, pos0 + S, chunk=S)
     pools = alloc_caches(cfg, pages, nm, layers=[layer])[0]
     for name, p in pools.items():            # a resident history: random rows in every page
@@ -198,24 +193,56 @@ def flash_layer(reps: int, layer: int = 4, requests: int = C.DECODE_BATCH) -> di
     x_hc = rng.standard_normal((B * S, cfg.hc_mult, cfg.hidden_size))
     m = device_meta(meta, nm)
     rope = rope_inputs(cfg, meta.position_ids, nm)
-    caches = {i: None for i in range(cfg.num_hidden_layers)}
-    caches[layer] = pools
     step = lambda: layer_step(x_hc, layer, ck, pools, m, rope, cfg=cfg, nm=nm, form=DECODE)
     step()
     with MatmulRecorder() as rec:
         step()
-    # interleaved: load from other processes falls on all three alike
-    w, c = _interleaved({"step": step, "gemms": _replayer(rec), "widen": _widener(rec)}, reps)
-    t_step, t_mm, t_wide = w["step"], w["gemms"], w["widen"]
-    return {"preset": cfg.name, "layer": layer, "kind": cfg.layer_kind(layer), "rows": B * S,
-            "position": pos0, "repeats": reps, "numpy_layer_s": t_step, "gemms_alone_s": t_mm,
-            "step_over_gemms": t_step / t_mm,
-            # where the rest goes: INT8 weights widened to f32 for the exact f32 GEMMs (the
-            # device's int8 GEMM reads them as they are), then everything else
-            "int8_weight_widening_alone_s": t_wide, "other_s": t_step - t_mm - t_wide,
-            "numpy_layer_cpu_s": c["step"], "gemms_alone_cpu_s": c["gemms"],
-            "step_over_gemms_cpu": c["step"] / c["gemms"], "int8_weight_widening_alone_cpu_s": c["widen"],
-            "gemm_calls": len(rec), "weights_generation_s": gen_s, "target_step_over_gemms": 1.5}
+    return step, rec, {"rows": B * S, "requests": B, "position": pos0}
+
+
+def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,)) -> list:
+    """One FLASH layer at each of `requests` (x 8 rows): its step, its GEMMs alone and its INT8
+    weights' widening alone, all tiles' runs interleaved in one loop; least and median of `reps`."""
+    cfg, nm = FLASH, Numerics("device")
+    ck = SyntheticCheckpoint(cfg, seed=0)
+    rng = np.random.default_rng(2)
+    t0 = time.perf_counter()
+    ck.layer(layer)
+    for e in range(cfg.n_routed_experts):
+        ck.expert(layer, e)
+    gen_s = time.perf_counter() - t0
+    tiles = [_flash_tile(cfg, ck, layer, b, nm, rng) for b in requests]
+    runs = {}
+    for i, (step, rec, _) in enumerate(tiles):
+        runs.update({(i, "step"): step, (i, "gemms"): _replayer(rec), (i, "widen"): _widener(rec)})
+    # interleaved: load from other processes falls on every run alike
+    out = []
+    times = {k: ([], []) for k in runs}
+    for _ in range(reps):
+        for k, fn in runs.items():
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            times[k][0].append(time.perf_counter() - t)
+            times[k][1].append(time.process_time() - c)
+    for i, (_, rec, info) in enumerate(tiles):
+        best = {n: (min(times[(i, n)][0]), min(times[(i, n)][1])) for n in ("step", "gemms", "widen")}
+        med = {n: (float(np.median(times[(i, n)][0])), float(np.median(times[(i, n)][1])))
+               for n in ("step", "gemms", "widen")}
+        out.append({"preset": cfg.name, "layer": layer, "kind": cfg.layer_kind(layer), **info, "repeats": reps,
+                    # least of the repeats (the run least disturbed by other processes), CPU time
+                    # the steadier on a loaded machine; medians beside them
+                    "numpy_layer_cpu_s": best["step"][1], "gemms_alone_cpu_s": best["gemms"][1],
+                    "step_over_gemms_cpu": best["step"][1] / best["gemms"][1],
+                    "numpy_layer_s": best["step"][0], "gemms_alone_s": best["gemms"][0],
+                    "step_over_gemms": best["step"][0] / best["gemms"][0],
+                    "step_over_gemms_cpu_median": med["step"][1] / med["gemms"][1],
+                    "step_over_gemms_median": med["step"][0] / med["gemms"][0],
+                    # where the rest goes: INT8 weights widened to f32 for the exact f32 GEMMs (the
+                    # device's int8 GEMM reads them as they are), then everything else
+                    "int8_weight_widening_alone_cpu_s": best["widen"][1],
+                    "other_cpu_s": best["step"][1] - best["gemms"][1] - best["widen"][1],
+                    "gemm_calls": len(rec), "weights_generation_s": gen_s, "target_step_over_gemms": 1.5})
+    return out
 
 
 def main(argv=None):
@@ -225,9 +252,11 @@ def main(argv=None):
                     help=f"requests of the small decode step, {C.DECODE_SEQ} rows each (default: one owner rank's "
                          f"{C.LOCAL_REQUESTS}; {C.DECODE_BATCH}: the {C.DECODE_TOKENS}-row decode tile)")
     ap.add_argument("--skip-flash", action="store_true")
-    ap.add_argument("--flash-requests", type=int, default=C.DECODE_BATCH,
-                    help=f"requests of the FLASH layer, {C.DECODE_SEQ} rows each (default {C.DECODE_BATCH}: the "
-                         f"{C.DECODE_TOKENS}-row group tile; {C.LOCAL_REQUESTS}: one rank's rows)")
+    ap.add_argument("--skip-small", action="store_true", help="skip the small-preset decode step (part 1)")
+    ap.add_argument("--flash-requests", default=str(C.DECODE_BATCH),
+                    help=f"requests of the FLASH layer, {C.DECODE_SEQ} rows each, comma separated: each a tile, all "
+                         f"measured interleaved (default {C.DECODE_BATCH}: the {C.DECODE_TOKENS}-row group tile; "
+                         f"{C.LOCAL_REQUESTS}: one rank's rows)")
     ap.add_argument("--skip-jax", action="store_true")
     ap.add_argument("--blas-threads", type=int, default=1)
     ap.add_argument("--xla-threads", type=int, default=1, help="1: one XLA CPU thread; 0: XLA's default")
@@ -235,7 +264,11 @@ def main(argv=None):
     ap.add_argument("--default-heap", action="store_true",
                     help="leave glibc's heap thresholds as they are (default: golden.heap.retain_heap)")
     a = ap.parse_args(argv)
-    for name, v in (("--requests", a.requests), ("--flash-requests", a.flash_requests)):
+    try:
+        flash = [int(v) for v in a.flash_requests.split(",")]
+    except ValueError:
+        ap.error(f"--flash-requests: {a.flash_requests!r}; comma-separated integers")
+    for name, v in (("--requests", a.requests), *(("--flash-requests", f) for f in flash)):
         if v < 1:
             ap.error(f"{name}: {v}; at least 1")
     old = blas_threads(a.blas_threads)
@@ -249,10 +282,10 @@ def main(argv=None):
            "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
            "blas_threads": a.blas_threads if old is not None else "unchanged",
            "xla_threads": "default" if a.xla_threads == 0 else 1, "heap": heap}
-    for mode in a.modes.split(","):
+    for mode in ([] if a.skip_small else a.modes.split(",")):
         res["small_decode" if mode == "device" else f"small_decode_{mode}"] = small_decode(a.reps, not a.skip_jax, mode, a.requests)
     if not a.skip_flash:
-        res["flash_layer"] = flash_layer(a.reps, requests=a.flash_requests)
+        res["flash_layer"] = flash_layer(a.reps, requests=flash)
     print(json.dumps(res, indent=1))
     return res
 

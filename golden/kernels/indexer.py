@@ -7,10 +7,13 @@ score order (stable: lower index first on ties), the rest -1, offset 0 (pypto co
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..numerics import FP32_NEG_INF
 from .rope import rope_tail_bf16
 
 PREFILL_SCORE_CAP = 2048          # RAW_TOKEN_CAP 8192 / 4
+CHUNK_BYTES = 4 << 20             # f64 [tokens, IH, C] head scores per NumPy chunk (lightning_indexer)
 
 
 def index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx, rope_cos, rope_sin, *, cfg, nm):
@@ -27,8 +30,12 @@ def index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx
 
 def lightning_indexer(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_weights_proj, csa_hadamard_idx,
                       rope_cos, rope_sin, idx_kv_cache, idx_kv_scale, idx_block_table, req, positions,
-                      cache_lens, *, cfg, nm, cap, n_candidates=None, chunk=64):
-    """-> (score [T, C] f32, topk_idxs [T, IK] int32 logical compressed rows, -1 padded)."""
+                      cache_lens, *, cfg, nm, cap, n_candidates=None, chunk=None):
+    """-> (score [T, C] f32, topk_idxs [T, IK] int32 logical compressed rows, -1 padded).
+
+    NumPy scores the tokens in chunks of `chunk` (default: as many as keep the per-head scores near
+    CHUNK_BYTES, in cache and on the heap; every token's arithmetic is the same in any chunk: its
+    own GEMM, then elementwise steps and the head sum in head order)."""
     xp = nm.xp
     T = x.shape[0]
     IK = cfg.index_topk
@@ -51,13 +58,20 @@ def lightning_indexer(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_wei
         slot = xp.where(ok, ent * rpp + c[None, :] % rpp, -1)
         k = nm.asf(nm.get_rows(idx_kv_cache, slot))                      # [t, C, IHD]
         ks = nm.asf(nm.get_rows(idx_kv_scale, slot))[..., 0]             # [t, C]
-        dots = nm.mm(q_i8[lo:hi], k.transpose(0, 2, 1))                        # exact: |sum| < 2^24
-        s = xp.sum(xp.maximum(dots * q_scale[lo:hi] * ks[:, None, :], 0.0) * w[lo:hi, :, None], axis=1)
+        d = nm.mm(q_i8[lo:hi], k.transpose(0, 2, 1))                        # exact: |sum| < 2^24
+        if nm.is_numpy:     # the same steps in place (the GEMM's result is a fresh array)
+            d *= q_scale[lo:hi]
+            d *= ks[:, None, :]
+            np.maximum(d, 0.0, out=d)
+            d *= w[lo:hi, :, None]
+            s = np.sum(d, axis=1)
+        else:
+            s = xp.sum(xp.maximum(d * q_scale[lo:hi] * ks[:, None, :], 0.0) * w[lo:hi, :, None], axis=1)
         keep = ok & (c[None, :] < visible[lo:hi, None])
         return xp.where(keep, nm.r32(s), FP32_NEG_INF)
 
     if nm.is_numpy:
-        import numpy as np
+        chunk = chunk or max(1, CHUNK_BYTES // (8 * cfg.index_n_heads * C))
         score = np.concatenate([rows(lo, min(lo + chunk, T)) for lo in range(0, T, chunk)] or
                                [np.zeros((0, C), nm.f)], axis=0)
     else:

@@ -112,26 +112,49 @@ def moe_combine(routed, x_i8, x_scale, shared, *, cfg, nm):
     return nm.bf16(out)
 
 
+ROUTE_CHUNK_BYTES = 4 << 20     # f64 [routes, D] rows per chunk of _routed_grouped: in cache, on the heap
+
+
 def _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, *, cfg, nm):
     """routed [T*K, D]: swiglu_expert's arithmetic with only the GEMMs per expert.  Every other
-    step (swiglu_hidden, swiglu_out) is per row (or per row and column), so it runs once over all
-    routes, each row with its expert's scales: the same values as one swiglu_expert call per
-    expert, in far fewer calls."""
+    step (swiglu_hidden, swiglu_out) is per row (or per row and column), so it runs once over a
+    chunk of consecutive experts' routes (about ROUTE_CHUNK_BYTES of f64 rows: on SMALL every
+    route, on FLASH a few experts' worth, so that the temporaries stay in cache instead of
+    faulting in fresh pages), each row with its expert's scales: the same values as one
+    swiglu_expert call per expert, in far fewer calls.  The rows are bf16 values outside exact
+    mode, so they are kept as f32 (exactly)."""
     import numpy as np
     E = cfg.n_routed_experts
     T, D = x_i8.shape
-    lo_all, hi_all = bounds[0], bounds[E]
-    routes = order[lo_all:hi_all]
-    rows = routes // K
+    routes = order[bounds[0]:bounds[E]]
     # the GEMM operands, made once (int8 values as f32 in device mode, as int_mm reads them)
     op = (lambda a: np.asarray(a, np.float32)) if nm.mode == "device" else nm.asf
-    xs = op(x_i8)[rows]
+    x_op, xsc = op(x_i8), nm.asf(x_scale)
+    routed = np.zeros((T * K, D), np.float64 if nm.exact else np.float32)
     used = [e for e in range(E) if bounds[e + 1] > bounds[e]]
-    if not used:
-        return np.zeros((T * K, D), np.float64)
+    per = max(1, ROUTE_CHUNK_BYTES // (8 * D))
+    chunk, n = [], 0
+    for i, e in enumerate(used):
+        chunk.append(e)
+        n += bounds[e + 1] - bounds[e]
+        if n >= per or i == len(used) - 1:
+            _routed_chunk(chunk, x_op, xsc, routes, bounds, wts, expert, K, routed, op, cfg=cfg, nm=nm)
+            chunk, n = [], 0
+    return routed
+
+
+def _routed_chunk(used, x_op, xsc, routes, bounds, wts, expert, K, routed, op, *, cfg, nm):
+    """_routed_grouped over the routes of experts `used` (consecutive in route order): their rows
+    of `routed` written."""
+    import numpy as np
+    base = bounds[0]
+    lo0, hi0 = bounds[used[0]] - base, bounds[used[-1] + 1] - base
+    r = routes[lo0:hi0]
+    rows = r // K
+    xs = x_op[rows]
     ws = {e: expert(e) for e in used}
-    span = [(bounds[e] - lo_all, bounds[e + 1] - lo_all) for e in used]
-    n = rows.size
+    span = [(bounds[e] - base - lo0, bounds[e + 1] - base - lo0) for e in used]
+    n, D = rows.size, x_op.shape[1]
     I = ws[used[0]]["routed_w1"].shape[0]
     g, u = np.empty((n, I)), np.empty((n, I))
     for e, (lo, hi) in zip(used, span):
@@ -142,17 +165,10 @@ def _routed_grouped(x_i8, x_scale, order, bounds, wts, expert, K, *, cfg, nm):
     count = [hi - lo for lo, hi in span]
     s1, s3, s2 = (np.repeat(np.asarray([ws[e][name] for e in used], np.float64).reshape(len(used), -1), count, axis=0)
                   for name in ("routed_w1_scale", "routed_w3_scale", "routed_w2_scale"))
-    h_i8, h_dq = swiglu_hidden(g, u, nm.asf(x_scale)[rows], s1, s3, cfg=cfg, nm=nm)
-    h_dq = h_dq * wts[routes][:, None]
+    h_i8, h_dq = swiglu_hidden(g, u, xsc[rows], s1, s3, cfg=cfg, nm=nm)
+    h_dq = h_dq * wts[r][:, None]
     h32 = op(h_i8)
     y = np.empty((n, D))
     for e, (lo, hi) in zip(used, span):
         y[lo:hi] = nm.int_mm(h32[lo:hi], ws[e]["routed_w2"].T)
-    y = swiglu_out(y, h_dq, s2, nm=nm)
-    if n == T * K:      # every route ran (the usual case): its row taken back to route order
-        inv = np.empty_like(routes)
-        inv[routes] = np.arange(n)
-        return np.take(y, inv, axis=0)
-    routed = np.zeros((T * K, D), np.float64)
-    routed[routes] = y
-    return routed
+    routed[r] = swiglu_out(y, h_dq, s2, nm=nm)

@@ -19,9 +19,30 @@ def o_proj(o_packed, wo_a, wo_b, wo_b_scale, *, cfg, nm):
 
 
 def o_proj_partial(o_packed, wo_a, wo_b, wo_b_scale, *, cfg, nm):
-    o_a = nm.mm(nm.asf(o_packed), nm.asf(wo_a).transpose(0, 2, 1))            # f32, not rounded
+    o_a = _low_rank(o_packed, wo_a, nm)                                       # f32, not rounded
     o_i8, dq = nm.q8(o_a)
     out = 0.0
     for g in range(o_packed.shape[0]):                                     # groups summed in order
         out = out + nm.int_mm(o_i8[g], wo_b[g].T) * dq[g]
     return out * nm.asf(wo_b_scale)
+
+
+def _low_rank(o_packed, wo_a, nm):
+    """o_packed [G, T, GI] @ wo_a[g]^T per group -> [G, T, OL].  NumPy widens one group's weight at a
+    time into one reused buffer (FLASH: 32 MB instead of the whole 256 MB f64 weight, written fresh
+    on every call) and runs the group's GEMM on the same transposed view the batched product
+    reads, so each group's BLAS call, and its bits, are those of the batched one.  A Numerics with
+    its own GEMM (hw.real's torch one) keeps the batched call."""
+    import numpy as np
+
+    from ..numerics import Numerics
+    if not nm.is_numpy or type(nm).mm is not Numerics.mm or o_packed.shape[0] < 2:
+        return nm.mm(nm.asf(o_packed), nm.asf(wo_a).transpose(0, 2, 1))
+    a = nm.asf(o_packed)
+    G, T, _ = a.shape
+    buf = np.empty(wo_a.shape[1:], nm.f)
+    out = np.empty((G, T, wo_a.shape[1]), nm.f)
+    for g in range(G):
+        np.copyto(buf, wo_a[g])
+        out[g] = nm.mm(a[g], buf.T)
+    return out

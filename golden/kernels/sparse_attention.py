@@ -172,8 +172,8 @@ def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, ro
 
     NumPy runs the tokens in chunks of `chunk` (default: as many as keep the widened candidates
     near CHUNK_BYTES, so that the gather, both GEMMs and the softmax between them work in cache:
-    ~2x faster than 64-token chunks on SMALL; every token's arithmetic is the same in any chunk)."""
-    xp = nm.xp
+    ~2x faster than 64-token chunks on SMALL; every token's arithmetic is the same in any chunk),
+    and the inverse RoPE over ~CHUNK_BYTES of output rows at a time."""
     T = q.shape[0]
     if chunk is None:
         n = -(-swa_indices.shape[1] // TILE) + (0 if cmp_rows is None else -(-cmp_rows.shape[1] // TILE))
@@ -193,11 +193,20 @@ def sparse_attention(q, kv_cache, swa_indices, swa_lens, attn_sink, rope_cos, ro
                                      nm=nm, buffers=buffers)
         return attend(q[lo:hi], K, valid, attn_sink, cfg=cfg, nm=nm)
 
-    if nm.is_numpy and T > chunk:
-        out = xp.concatenate([run(lo, min(lo + chunk, T)) for lo in range(0, T, chunk)], axis=0)
-    else:
-        out = run(0, T)
-    return rope_tail_bf16(out, rope_cos[:, None, :], rope_sin[:, None, :], nm, inverse=True)
+    def tail(o, lo, hi):
+        return rope_tail_bf16(o, rope_cos[lo:hi, None, :], rope_sin[lo:hi, None, :], nm, inverse=True)
+
+    if not (nm.is_numpy and T > chunk):
+        return tail(run(0, T), 0, T)
+    # the inverse RoPE tail (per row) once per ~CHUNK_BYTES of output rows, while they are in cache
+    out = np.empty(q.shape, nm.f)
+    group = max(chunk, CHUNK_BYTES // (8 * q.shape[1] * q.shape[2]))
+    for g0 in range(0, T, group):
+        g1 = min(g0 + group, T)
+        for lo in range(g0, g1, chunk):
+            out[lo:min(lo + chunk, g1)] = run(lo, min(lo + chunk, g1))
+        out[g0:g1] = tail(out[g0:g1], g0, g1)
+    return out
 
 
 def hca_rows(positions, req, kv_seq_lens, *, ratio=128, cap=8192, nm, n_max=None):

@@ -34,3 +34,10 @@ def test_requests_below_one_is_refused_by_name():
 def test_flash_requests_below_one_is_refused_by_name():
     out = _run("--skip-jax", "--flash-requests", "0")
     assert out.returncode == 2 and "--flash-requests: 0" in out.stderr and "at least 1" in out.stderr
+
+
+def test_flash_requests_must_be_integers():
+    out = _run("--skip-small", "--flash-requests", "64,x")
+    assert out.returncode == 2 and "--flash-requests: '64,x'" in out.stderr and "comma-separated integers" in out.stderr
+    out = _run("--skip-small", "--flash-requests", "64,0")
+    assert out.returncode == 2 and "--flash-requests: 0" in out.stderr

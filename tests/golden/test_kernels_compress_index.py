@@ -171,3 +171,10 @@ def test_lightning_indexer_against_loops_and_topk(small_ckpt):
         if k:
             sv = score[t, top[t, :k]]
             assert np.all(np.diff(sv) <= 0) and sv[-1] >= np.sort(score[t, :vis])[::-1][k - 1]
+    # NumPy's token chunks (one token, an uneven split, the default) give the same bits: each token
+    # has its own GEMM and the same elementwise steps and head-order sum in any chunk
+    for chunk in (1, 4):
+        sc, tp = lightning_indexer(xq, qr, qs, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"], w["csa_weights_proj"],
+                                   w["csa_hadamard_idx"], cos, sin, cache, scale, idx_table, np.zeros(T, int),
+                                   pos, lens // 4, cfg=cfg, nm=DEVICE, cap=2048, chunk=chunk)
+        assert np.array_equal(sc, score) and np.array_equal(tp, top)

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from golden.compose import SHARED_NAMES
 from golden.heap import retain_heap
 from golden.kernels.hyper_connections import sinkhorn
+from golden.kernels import moe
+from golden.kernels import sparse_attention as sa
 from golden.kernels.moe import moe_experts, routed_expert, shared_expert
 from golden.kernels.rope import rope_tail, rope_tail_bf16
 from golden.kernels.sparse_attention import (TILE, _combine_tiles_np, attend, candidate_slots, gather_candidates,
@@ -82,8 +84,12 @@ def _check_against_one_call_per_expert(x_i8, x_scale, idx, wts, expert, shared, 
     assert np.array_equal(got, nm.bf16(out))
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1, 3 * 8 * SMALL.hidden_size])
 @pytest.mark.parametrize("mode", ["device", "exact", "official"])
-def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mode):
+def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mode, chunk_bytes, monkeypatch):
+    """chunk_bytes: all routes in one chunk (SMALL's default), one expert per chunk, >= 3 routes per chunk."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(moe, "ROUTE_CHUNK_BYTES", chunk_bytes)
     cfg, nm, layer = SMALL, Numerics(mode), 4
     w, expert = small_ckpt.layer(layer), (lambda e: small_ckpt.expert(layer, e))
     rng = np.random.default_rng(7)
@@ -95,9 +101,13 @@ def test_grouped_routed_experts_equal_one_swiglu_call_per_expert(small_ckpt, mod
     _check_against_one_call_per_expert(x_i8, x_scale, idx, wts, expert, {k: w[k] for k in SHARED_NAMES}, cfg, nm)
 
 
+@pytest.mark.parametrize("rope_rows", [None, 3])
 @pytest.mark.parametrize("mode", ["device", "exact"])
-def test_attention_chunks_do_not_change_bits(mode):
+def test_attention_chunks_do_not_change_bits(mode, rope_rows, monkeypatch):
+    """rope_rows: the output rows per inverse-RoPE pass (None: every row in one pass on SMALL)."""
     cfg, nm = SMALL, Numerics(mode)
+    if rope_rows is not None:
+        monkeypatch.setattr(sa, "CHUNK_BYTES", rope_rows * 8 * cfg.num_attention_heads * cfg.head_dim)
     rng = np.random.default_rng(3)
     T, H, HD, pages, rpp = 20, cfg.num_attention_heads, cfg.head_dim, 8, 32
     bf = lambda a: a.astype(np.float32).astype(BF16).astype(np.float64)
@@ -337,3 +347,37 @@ def test_contiguity_check_accepts_exactly_what_the_per_request_rule_accepts(lens
     else:
         with pytest.raises(AbiError, match="consecutive rows"):
             _check_contiguous(meta)
+
+
+@pytest.mark.parametrize("mode", ["device", "exact"])
+def test_o_proj_low_rank_per_group_equals_the_batched_product(mode):
+    """o_proj's wo_a product, one group's weight widened at a time, gives the batched product's bits:
+    each group's GEMM is the same BLAS call on the same strided views the batched matmul makes per
+    batch element (in exact mode too, where the products round)."""
+    from golden.kernels.o_proj import _low_rank, pack_groups
+    cfg, nm = SMALL, Numerics(mode)
+    rng = np.random.default_rng(11)
+    o = nm.bf16(rng.standard_normal((13, cfg.num_attention_heads, cfg.head_dim)))
+    wo_a = rng.standard_normal((cfg.o_groups, cfg.o_lora_rank, cfg.o_group_in)).astype(np.float32).astype(BF16)
+    packed = pack_groups(o, cfg=cfg)
+    got = _low_rank(packed, wo_a, nm)
+    assert cfg.o_groups >= 2 and got.shape == (cfg.o_groups, 13, cfg.o_lora_rank)
+    assert np.array_equal(got, nm.asf(packed) @ nm.asf(wo_a).transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("mode", ["device", "exact", "official"])
+def test_query_heads_in_row_chunks_equal_one_pass(small_ckpt, mode, monkeypatch):
+    """qkv_proj_rope's per-row query steps (dequantize, per-head RMS, RoPE tail) give the same bits
+    over chunks of 1 and 3 rows as in one pass over all rows."""
+    from golden.compose import rope_inputs
+    from golden.kernels import qkv_proj_rope as k6
+    cfg, nm, T = SMALL, Numerics(mode), 7
+    w = small_ckpt.layer(2)
+    x = nm.bf16(np.random.default_rng(4).standard_normal((T, cfg.hidden_size)))
+    cos, sin = rope_inputs(cfg, np.arange(100, 100 + T), nm)["compressed"]
+    args = (x, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], w["gamma_cq"], w["gamma_ckv"], cos, sin)
+    whole = k6.qkv_proj_rope(*args, cfg=cfg, nm=nm)
+    for rows in (1, 3):
+        monkeypatch.setattr(k6, "CHUNK_BYTES", rows * 8 * cfg.num_attention_heads * cfg.head_dim)
+        got = k6.qkv_proj_rope(*args, cfg=cfg, nm=nm)
+        assert all(np.array_equal(a, b) for a, b in zip(got, whole))
