@@ -17,6 +17,8 @@ from typing import Callable
 
 import numpy as np
 
+from twin.abi.lowering.decode import owner_member
+
 from twin.abi import constants as C
 from twin.abi.errors import AbiError
 from twin.abi.lowering.drafter import DRAFTER, padded_batch, seeding_waves
@@ -165,7 +167,7 @@ def new_run(g: Golden, requests, *, k: int, block_seed: int | None = None, log_h
 
 def owner_rank(s: Seq, tp: int = C.TP_SIZE) -> int:
     """Decode row placement: lease % tp in the request's group at K=7, round-robin at K=0."""
-    return tp * s.group + ((s.lease if s.lease is not None else s.index) % tp)
+    return tp * s.group + owner_member(s.lease is not None, s.lease, s.index, tp)
 
 
 def forward_spans(g: Golden, run: Run, spans, form):

@@ -16,6 +16,7 @@ import numpy as np
 from twin.abi import constants as C
 from twin.abi.batches import DispatchTiming, StepResult
 from twin.abi.errors import ConfigError
+from twin.abi.lowering.decode import owner_member
 from twin.abi.lowering.drafter import BOOTSTRAP, context_bucket
 
 from .acceptance import AcceptanceModel, ConditionalAcceptance
@@ -79,8 +80,7 @@ def seed_timing(cost: CostModel | None, wave) -> DispatchTiming:
 def decode_timing(cost: CostModel | None, decode_groups, ctxs: list[list[int]], k: int) -> DispatchTiming:
     """The decode tile; ctxs[g][i]: the context length of decode_groups[g][i].  A K=7 row runs on its
     lease's owner rank, a K=0 row round-robin by its ordinal in the group."""
-    owners = [[it.lease % C.TP_SIZE if (k and it.lease is not None) else o % C.TP_SIZE for o, it in enumerate(grp)]
-              for grp in decode_groups]
+    owners = [[owner_member(k, it.lease, o) for o, it in enumerate(grp)] for grp in decode_groups]
     secs, parts = cost.decode(ctxs, owners) if cost is not None else (0.0, {})
     return DispatchTiming("decode", secs, parts, {"requests_per_group": [len(g) for g in decode_groups]})
 

@@ -46,10 +46,6 @@ class LeaseManager:
     def live(self, group: int) -> int:
         return self.per_group - len(self.free[group])
 
-    def owner_rank(self, lease: int, tp: int = C.TP_SIZE) -> int:
-        """Rank within the group that owns a K=7 request's decode rows: lease % 4."""
-        return lease % tp
-
     def check(self) -> None:
         for g, fl in enumerate(self.free):
             held = [l for (gg, l) in self.held.values() if gg == g]

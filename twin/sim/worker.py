@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from twin.abi import constants as C
 from twin.abi.batches import DecodeBatch, DecodeItem, PrefillBatch, PrefillItem
+from twin.abi.lowering.decode import owner_member
 from twin.abi.lowering.drafter import seeding_waves
 
 
@@ -85,7 +86,7 @@ def decode_groups(items, partitions: int, k: int) -> tuple[tuple[tuple[DecodeIte
             owners = [0] * C.TP_SIZE
             for it in v:
                 if it.lease is not None:
-                    owners[it.lease % C.TP_SIZE] += 1
+                    owners[owner_member(k, it.lease, 0)] += 1
             if max(owners) > C.LOCAL_REQUESTS:
                 error = owner_rank_error(g)
     return tuple(tuple(v) for v in groups), error

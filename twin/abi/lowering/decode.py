@@ -37,6 +37,12 @@ class Placed:
     slot: int
 
 
+def owner_member(k: int, lease: int | None, ordinal: int, tp: int = C.TP_SIZE) -> int:
+    """The rank within its TP group whose local rows hold a decode request: lease % tp at K=7 (the
+    drafter state it verifies lives with its lease), its ordinal in the group % tp at K=0 (round robin)."""
+    return lease % tp if k and lease is not None else ordinal % tp
+
+
 def place(program: str, batch: DecodeBatch, ctx: LoweringContext, by_lease: bool) -> dict[int, list[Placed]]:
     """Owner placement per group (runner `_decode_assignment`)."""
     items = tuple(batch.items)
@@ -58,11 +64,8 @@ def place(program: str, batch: DecodeBatch, ctx: LoweringContext, by_lease: bool
         used = [0] * ctx.tp
         placed = []
         for o, it in enumerate(its):
-            if by_lease:
-                m = it.lease % ctx.tp
-                local = used[m]
-            else:
-                m, local = o % ctx.tp, o // ctx.tp
+            m = owner_member(by_lease, it.lease, o, ctx.tp)
+            local = used[m] if by_lease else o // ctx.tp
             if local >= per_rank:
                 raise DispatchError(program, "num_tokens_per_owner", "owner_rows",
                                     f"group {g} rank {m}: request {it.request_id!r} would be local row {local}",
