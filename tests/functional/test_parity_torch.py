@@ -5,7 +5,7 @@ A clean K=0 run on TINY with a shared 128-token prefix (a prefix-cache hit), a p
 split decodes passes under the default tolerance policy, and so does a clean K=7 run (seeding waves,
 fused verify steps with fallbacks near the context limit, a reused lease); a bug seeded into golden (the mask off by
 one and the scale transposed of the kernel-level seeded test, reused so both levels seed the same
-mistakes) makes the run fail at the dispatch it first matters in, localized to its (layer, stage),
+mistakes, and a rounding point moved: the RoPE angle rounded to BF16 instead of its cos / sin) makes the run fail at the dispatch it first matters in, localized to its (layer, stage),
 with every dispatch before it passing.  On SMALL (11 layers, 32 experts over 16 ranks) clean K=0 and
 K=7 runs pass too.  Dispatch counts stay under 20 and torch runs one thread."""
 import sys
@@ -17,7 +17,9 @@ import pytest
 
 pytest.importorskip("torch")
 
+import golden.compose  # noqa: E402
 import golden.paged  # noqa: E402
+from golden.kernels.rope import inv_freq  # noqa: E402
 from twin.abi.batches import Request, Sampling  # noqa: E402
 from twin.abi.errors import AbiError  # noqa: E402
 from twin.abi.presets import get_preset  # noqa: E402
@@ -108,6 +110,40 @@ def _compared_families(lr, s):
     # an independent FP32 device against golden's float64 sums: close, never bit-equal (the integer
     # K=7 state, compared exactly, is equal)
     assert all(0 < m["max_rel_l2"] for k, m in s["worst_metrics"].items() if not k.startswith("index/"))
+
+
+def rope_rounded_at_the_angle(cfg, profile, positions, nm):
+    """golden's RoPE rows with the BF16 rounding point moved from the table values (kernel-math §3.2
+    and K6: cos / sin computed in f32, stored BF16) to the angle before cos / sin: at position p the
+    angle p * f carries an error up to p * f * 2^-9, far past a BF16 step of cos / sin."""
+    pos = np.asarray(positions)
+    ang = np.asarray(nm.bf16(pos.astype(np.float32)[:, None] * inv_freq(cfg, profile, np.float32)[None, :]),
+                     np.float32)
+    c, s = np.cos(ang), np.sin(ang)
+    return nm.xp.asarray(np.concatenate([c, c], -1)), nm.xp.asarray(np.concatenate([s, s], -1))
+
+
+def long_prompt():
+    """One 440-token prompt: its prefill chunks reach positions where the angle's BF16 step is large."""
+    V = get_preset("tiny").vocab_size
+    return [Request("a", np.random.default_rng(3).integers(2, V, 440).astype(np.int32), Sampling(4, ignore_eos=True))]
+
+
+def test_a_moved_rounding_point_in_golden_is_caught_where_positions_grow(monkeypatch):
+    """The moved rounding point errs in proportion to the position: the early chunks (positions
+    below ~256) stay within the policy, the first chunk past them fails at layer 0's query, the
+    first tap the RoPE rows reach; the same workload without the bug passes (its worst rel-L2 per
+    class about 0.02-0.03, the gate 0.08)."""
+    clean = build_lockstep(backend="torch", k=0, requests=long_prompt(), record=False).run(12)
+    assert clean["verdict"] == "PASS" and clean["dispatches"] >= 8, clean["first_divergence"]
+    monkeypatch.setattr(golden.compose, "rope_rows", rope_rounded_at_the_angle)
+    lr = build_lockstep(backend="torch", k=0, requests=long_prompt(), record=False)
+    s = lr.run(12)
+    assert s["verdict"] == "FAIL"
+    fd = s["first_divergence"]
+    assert (fd["program"], fd["layer"], fd["stage"]) == ("l3_prefill_fwd", "0", "q"), fd
+    verdicts = [e["verdict"] for e in lr.entries]
+    assert len(verdicts) >= 2 and verdicts[-1] == "fail" and all(v == "pass" for v in verdicts[:-1])
 
 
 @pytest.mark.parametrize("bug, site", [("mask", ("0", "attn")), ("scale", ("2", "idx_topk"))])
