@@ -205,10 +205,9 @@ class FreeQueue:
         self.n -= 1
 
 
-def _decref(ref: list, free: FreeQueue, blocks, name: str, p: int) -> list[int]:
+def _unref(ref: list, blocks, name: str, p: int, freed: list) -> None:
     """One reference fewer on each block of one pool (None: no page); the pages left unreferenced
-    join the free queue's tail in order (their hashes kept) and are returned."""
-    freed = []
+    are appended to `freed` in order."""
     for b in blocks:
         if b is None:
             continue
@@ -218,6 +217,13 @@ def _decref(ref: list, free: FreeQueue, blocks, name: str, p: int) -> list[int]:
             freed.append(b)
         elif x < 0:
             raise AssertionError(f"{name} p{p} block {b}: negative ref count")
+
+
+def _decref(ref: list, free: FreeQueue, blocks, name: str, p: int) -> list[int]:
+    """`_unref`, then the pages left unreferenced join the free queue's tail in order (their hashes
+    kept) and are returned."""
+    freed = []
+    _unref(ref, blocks, name, p, freed)
     if freed:
         free.push(freed)
     return freed
@@ -734,14 +740,7 @@ class KvCacheManager:
                 if freed:
                     self._freed(cur, p, freed)
                 cur, r, freed = f, self.ref[f][p], []
-            for b in bs:
-                if b is not None:
-                    x = r[b] - 1
-                    r[b] = x
-                    if x == 0:
-                        freed.append(b)
-                    elif x < 0:
-                        raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+            _unref(r, bs, self.names[f], p, freed)
         if freed:
             self._freed(cur, p, freed)
         st.clear()
