@@ -223,7 +223,7 @@ def _run(args, nproc: int) -> int:
     if sv:
         con.print("scheduler: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sv.items()))
     extra = ")" if args.no_records else ", records/)"
-    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}")
+    con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}", soft_wrap=True)   # a path stays whole
     return 0 if s["verdict"] == "PASS" else 1
 
 
