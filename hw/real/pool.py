@@ -136,6 +136,7 @@ class CheckPool:
         # timings (kept out of stats, so the summary holds no wall-clock numbers)
         self.waited_s = 0.0                         # the device side's time blocked on a full backlog
         self.drain_s = 0.0                          # the run's end waiting for the last checks
+        self.record_s = 0.0                         # the device side's time writing dispatch records
         self.failed_at: int | None = None
 
     # ---- the device side ----------------------------------------------------------------------------
@@ -148,7 +149,9 @@ class CheckPool:
         if lr.plan is not None:
             # sampled: this dispatch's sites of the plan, one task; the record keeps every tap they read
             sites = [list(x) for x in lr.planned(rd.dispatch.program)[1]]
+        t0 = time.perf_counter()
         lr.recorder.record(mirror, rd, {"verdict": "pass"} if sites is None else {"verdict": "pass", "sites": sites})
+        self.record_s += time.perf_counter() - t0
         self.programs.append(rd.dispatch.program)
         if rd.index % self.every == 0:
             self.status.append("pending")
