@@ -36,6 +36,7 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -72,11 +73,16 @@ def checked_async(preset: str, n: int, seed: int, *, every: int, workers: int, b
     tmp = tempfile.mkdtemp(prefix="lockstep-bench-")
     try:
         run = _build(preset, n, seed, run_dir=tmp, coverage=coverage)
+        k0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0, c0 = time.perf_counter(), time.process_time()
         s = run.run_async(n, workers=workers, backlog=backlog, policy=policy, every=every)
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+        # the checker processes' CPU (start-up included), counted once the pool has shut them down
+        k1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         pool = run.checker.pool
-        return (wall, time.process_time() - c0), s, {"device_side_s": round(wall - pool.drain_s, 4),
+        return (wall, cpu), s, {"checker_cpu_s": round(k1.ru_utime + k1.ru_stime - k0.ru_utime - k0.ru_stime, 4),
+                                "device_side_s": round(wall - pool.drain_s, 4),
                                                      "device_waited_s": round(pool.waited_s, 4),
                                                      "drain_s": round(pool.drain_s, 4),
                                                      "record_s": round(pool.record_s, 4)}

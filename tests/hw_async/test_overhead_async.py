@@ -44,7 +44,7 @@ def test_the_sampled_async_benchmark_checks_every_dispatchs_planned_sites():
     # every dispatch submitted; each either checked or skipped (counted), the backlog never over 2
     assert a["submitted"] == 8 and a["checked"] + a["skipped"] == 8 and a["backlog_high_water"] <= 2
     assert sum(c["checked"] for c in a["sites"].values()) > 0
-    assert 0 <= a["record_s"] <= a["device_side_s"] <= d["wall_s"]["lockstep"]
+    assert 0 <= a["record_s"] <= a["device_side_s"] <= d["wall_s"]["lockstep"] and a["checker_cpu_s"] > 0
 
 
 def test_the_benchmark_refuses_check_every_with_coverage():
