@@ -97,3 +97,15 @@ def test_a_persistent_fault_is_found_asynchronously_within_n_dispatches_of_its_p
     assert r["program_latency"] <= N, r
     # reported with its dispatch index and the fault's (layer, stage)
     assert r["got"][0] >= r["fired_at"] and r["localized"], r
+
+
+def test_sampled_checks_on_ray_tasks_are_the_local_workers_lines(pair, ray_cluster, tmp_path):
+    from hw.real.pool import RayWorkers
+
+    _, (_, _, da) = pair
+    s = build_lockstep(preset="tiny", k=7, max_new=16, coverage=N, run_dir=tmp_path).run_async(
+        STEPS, workers=RayWorkers(), backlog=4)
+    assert s["config"]["checking"]["workers"] == {"kind": "ray", "n": 2} and s["verdict"] == "PASS"
+    # the same device run, recorded to the same bytes, judged by the same unit on one BLAS thread
+    # (hw.real.pool.in_worker) whichever process runs it: the lines are equal as bytes
+    assert (tmp_path / "report.jsonl").read_text() == (da / "report.jsonl").read_text()
