@@ -416,6 +416,15 @@ def _rows():
         "--ray", "--ray='127.0.0.1:9'", "the address of a running Ray cluster")
     add("lockstep --async with --no-records", LS + ["--async", "--run-dir", "{d}/ls-async"], "--no-records",
         "--no-records=True", "unset with --async")
+    # sampled checking on the pool: the combinations a sampled or an asynchronous run refuses
+    LA = ["lockstep", "--steps", "2", "--async", "--run-dir", "{d}/ls-async-cov"]
+    add("lockstep --async --coverage 0", LA + ["--coverage", "0"], "--coverage", "--coverage=0", "an integer N >= 1")
+    add("lockstep --async --coverage with --backend torch", LA + ["--backend", "torch", "-k", "0", "--coverage", "4"],
+        "--coverage", "--coverage=4", "none with backend torch")
+    add("lockstep --async --coverage with --no-records", LA + ["--coverage", "4", "--no-records"], "--no-records",
+        "--no-records=True", "unset with --async")
+    add("lockstep --replay with --coverage", ["lockstep", "--replay", "{d}/run-keys", "--coverage", "4"],
+        "--coverage", "--coverage=4", "no value with --replay")
     add("lockstep --replay missing", ["lockstep", "--replay", "{d}/nope-run"], "--replay",
         "run_dir='{d}/nope-run'", "a real-golden run directory with records/config.json")
     add("lockstep --replay with --backlog", ["lockstep", "--replay", "{d}/run-keys", "--backlog", "4"], "--backlog",

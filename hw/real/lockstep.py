@@ -325,22 +325,25 @@ class RealLockstep:
                 self.gold.run.pools = list(self.dev.run.pools)
         return entry
 
-    def check_sampled(self, rd) -> dict:
-        """The head and the plan's sites of this dispatch, each from the device's own state
-        (`hw.real.site_check`).  A drafter site runs golden's whole dispatch from the device's state
-        (the drafter reads the target hidden the dispatch computes) and judges every group's drafter
-        pool.  A failure is localized by checking every site of the dispatch: the first failing
-        (layer, stage) in dependency order, else the head, else the drafter."""
-        from .coverage import layer_stages
-        from .site_check import check_view, view_from_step
-
-        program = rd.dispatch.program
+    def planned(self, program: str) -> tuple[int, tuple]:
+        """The plan's count of `program`'s dispatches so far (this one's nth) and this one's sites;
+        counts it (sampled mode, live or asynchronous)."""
         nth = self.nth.get(program, 0)
         self.nth[program] = nth + 1
-        sites = self.plan.plan(program, nth)
+        return nth, self.plan.plan(program, nth)
+
+    def check_sampled(self, rd) -> dict:
+        """The head and the plan's sites of this dispatch, each from the device's own state
+        (`hw.real.site_check.sampled_entry`).  A drafter site runs golden's whole dispatch from the
+        device's state (the drafter reads the target hidden the dispatch computes) and judges every
+        group's drafter pool."""
+        from .site_check import sampled_entry, view_from_step
+
+        program = rd.dispatch.program
+        nth, sites = self.planned(program)
         drafting = any(s[2] == "drafter" for s in sites)
         before, state = [dict(p) for p in self.dev.run.caches], self.dev.run.state
-        drafter, resyncs = [], []
+        drafter, resyncs = None, []
         if drafting:
             # the golden has not run since its last drafter site: it starts from the device's pools and
             # slots (check_full adopts the decisions and each request's tokens)
@@ -355,38 +358,11 @@ class RealLockstep:
         else:
             step = self.last_step = self.device_step(rd)
         view = view_from_step(program, step, before, [dict(p) for p in self.dev.run.caches], state)
+        about = {"index": rd.index, "program": program, "kind": rd.kind, "rows": len(rd.rows), "nth": nth}
         t0 = time.perf_counter()
-        res = check_view(self.site_golden, view, sites)
+        entry = sampled_entry(self.site_golden, view, about, sites, self.plan.sites[program], drafter, resyncs)
         self.throughput["site_s"] += time.perf_counter() - t0
         self.throughput["sites"] += sum(s[2] != "drafter" for s in sites)
-        resyncs += res["resyncs"]
-        findings = res["head"] + [r["finding"] for r in res["sites"] if r["verdict"] == "fail"] + drafter
-        failed = [f for f in findings if not f["passed"]]
-        ran = {tuple(r["site"]): r["verdict"] for r in res["sites"]}
-        ran.update({s: "fail" if any(not f["passed"] for f in drafter) else "pass" for s in sites if s[2] == "drafter"})
-        entry = {"index": rd.index, "program": program, "kind": rd.kind, "rows": len(rd.rows),
-                 "verdict": "fail" if failed else "pass", "findings": findings, "first_divergence": None,
-                 "resyncs": resyncs, "coverage": {"nth": nth, "sites": len(sites)},
-                 "sites": [[s[1], s[2], s[3], ran[tuple(s)]] for s in sites]}
-        if failed:
-            cfg = self.dev.g.cfg
-            every = [s for s in self.plan.sites[program] if s[2] != "drafter"]
-            order = {(layer, st): (layer, i) for layer in range(cfg.num_hidden_layers)
-                     for i, st in enumerate(layer_stages(cfg, layer))}
-            every.sort(key=lambda s: order[(s[2], s[3])])
-            full = check_view(self.site_golden, view, every)["sites"] if every and view.meta is not None else []
-            bad = [r for r in full if r["verdict"] == "fail"]
-            entry["localized_over"] = len(full)
-            if bad:
-                entry["first_divergence"] = bad[0]["first_divergence"]
-            else:
-                # a layer's pool (a seeding wave's stray write) in layer order, then the head, then the drafter
-                rank = {("head", "hidden"): 0, ("head", "logits"): 1, ("head", "sample"): 2, ("drafter", "ctx_kv"): 3}
-                f = min(failed, key=lambda f: (0, f["site"][0], 0) if isinstance(f["site"][0], int)
-                        else (1, 0, rank.get(tuple(f["site"]), 4)))
-                entry["first_divergence"] = {"layer": str(f["site"][0]), "stage": f["site"][1], "tensor": f["name"],
-                                             "reasons": f["reasons"], "metrics": f["metrics"],
-                                             "bad_rows": f["bad_rows"][:8]}
         return entry
 
     def localize(self, order, dtaps, gtaps, failed) -> dict:

@@ -5,9 +5,10 @@ checker workers, never waiting on the golden unless the backlog is full.
     lockstep.pool = pool            # RealLockstep.dispatch: device step, record, submit
     ...; pool.drain(); pool.stats()
 
-unit(run_dir, index) -> report entry is the checker's unit of work (`twin.functional.parity.check`):
-it re-judges recorded dispatch `index` from the records alone, so checks run in any order, on any
-worker.  The device side records the golden's state as the device's own (no golden runs beside
+unit(run_dir, index, sites, policy) -> report entry is the checker's unit of work
+(`twin.functional.parity.check`): it re-judges recorded dispatch `index` from the records alone, so
+checks run in any order, on any worker.  With a coverage plan (`hw.real.coverage`) a dispatch's
+check is its planned sites and the head, one task per dispatch; without, the whole dispatch.  The device side records the golden's state as the device's own (no golden runs beside
 it), so each check re-syncs golden from the device's recorded state before its dispatch; a failure
 found asynchronously is reported with its dispatch index, and the run is not re-synced
 retroactively (the device has moved on).
@@ -107,7 +108,7 @@ class RayWorkers:
 class CheckPool:
     """Bounded, ordered asynchronous checks of the recorded dispatches of `run_dir`.
 
-    unit(run_dir, index, policy=...) -> entry; workers: `LocalWorkers` or `RayWorkers`;
+    unit(run_dir, index, sites, policy) -> entry; workers: `LocalWorkers` or `RayWorkers`;
     write(entry): called in dispatch order; every: submit every `every`-th dispatch's check (the
     others are "not sampled"); strict: the device side halts once a failing check comes back."""
 
@@ -123,6 +124,7 @@ class CheckPool:
         self.backlog, self.policy, self.write, self.every, self.strict = backlog, policy, write, every, strict
         self.check_policy = check_policy
         self.pending: deque[int] = deque()          # submitted, not started
+        self.sites: dict[int, list | None] = {}     # a pending check's sites (None: the whole dispatch)
         self.running: dict = {}                     # handle -> index
         self.done: dict[int, dict | None] = {}      # index -> entry (None: skipped)
         self.order: list[int] = []                  # submitted indices, in dispatch order
@@ -134,6 +136,7 @@ class CheckPool:
         # timings (kept out of stats, so the summary holds no wall-clock numbers)
         self.waited_s = 0.0                         # the device side's time blocked on a full backlog
         self.drain_s = 0.0                          # the run's end waiting for the last checks
+        self.record_s = 0.0                         # the device side's time writing dispatch records
         self.failed_at: int | None = None
 
     # ---- the device side ----------------------------------------------------------------------------
@@ -142,11 +145,17 @@ class CheckPool:
         (the golden's state recorded as the device's), and its check is submitted."""
         step = lr.last_step = lr.device_step(rd)
         mirror = SimpleNamespace(dev=lr.dev, gold=lr.dev, last_step=step)
-        lr.recorder.record(mirror, rd, {"verdict": "pass"})
+        sites = None
+        if lr.plan is not None:
+            # sampled: this dispatch's sites of the plan, one task; the record keeps every tap they read
+            sites = [list(x) for x in lr.planned(rd.dispatch.program)[1]]
+        t0 = time.perf_counter()
+        lr.recorder.record(mirror, rd, {"verdict": "pass"} if sites is None else {"verdict": "pass", "sites": sites})
+        self.record_s += time.perf_counter() - t0
         self.programs.append(rd.dispatch.program)
         if rd.index % self.every == 0:
             self.status.append("pending")
-            self.submit(rd.index)
+            self.submit(rd.index, sites)
         else:
             self.status.append("not sampled")
         self.pump(block=False)
@@ -158,10 +167,12 @@ class CheckPool:
             raise Halt(f"{lr.index} dispatches run")
         return lr.last_ran
 
-    def submit(self, index: int) -> None:
+    def submit(self, index: int, sites=None) -> None:
+        """Queue dispatch `index`'s check (sites: the sampled sites it checks, None the whole dispatch)."""
         while len(self.pending) + len(self.running) >= self.backlog:
             if self.policy == "skip-oldest" and self.pending:
                 old = self.pending.popleft()
+                self.sites.pop(old, None)
                 self.done[old] = None
                 self.status[old] = "skipped"
                 self._flush()
@@ -170,6 +181,7 @@ class CheckPool:
                 self.pump(block=True)
                 self.waited_s += time.perf_counter() - t0
         self.pending.append(index)
+        self.sites[index] = sites
         self.order.append(index)
         self.high_water = max(self.high_water, len(self.pending) + len(self.running))
         self._start()
@@ -178,7 +190,7 @@ class CheckPool:
     def _start(self) -> None:
         while self.pending and len(self.running) < self.workers.n:
             i = self.pending.popleft()
-            self.running[self.workers.start(self.unit, self.run_dir, i, None, self.check_policy)] = i
+            self.running[self.workers.start(self.unit, self.run_dir, i, self.sites.pop(i), self.check_policy)] = i
 
     def pump(self, block: bool) -> None:
         """Collect finished checks (block: wait for at least one) and start pending ones."""

@@ -331,44 +331,60 @@ _GOLDEN: dict = {}
 _STATES: dict = {}
 
 
-def recorded_golden(run_dir, policy: str | None = None) -> tuple[SiteGolden, dict]:
+def recorded_golden(run_dir, policy=None) -> tuple[SiteGolden, dict]:
     """The golden of a recorded run (its config's preset, seed and numerics) under the tolerance
-    policy in the JSON file `policy` (default: the built-in one); cached per process."""
+    policy `policy` (a `Policy`, or the JSON file of one; default the built-in one); cached per process."""
+    import json
+
     from golden.checkpoint import SyntheticCheckpoint
     from twin.abi.presets import get_preset
 
     from .records import read_config
 
-    key = (str(Path(run_dir).resolve()), policy)
+    pkey = json.dumps(policy.to_dict(), sort_keys=True) if isinstance(policy, Policy) else policy
+    key = (str(Path(run_dir).resolve()), pkey)
     if key not in _GOLDEN:
         b = read_config(run_dir)
         cfg = get_preset(b["preset"])
-        pol = Policy.from_json(policy) if policy else None
+        pol = policy if isinstance(policy, Policy) else Policy.from_json(policy) if policy else None
         _GOLDEN[key] = (SiteGolden(cfg, SyntheticCheckpoint(cfg, b["seed"]), b["golden_mode"], pol), b)
     return _GOLDEN[key]
 
 
-def check_recorded(run_dir: str, index: int, sites, policy: str | None = None) -> dict:
-    """Check `sites` (lists or tuples (program, group, layer, stage)) of recorded dispatch `index` of
-    the run in `run_dir` from its records alone (a run recorded with coverage keeps what this reads),
-    under the tolerance policy file `policy` (the lockstep's --policy; default the built-in one)."""
+def _state_before(store, recs, run_dir, index: int) -> dict:
+    """The device's state before record `index`: the initial state with the deltas applied.  A worker
+    checks a run's dispatches in increasing order, so the last state reached is advanced from (one
+    delta per record overall, not one per record per check)."""
+    from .records import apply_deltas
+
+    key = str(Path(run_dir).resolve())
+    at, state = _STATES.get(key, (None, None))
+    if at is None or at > index:
+        at, state = 0, {k: store.get(h) for k, h in store.initial_hashes().items()}
+    for rec in recs[at:index]:
+        state = apply_deltas(store, state, rec.state_delta)
+    _STATES.clear()                     # one run's state held per process
+    _STATES[key] = (index, state)
+    return state
+
+
+def recorded_view(run_dir: str, index: int, policy=None) -> tuple[SiteGolden, dict, DispatchView]:
+    """The golden, the record (program, kind, rows, nth: the program's dispatches before it) and the
+    view of recorded dispatch `index` of the run in `run_dir`, from its records alone."""
     from ..records import RecordStore
     from .records import apply_deltas, outputs_step
 
     sg, _ = recorded_golden(run_dir, policy)
-    key = (str(Path(run_dir).resolve()), int(index))
-    if key not in _STATES:
-        # the device's state before and after the dispatch: the initial state with the deltas applied
-        store = RecordStore(Path(run_dir) / "records")
-        recs = store.records()
-        state = {k: store.get(h) for k, h in store.initial_hashes().items()}
-        for rec in recs[:index]:
-            state = apply_deltas(store, state, rec.state_delta)
-        rec = recs[index]
-        _STATES.clear()                     # one dispatch held: a worker checks a dispatch's sites together
-        _STATES[key] = (rec, state, apply_deltas(store, state, rec.state_delta),
-                        outputs_step({k: store.get(h) for k, h in rec.outputs.items()}))
-    rec, state, after, step = _STATES[key]
+    store = RecordStore(Path(run_dir) / "records")
+    recs = store.records()
+    if not 0 <= int(index) < len(recs):
+        from twin.abi.errors import AbiError
+
+        raise AbiError("index", index, f"a recorded dispatch 0..{len(recs) - 1}", where=f"site check {run_dir}")
+    rec = recs[index]
+    state = _state_before(store, recs, run_dir, int(index))
+    after = apply_deltas(store, state, rec.state_delta)
+    step = outputs_step({k: store.get(h) for k, h in rec.outputs.items()})
     n = sg.cfg.num_hidden_layers
 
     def layers(st):
@@ -377,5 +393,56 @@ def check_recorded(run_dir: str, index: int, sites, policy: str | None = None) -
     st = None
     if "dspark/tokens" in state:
         st = DeviceState(state["dspark/tokens"], state["dspark/meta"], sg.cfg.dspark_noise_token_id)
-    view = view_from_step(rec.program, step, layers(state), layers(after), st)
-    return {"index": int(index), "program": rec.program, **check_view(sg, view, sites)}
+    real = rec.meta["real"]
+    about = {"program": rec.program, "kind": real["kind"], "rows": len(real["rows"]),
+             "nth": sum(r.program == rec.program for r in recs[:index])}
+    return sg, about, view_from_step(rec.program, step, layers(state), layers(after), st)
+
+
+def check_recorded(run_dir: str, index: int, sites, policy=None) -> dict:
+    """Check `sites` (lists or tuples (program, group, layer, stage)) of recorded dispatch `index` of
+    the run in `run_dir` from its records alone (a run recorded with coverage keeps what this reads),
+    under the tolerance policy `policy` (a `Policy` or the lockstep's --policy file; default the
+    built-in one)."""
+    sg, about, view = recorded_view(run_dir, index, policy)
+    return {"index": int(index), "program": about["program"], **check_view(sg, view, sites)}
+
+
+# ---- a sampled dispatch's report entry -----------------------------------------------------------------
+def sampled_entry(sg: SiteGolden, view: DispatchView, about: dict, sites, every, drafter=None,
+                  resyncs=()) -> dict:
+    """The report line of a sampled dispatch: the head and the plan's `sites` checked (`check_view`);
+    about: index, program, kind, rows, nth.  drafter: the drafter site's findings where golden's whole
+    dispatch ran (the live lockstep); None leaves the drafter site "unchecked".  every: the program's
+    target sites.  A failure is localized by checking every one of them: the first failing (layer,
+    stage) in dependency order, else a layer's pool, else the head, else the drafter."""
+    res = check_view(sg, view, sites)
+    drafter = list(drafter or []) if drafter is not None else None
+    findings = res["head"] + [r["finding"] for r in res["sites"] if r["verdict"] == "fail"] + (drafter or [])
+    failed = [f for f in findings if not f["passed"]]
+    ran = {tuple(r["site"]): r["verdict"] for r in res["sites"]}
+    if drafter is not None:
+        ran.update({tuple(s): "fail" if any(not f["passed"] for f in drafter) else "pass"
+                    for s in sites if s[2] == "drafter"})
+    entry = {"index": about["index"], "program": about["program"], "kind": about["kind"], "rows": about["rows"],
+             "verdict": "fail" if failed else "pass", "findings": findings, "first_divergence": None,
+             "resyncs": list(resyncs) + res["resyncs"], "coverage": {"nth": about["nth"], "sites": len(sites)},
+             "sites": [[s[1], s[2], s[3], ran[tuple(s)]] for s in sites]}
+    if failed:
+        cfg = sg.cfg
+        order = {(layer, st): (layer, i) for layer in range(cfg.num_hidden_layers)
+                 for i, st in enumerate(layer_stages(cfg, layer))}
+        target = sorted((s for s in every if s[2] != "drafter"), key=lambda s: order[(s[2], s[3])])
+        full = check_view(sg, view, target)["sites"] if target and view.meta is not None else []
+        bad = [r for r in full if r["verdict"] == "fail"]
+        entry["localized_over"] = len(full)
+        if bad:
+            entry["first_divergence"] = bad[0]["first_divergence"]
+        else:
+            rank = {("head", "hidden"): 0, ("head", "logits"): 1, ("head", "sample"): 2, ("drafter", "ctx_kv"): 3}
+            f = min(failed, key=lambda f: (0, f["site"][0], 0) if isinstance(f["site"][0], int)
+                    else (1, 0, rank.get(tuple(f["site"]), 4)))
+            entry["first_divergence"] = {"layer": str(f["site"][0]), "stage": f["site"][1], "tensor": f["name"],
+                                         "reasons": f["reasons"], "metrics": f["metrics"],
+                                         "bad_rows": f["bad_rows"][:8]}
+    return entry

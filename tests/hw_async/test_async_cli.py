@@ -43,3 +43,27 @@ def test_an_async_cli_run_reports_its_checks_and_refuses_to_resume(tmp_path, cap
     assert "an asynchronous run does not resume" in capsys.readouterr().err
     # the offline replay re-judges every record and holds each report line to it
     assert main(["lockstep", "--replay", d]) == 0
+
+
+def test_an_async_sampled_cli_run_reports_coverage_replays_and_localizes_a_fault(tmp_path, capsys):
+    pytest.importorskip("torch")
+    import json
+
+    from twin.cli import main
+
+    d = str(tmp_path / "run")
+    assert main(["lockstep", "--steps", "10", "--async", "--coverage", "4", "--run-dir", d]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "checked 10 of 10 dispatches on 1 local worker(s)" in out
+    assert "every site at least once every 4 dispatches" in out and "drafter site(s) unchecked" in out
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["coverage"]["n"] == 4 and s["config"]["checking"]["skipped"] == []
+    # each line the unit wrote is what the replay re-judges it to (drafter lines: the same records-only unit)
+    assert main(["lockstep", "--replay", d]) == 0
+    assert "10 identical to the report" in " ".join(capsys.readouterr().out.split())
+    # a kv-row fault in layer 3 at dispatch 5, whose planned sites (plan seed 0) hold group 1's layer-3 kv:
+    # found by a worker, reported by its dispatch index and site
+    rc = main(["lockstep", "--steps", "14", "--async", "--coverage", "4", "--mode", "continuous",
+               "--run-dir", str(tmp_path / "bad"), "--inject", "kv_row@5:3"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 1 and "first divergence: dispatch 5" in out and "layer 3, stage kv" in out, out

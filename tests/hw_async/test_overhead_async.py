@@ -25,3 +25,28 @@ def test_the_async_overhead_benchmark_reports_its_ratio_backlog_and_skips():
     assert a["workers"] == {"kind": "local", "n": 1} and d["verdict"] == "PASS"
     assert 0 < a["device_side_s"] <= d["wall_s"]["lockstep"]
     assert d["meets_target"] == (d["ratio"] <= d["target_ratio"])
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lockstep_overhead.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_the_sampled_async_benchmark_checks_every_dispatchs_planned_sites():
+    pytest.importorskip("torch")
+    out = _bench("--dispatches", "8", "--repeats", "1", "--mode", "async", "--coverage", "4", "--backlog", "2",
+                 "--backlog-policy", "skip-oldest")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    a = d["async"]
+    assert a["coverage"] == 4 and a["check_every"] == 1 and d["verdict"] == "PASS"
+    # every dispatch submitted; each either checked or skipped (counted), the backlog never over 2
+    assert a["submitted"] == 8 and a["checked"] + a["skipped"] == 8 and a["backlog_high_water"] <= 2
+    assert sum(c["checked"] for c in a["sites"].values()) > 0
+    assert 0 <= a["record_s"] <= a["device_side_s"] <= d["wall_s"]["lockstep"] and a["checker_cpu_s"] > 0
+
+
+def test_the_benchmark_refuses_check_every_with_coverage():
+    out = _bench("--mode", "async", "--coverage", "4", "--check-every", "2")
+    assert out.returncode == 2 and "--check-every=2" in out.stderr and "unset with --coverage" in out.stderr

@@ -114,8 +114,10 @@ class ParityRun:
                   every: int = 1, progress=None) -> dict:
         """Serve the workload with the device alone in the loop: each dispatch is recorded and its
         check (`check`, every `every`-th dispatch) goes to a pool of checker workers (`hw.real.pool`):
-        workers an int (local processes) or a `hw.real.pool.RayWorkers`.  The run directory must be
-        fresh.  The summary's config gains `checking` (`CheckPool.stats`)."""
+        workers an int (local processes) or a `hw.real.pool.RayWorkers`.  Built with coverage N, every
+        dispatch's check is the plan's sites for it and the head (one task), and the summary keeps the
+        coverage ledger as a synchronous sampled run's.  The run directory must be fresh.  The
+        summary's config gains `checking` (`CheckPool.stats`)."""
         from hw.real.pool import CheckPool, LocalWorkers
         from hw.report import ReportWriter
 
@@ -128,6 +130,9 @@ class ParityRun:
                            "--fresh)", where="lockstep")
         if steps is not None and steps < 1:
             raise AbiError("steps", steps, ">= 1", where="lockstep")
+        if c.plan is not None and every != 1:
+            raise AbiError("every", every, f"1 with coverage {c.plan.n} (the plan chooses each dispatch's sites)",
+                           where="lockstep")
         w = LocalWorkers(workers) if isinstance(workers, int) else workers
         pool = CheckPool(check, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
                          check_policy=c.policy, write=lambda e: c.report.append(e))
@@ -234,10 +239,8 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     if requests is None:
         requests = seeded_requests(preset, seed=seed, n_requests=n_requests, max_new=max_new)
     requests = list(requests)
-    dep = deployment(cfg, ep=ep, max_model_len=max_model_len, long_prefill_token_threshold=chunk,
-                     max_num_seqs=max_num_seqs or (ep // 4) * (slots or 4),
-                     max_num_batched_tokens=max_num_batched_tokens,
-                     num_speculative_tokens=k)
+    dep = _deployment(cfg, ep=ep, max_model_len=max_model_len, chunk=chunk, max_num_seqs=max_num_seqs, slots=slots,
+                      max_num_batched_tokens=max_num_batched_tokens, k=k)
     sim = SimConfig(dep, requests, slots=slots, total_kv_pages=total_kv_pages, seed=seed)
     admitted = startup_slots(sim, DeviceLimits.load())
     # what rebuilds this run (records/config.json): resume checks it, replay re-drives it
@@ -265,6 +268,13 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     return run
 
 
+def _deployment(cfg, *, ep, max_model_len, chunk, max_num_seqs, slots, max_num_batched_tokens, k):
+    """The parity run's deployment (a live run's and a checker worker's plan read it)."""
+    return deployment(cfg, ep=ep, max_model_len=max_model_len, long_prefill_token_threshold=chunk,
+                      max_num_seqs=max_num_seqs or (ep // 4) * (slots or 4),
+                      max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=k)
+
+
 def rebuild(build_args: dict, **kw) -> ParityRun:
     """The parity run `build_args` (records/config.json) describes; kw overrides (policy, record, ...)."""
     b = dict(build_args)
@@ -277,18 +287,20 @@ def rebuild(build_args: dict, **kw) -> ParityRun:
 
 
 def run_case(kind: str, *, seed: int, at: int, layer: int, preset: str = "tiny", max_new: int = 40,
-             horizon: int = 60, persistent: bool = False, **build) -> dict:
+             horizon: int = 60, persistent: bool = False, workers=None, **build) -> dict:
     """One injection: a strict parity run with the device fault (`hw.real.faults.RealFault`), run until
     it stops (the first failure), the workload ends or `horizon` dispatches.  detected: the run failed
     at the dispatch the fault (first) fired at or, persistent, at one after it, and not before;
     localized: the first divergence names the fault's expected (layer, stage).  latency: dispatches
     from the first firing to the detection, both counted (1: detected where it first fired), and
-    program_latency the same counted in dispatches of the detecting dispatch's program."""
+    program_latency the same counted in dispatches of the detecting dispatch's program.  workers: the
+    run checked asynchronously on them (`ParityRun.run_async`, throttled so no check is skipped; build
+    needs a fresh run_dir)."""
     from hw.real.faults import RealFault
 
     f = RealFault(kind, at=at, layer=layer, seed=1000 * seed + 10 * at + layer, persistent=persistent)
     lr = build_lockstep(preset=preset, seed=seed, k=7, max_new=max_new, fault=f, **build)
-    s = lr.run(horizon)
+    s = lr.run(horizon) if workers is None else lr.run_async(horizon, workers=workers, policy="throttle")
     fd = s["first_divergence"]
     fails = [e["index"] for e in lr.entries if e["verdict"] == "fail"]
     out = {"kind": kind, "seed": seed, "at": at, "layer": layer, "fired_at": f.fired_at, "fired": f.fired,
@@ -395,7 +407,42 @@ def check_dispatches(run_dir, indices, policy=None) -> list[dict]:
 def check(run_dir, index: int, sites=None, policy=None) -> dict:
     """The checker's unit of work: recorded dispatch `index` of `run_dir` re-judged from the records
     alone (paths and ints in, a JSON-able report entry out, so it runs in a worker process or a Ray
-    task).  sites: None checks the whole dispatch."""
-    if sites is not None:
-        raise AbiError("sites", sites, "None (the whole dispatch)", where="lockstep check")
-    return check_dispatches(run_dir, [index], policy=policy)[0]
+    task).  sites: None checks the whole dispatch (re-driving the scheduler to it); a sampled run's
+    sites of the dispatch (program, group, layer, stage) check those and the head from the device's
+    recorded state (`hw.real.site_check`), the drafter site "unchecked" (it needs golden's whole
+    dispatch)."""
+    if sites is None:
+        return check_dispatches(run_dir, [index], policy=policy)[0]
+    from hw.real.site_check import recorded_view, sampled_entry
+
+    sites = [tuple(s) for s in sites]
+    plan = recorded_plan(run_dir)
+    sg, about, view = recorded_view(str(run_dir), index, policy)
+    wrong = [s for s in sites if s not in plan.sites.get(about["program"], ())]
+    if wrong:
+        raise AbiError("sites", wrong[:4], f"sites of dispatch {index}'s program {about['program']} in the run's "
+                       "coverage plan", where="lockstep check")
+    return sampled_entry(sg, view, {"index": int(index), **about}, sites, plan.sites[about["program"]])
+
+
+_PLANS: dict = {}
+
+
+def recorded_plan(run_dir):
+    """The coverage plan of a run recorded with --coverage (its config's deployment, N and seed)."""
+    from pathlib import Path
+
+    from hw.real.coverage import CoveragePlan
+    from hw.real.records import read_config
+
+    key = str(Path(run_dir).resolve())
+    if key not in _PLANS:
+        b = read_config(run_dir)
+        if b.get("coverage") is None:
+            raise AbiError("sites", "a list", f"None: {run_dir} was recorded without --coverage (its records keep "
+                           "only the decision taps)", where="lockstep check")
+        dep = _deployment(get_preset(b["preset"]), ep=b["ep"], max_model_len=b["max_model_len"], chunk=b["chunk"],
+                          max_num_seqs=b["max_num_seqs"], slots=b["slots"],
+                          max_num_batched_tokens=b["max_num_batched_tokens"], k=b["k"])
+        _PLANS[key] = CoveragePlan.for_deployment(dep, b["coverage"], b["coverage_seed"])
+    return _PLANS[key]
