@@ -27,31 +27,23 @@ from .args import Args, to_numpy
 from .device import torch_device
 
 
+# program -> (module, its runner); each module but decode's says its extents
+RUNNERS = {"l3_decode_fwd": ("decode", "run_decode"), "l3_decode_fwd_dspark": ("decode_dspark", "run_dspark"),
+           "l3_prefill_fwd": ("prefill", "run_prefill"), "l3_dspark_drafter": ("drafter_program", "run_program"),
+           "l3_dspark_draft_step_device_state": ("bootstrap", "run_bootstrap"),
+           "l3_distributed_markov_sample": ("markov_sample", "run_markov")}
+IMPLEMENTED = tuple(RUNNERS)
+
+
 def _program_runner(name: str):
-    if name == "l3_decode_fwd":
-        from .decode import run_decode
-        return run_decode, None
-    if name == "l3_decode_fwd_dspark":
-        from .decode_dspark import run_dspark, extents
-        return run_dspark, extents
-    if name == "l3_prefill_fwd":
-        from .prefill import run_prefill, extents
-        return run_prefill, extents
-    if name == "l3_dspark_drafter":
-        from .drafter_program import run_program, extents
-        return run_program, extents
-    if name == "l3_dspark_draft_step_device_state":
-        from .bootstrap import run_bootstrap, extents
-        return run_bootstrap, extents
-    if name == "l3_distributed_markov_sample":
-        from .markov_sample import run_markov, extents
-        return run_markov, extents
-    raise AbiError("program", name, f"a program TorchBackend implements: {', '.join(IMPLEMENTED)}",
-                   where="TorchBackend")
+    if name not in RUNNERS:
+        raise AbiError("program", name, f"a program TorchBackend implements: {', '.join(IMPLEMENTED)}",
+                       where="TorchBackend")
+    from importlib import import_module
 
-
-IMPLEMENTED = ("l3_decode_fwd", "l3_prefill_fwd", "l3_decode_fwd_dspark", "l3_dspark_drafter",
-               "l3_dspark_draft_step_device_state", "l3_distributed_markov_sample")
+    module, runner = RUNNERS[name]
+    m = import_module(f"{__package__}.{module}")
+    return getattr(m, runner), getattr(m, "extents", None)
 
 
 class TorchBackend:
