@@ -64,8 +64,8 @@ JAX (`golden.jax_path`, `golden.jax_numerics`)
         GEMMs; verify_bf16 checks the operands and sets `bf16_operands_ok`), exact mode in float64;
         equal to NumPy within kernel-math's FP32 tolerances (tie-aware); pools come back as JAX
         arrays (to_numpy(tree) converts), donate=True updates them in place; taps from
-        JAX_TAP_STAGES; resync_from=NumPy's taps (RESYNC_STAGES) adopts its routing at near
-        ties (`jg.resyncs`)
+        JAX_TAP_STAGES; resync_from=NumPy's taps (RESYNC_STAGES) adopts its routing and its
+        indexer selections at near ties (`jg.resyncs`)
     golden.jax_resync: agreement(out, ref, resyncs) (kernel-math §2 per logit row);
         jax_admissible(cfg, program, mode, max_len=) -> (bool, why): where a checker may use JAX
 

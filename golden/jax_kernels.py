@@ -38,6 +38,7 @@ from .kernels.rmsnorm import rms_norm
 from .kernels.rope import rope_tail_bf16
 from .kernels.sparse_attention import TILE, csa_rows
 from .numerics import EXACT_F32_K, FP32_NEG_INF, NEG_INF_ATTN
+from .ties import index_near_ties
 from .paged import PREFILL
 
 MOE_BLOCK = 16          # rows per expert block: small enough that padding stays < E * G rows
@@ -191,8 +192,11 @@ def _int_dots(spec, a, b, nm):
 
 def lightning_indexer_grouped(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_weights_proj,
                               csa_hadamard_idx, rope_cos, rope_sin, idx_kv_cache, idx_kv_scale, idx_block_table,
-                              req, positions, cache_lens, g, *, cfg, nm, cap, n_candidates):
-    """golden.kernels.indexer.lightning_indexer, candidates gathered once per request -> topk.
+                              req, positions, cache_lens, g, *, cfg, nm, cap, n_candidates, ref=None):
+    """golden.kernels.indexer.lightning_indexer, candidates gathered once per request -> (topk,
+    re-sync masks [2, T] or None).  ref: a reference's topk of the same call [T, IK], adopted on
+    the rows where it picks other compressed rows within the indexer's near-tie margin under these
+    scores (golden.ties.index_near_ties); masks: adopted rows, refused rows (other rows beyond it).
 
     With at most min(index_topk, TILE) candidates (n_candidates is static) every candidate is
     selected: the top min(visible, IK) = visible of a row are then exactly its rows c < visible
@@ -205,7 +209,9 @@ def lightning_indexer_grouped(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale,
     visible = jnp.minimum(jnp.minimum(cache_lens[req], (positions + 1) // 4), cap)
     if C <= min(IK, TILE):
         c = jnp.arange(IK, dtype=jnp.int32)
-        return jnp.where(c[None, :] < visible[:, None], c[None, :], -1)
+        topk = jnp.where(c[None, :] < visible[:, None], c[None, :], -1)
+        # nothing ranked: a reference that picks other rows is refused wherever it does
+        return topk, (None if ref is None else jnp.stack([jnp.zeros(T, bool), _picks_other(topk, ref)]))
     q_i8, q_scale = index_query(qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale, csa_hadamard_idx,
                                 rope_cos, rope_sin, cfg=cfg, nm=nm)
     w = nm.r32(nm.mm(nm.asf(x), nm.asf(csa_weights_proj)) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5))
@@ -222,7 +228,16 @@ def lightning_indexer_grouped(x, qr, qr_scale, csa_idx_wq_b, csa_idx_wq_b_scale,
     topk = jnp.where(jnp.arange(order.shape[1])[None, :] < kk[:, None], order, -1)
     if order.shape[1] < IK:
         topk = jnp.concatenate([topk, jnp.full((T, IK - order.shape[1]), -1, jnp.int32)], axis=1)
-    return topk.astype(jnp.int32)
+    topk = topk.astype(jnp.int32)
+    if ref is None:
+        return topk, None
+    near = index_near_ties(score, topk, ref, xp=jnp)
+    return jnp.where(near[:, None], ref, topk), jnp.stack([near, _picks_other(topk, ref) & ~near])
+
+
+def _picks_other(a, b):
+    """[T] bool: selections a, b [T, k] hold other rows (as sets)."""
+    return jnp.any(jnp.sort(a, axis=-1) != jnp.sort(b, axis=-1), axis=-1)
 
 
 def _tile(s, mask, K, nm):
@@ -349,15 +364,24 @@ def moe_blocks(x_i8, x_scale, indices, weights, expert, *, cfg, nm, block=MOE_BL
 
 
 # ---- the attention sub-layer on the grouped kernels -------------------------------------------
-def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None):
-    """golden.compose.attention_sublayer with the JAX kernels above (same order and pools)."""
+def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None,
+                               index_ref=None, taps=None):
+    """golden.compose.attention_sublayer with the JAX kernels above (same order and pools) ->
+    (x_hc, pools, the indexer's re-sync masks or None); index_ref: a reference's indexer topk of
+    this layer (lightning_indexer_grouped's ref); taps: a compose.Taps for "idx_topk" (the
+    selection attention read)."""
     pools = dict(pools)
     x_mixed, post, comb = hc_pre(x_hc, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg=cfg, nm=nm)
     x_n = rms_norm(x_mixed, w["attn_norm_w"], cfg=cfg, nm=nm)
     with bf16_operands(nm):
-        attn_out, pools = _attention_core(x_n, w, pools, m, rope, g, cfg=cfg, nm=nm, form=form, ratio=ratio,
-                                          n_idx=n_idx, n_hca=n_hca, split=split)
-    return hc_post_streams(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools
+        attn_out, pools, index = _attention_core(x_n, w, pools, m, rope, g, cfg=cfg, nm=nm, form=form, ratio=ratio,
+                                                 n_idx=n_idx, n_hca=n_hca, split=split, index_ref=index_ref)
+    masks = None
+    if index is not None:
+        topk, masks = index
+        if taps is not None:
+            taps.put(layer, "idx_topk", topk)
+    return hc_post_streams(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools, masks
 
 
 def stream_sum(c, r):
@@ -372,7 +396,7 @@ def hc_post_streams(x, residual, post, comb, *, cfg, nm):
     return hc_post(x, residual, post, comb, cfg=cfg, nm=nm, stream_mix=stream_sum)
 
 
-def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None):
+def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None, index_ref=None):
     """qkv -> compressors and indexer -> KV write -> attention -> o_proj: every GEMM here multiplies
     BF16 values (x_n, q, P and o are BF16 rounding points; the weights and pools BF16 or INT8)."""
     cos, sin = rope["swa"] if ratio == 0 else rope["compressed"]
@@ -382,16 +406,18 @@ def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n
     q, kv, qr, qr_scale = qkv_proj_rope(x_n, w.get("wq_a"), w["wq_b"], w["wq_b_scale"], w.get("wkv"), w["gamma_cq"],
                                         w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm, proj=pj("wq_a", "wkv"))
     pos, req, first = m["position_ids"], m["req"], m["first_pos"]
-    cmp = {}
+    cmp, index = {}, None
     if ratio == 4:
         ok = g["g_sel_ok4"]
         csa_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, selection=(g["g_sel4"], ok),
                      proj=pj, pool_branch=boundary_branch(ok, nm))
         cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
-        topk = lightning_indexer_grouped(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
-                                         w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin, pools["idx_kv_cache"],
-                                         pools["idx_kv_scale"], m["idx_block_table"], req, pos,
-                                         m["kv_seq_lens"] // 4, g, cfg=cfg, nm=nm, cap=cap, n_candidates=n_idx)
+        topk, masks = lightning_indexer_grouped(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
+                                                w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin,
+                                                pools["idx_kv_cache"], pools["idx_kv_scale"], m["idx_block_table"],
+                                                req, pos, m["kv_seq_lens"] // 4, g, cfg=cfg, nm=nm, cap=cap,
+                                                n_candidates=n_idx, ref=index_ref)
+        index = topk, masks
         cmp = dict(cmp_kv=pools["csa_cmp_kv"], cmp_rows=csa_rows(topk, pos, nm=nm),
                    cmp_block_table=m["csa_cmp_block_table"], n_cmp=n_idx)
     elif ratio == 128:
@@ -402,7 +428,7 @@ def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n
             cmp = dict(hca, n_cmp=n_hca)
     pools["kv_cache"] = nm.set_rows(pools["kv_cache"], m["ori_slot_mapping"], nm.store_bf16(kv))
     o = sparse_attention_grouped(q, pools["kv_cache"], w["attn_sink"], cos, sin, g, req=req, cfg=cfg, nm=nm, **cmp)
-    return o_proj_grouped(o, w["wo_a"], w["wo_b"], w["wo_b_scale"], cfg=cfg, nm=nm), pools
+    return o_proj_grouped(o, w["wo_a"], w["wo_b"], w["wo_b_scale"], cfg=cfg, nm=nm), pools, index
 
 
 def o_proj_grouped(o, wo_a, wo_b, wo_b_scale, *, cfg, nm):

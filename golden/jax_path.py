@@ -32,7 +32,7 @@ from .compose import ForwardOut, Taps, _check_contiguous, rope_inputs
 from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, fuse_projections, head, layout
 from .jax_moe import moe_sublayer
 from .jax_numerics import Fp32Numerics
-from .jax_resync import RESYNC_STAGES, Resyncs
+from .jax_resync import INDEX_STAGE, ROUTE_STAGES, Resyncs
 from .kernels.embedding import lookup_embedding
 from .kernels.indexer import PREFILL_SCORE_CAP
 from .kernels.sparse_attention import TILE
@@ -48,7 +48,7 @@ XLA_OPTIONS = {"xla_allow_excess_precision": False}
 READ_TRANSPOSED = ("csa_cmp_wkv", "csa_cmp_wgate", "csa_inner_wkv", "csa_inner_wgate", "hca_cmp_wkv", "hca_cmp_wgate",
                    "shared_w1", "shared_w3", "shared_w2", "lm_head_weight")
 # stages the jitted step can hand back (compose.Taps names; the others exist only inside XLA fusions)
-JAX_TAP_STAGES = ("attn_in", "attn_x_hc", "ffn_x_mixed", "moe_indices", "moe_weights", "ffn_out", "x_hc")
+JAX_TAP_STAGES = ("attn_in", "idx_topk", "attn_x_hc", "ffn_x_mixed", "moe_indices", "moe_weights", "ffn_out", "x_hc")
 
 
 class JaxGolden:
@@ -125,18 +125,21 @@ class JaxGolden:
             model, layers = _abi_layout(model), [_abi_layout(w) for w in layers]
             ids = m["input_ids"]
             x_hc = lookup_embedding(ids, model["embed_weight"], cfg=cfg, nm=nm)[1]
-            out, scratch, resyncs = [], None, {}
+            out, scratch, resyncs = [], None, {"route": {}, "index": {}}
             for layer in range(cfg.num_hidden_layers):
                 taps.put(layer, "attn_in", x_hc)
-                x_hc, p = attention_sublayer_grouped(x_hc, layer, layers[layer], pools[layer], m, rope, g, cfg=cfg,
-                                                     nm=nm, form=form, ratio=cfg.compress_ratios[layer],
-                                                     n_idx=n_idx, n_hca=n_hca, split=self.splits[layer])
+                x_hc, p, masks = attention_sublayer_grouped(
+                    x_hc, layer, layers[layer], pools[layer], m, rope, g, cfg=cfg, nm=nm, form=form,
+                    ratio=cfg.compress_ratios[layer], n_idx=n_idx, n_hca=n_hca, split=self.splits[layer],
+                    index_ref=refs.get("index", {}).get(layer), taps=taps)
+                if masks is not None:
+                    resyncs["index"][layer] = masks
                 taps.put(layer, "attn_x_hc", x_hc)
                 # the expert-block buffer passes from layer to layer (XLA reuses it: no zeroing per layer)
                 x_hc, scratch, masks = moe_sublayer(x_hc, layer, layers[layer], experts, ids, cfg=cfg, nm=nm,
-                                                    taps=taps, scratch=scratch, ref=refs.get(layer))
+                                                    taps=taps, scratch=scratch, ref=refs.get("route", {}).get(layer))
                 if masks is not None:
-                    resyncs[layer] = masks
+                    resyncs["route"][layer] = masks
                 out.append(p)
             logits, sampled = head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
             checks = nm.bf16_state[1]
@@ -165,8 +168,9 @@ class JaxGolden:
         names from JAX_TAP_STAGES; out.taps is a Taps keyed (layer, stage).  extents: (indexer
         candidates, HCA rows) at least static_extents(meta), to share one compiled step across
         calls that need different extents (a decode loop pinned to its largest).  resync_from: the
-        reference's taps of the same call (holding jax_resync.RESYNC_STAGES of every routed layer):
-        its routing is adopted at near ties (golden.jax_resync) and `self.resyncs` says where."""
+        reference's taps of the same call (jax_resync.RESYNC_STAGES: ROUTE_STAGES of every routed
+        layer, INDEX_STAGE of every CSA layer): its routing and its indexer selections are adopted
+        at near ties (golden.jax_resync) and `self.resyncs` says where."""
         cfg = self.cfg
         if len(caches) != cfg.num_hidden_layers:
             raise AbiError("caches", len(caches), f"one pool dict per layer ({cfg.num_hidden_layers})",
@@ -200,7 +204,7 @@ class JaxGolden:
             self._last = (fn, args[:3], [{k: (v.shape, v.dtype) for k, v in p.items()} for p in pools], args[4:])
             logits, sampled, out, x_hc, tapped, ok, masks = fn(*args)
             self.bf16_operands_ok = None if ok is None else bool(ok)
-            self.resyncs = Resyncs.from_masks(masks) if refs else None
+            self.resyncs = Resyncs.from_masks(masks["route"], masks["index"]) if refs else None
             logits.block_until_ready()
         got = None
         if taps is not None:
@@ -212,22 +216,30 @@ class JaxGolden:
 
 
     def _resync_refs(self, taps, T: int) -> dict:
-        """layer -> (the reference's router input, its expert ids) for every routed layer."""
+        """{"route": layer -> (the reference's router input, its expert ids) for every routed layer,
+        "index": layer -> its indexer topk for every CSA layer}."""
         if taps is None:
             return {}
-        cfg, refs = self.cfg, {}
-        K = cfg.num_experts_per_tok
+        cfg, refs = self.cfg, {"route": {}, "index": {}}
+        K, IK = cfg.num_experts_per_tok, cfg.index_topk
         for layer in range(cfg.num_hash_layers, cfg.num_hidden_layers):
-            x, idx = (taps.get((layer, s)) for s in RESYNC_STAGES)
+            x, idx = (taps.get((layer, s)) for s in ROUTE_STAGES)
             if x is None or idx is None:
-                raise AbiError("resync_from", f"layer {layer}", f"taps holding {RESYNC_STAGES} of every routed layer",
+                raise AbiError("resync_from", f"layer {layer}", f"taps holding {ROUTE_STAGES} of every routed layer",
                                where="JaxGolden.forward")
             x, idx = np.asarray(x), np.asarray(idx)
             if x.shape != (T, cfg.hidden_size) or idx.shape != (T, K):
                 raise AbiError("resync_from", f"layer {layer}: {x.shape}, {idx.shape}",
                                f"[{T}, {cfg.hidden_size}] router inputs and [{T}, {K}] expert ids",
                                where="JaxGolden.forward")
-            refs[layer] = (x.astype(np.dtype(self.nm.f)), idx.astype(np.int32))
+            refs["route"][layer] = (x.astype(np.dtype(self.nm.f)), idx.astype(np.int32))
+        for layer in (l for l, r in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]) if r == 4):
+            topk = taps.get((layer, INDEX_STAGE))
+            if topk is None or np.shape(topk) != (T, IK):
+                got = "missing" if topk is None else np.shape(topk)
+                raise AbiError("resync_from", f"layer {layer} {INDEX_STAGE}: {got}",
+                               f"the [{T}, {IK}] indexer selection of every CSA layer", where="JaxGolden.forward")
+            refs["index"][layer] = np.asarray(topk).astype(np.int32)
         return refs
 
     def stablehlo(self) -> str:

@@ -1,5 +1,6 @@
-"""Where the JAX path may stand in for NumPy: routing near-ties re-synced from the reference, the
-agreement criterion, and the rule that says for which (preset, program) a checker may use JAX.
+"""Where the JAX path may stand in for NumPy: routing and indexer near-ties re-synced from the
+reference, the agreement criterion, and the rule that says for which (preset, program) a checker
+may use JAX.
 
 Why re-sync.  The JAX path carries sums in FP32 (the device's accumulator), NumPy in float64; the
 two differ by an FP32 ulp at layer 0's first hc mix.  Quantization points amplify that: an INT8
@@ -8,7 +9,11 @@ code of a row flips by one step (~1/127 of the row's amax), and wherever a token
 which its request's rows differ by whole expert outputs.  On SMALL's decode step the first such
 swap is at layer 2 (the first routed layer), and by the head a quarter of the rows are outside
 kernel-math §2; with every route re-synced, every row is inside it.  A lockstep re-syncs a device
-the same way; here NumPy plays the device's part.
+the same way; here NumPy plays the device's part.  The indexer's top-k is the other ranking: its
+scores are sums of INT8 products, where one code flip of a token's query moves a score by percents,
+so past min(index_topk, TILE) candidates the two sides can keep different compressed rows at the
+boundary.  There the JAX path takes the lockstep's own indexer rule (golden.ties.index_near_ties,
+under JAX's scores), and counts any other difference as refused.
 
 The margin is a bound, not a fitted number.  A router score is b_e = f(l_e) + bias_e with
 f = sqrt(softplus), l_e = u . g_e, u = x * norm_w * rsqrt(mean(x^2) + eps) (kernel-math K14) and
@@ -40,7 +45,9 @@ from .kernels.rmsnorm import rms_scale
 # (tests/golden/test_jax_resync.py evaluates it on a fine grid)
 SCORE_SLOPE = 0.3191
 COSINE_MIN, REL_L2_MAX = 0.99, 0.10          # kernel-math §2, full forward: every logit row
-RESYNC_STAGES = ("ffn_x_mixed", "moe_indices")   # what the reference's taps must hold to re-sync routing
+ROUTE_STAGES = ("ffn_x_mixed", "moe_indices")    # what the reference's taps hold to re-sync routing
+INDEX_STAGE = "idx_topk"                          # ... and the indexer's selection (every CSA layer)
+RESYNC_STAGES = (*ROUTE_STAGES, INDEX_STAGE)
 # the programs the JAX path runs (compose.forward's target model)
 JAX_PROGRAMS = ("l3_prefill_fwd", "l3_decode_fwd")
 
@@ -89,27 +96,32 @@ class Resyncs:
     adopted: dict = field(default_factory=dict)      # other experts, within the bound
     refused: dict = field(default_factory=dict)      # other experts, beyond it (divergences)
     reordered: dict = field(default_factory=dict)    # the same experts in NumPy's order
+    index_adopted: dict = field(default_factory=dict)   # other compressed rows, a near tie (golden.ties)
+    index_refused: dict = field(default_factory=dict)   # other compressed rows, beyond it (divergences)
+
+    KINDS = ("adopted", "refused", "reordered", "index_adopted", "index_refused")
 
     @classmethod
-    def from_masks(cls, masks: dict) -> "Resyncs":
-        """masks: layer -> [3, T] bool (adopted, refused, reordered)."""
+    def from_masks(cls, routes: dict, index: dict | None = None) -> "Resyncs":
+        """routes: layer -> [3, T] bool (adopted, refused, reordered); index: layer -> [2, T] bool
+        (adopted, refused)."""
         out = cls()
-        for layer, m in sorted(masks.items()):
-            m = np.asarray(m)
-            for kind, row in zip(("adopted", "refused", "reordered"), m):
-                if row.any():
-                    getattr(out, kind)[layer] = np.flatnonzero(row).tolist()
+        for masks, kinds in ((routes, cls.KINDS[:3]), (index or {}, cls.KINDS[3:])):
+            for layer, m in sorted(masks.items()):
+                for kind, row in zip(kinds, np.asarray(m)):
+                    if row.any():
+                        getattr(out, kind)[layer] = np.flatnonzero(row).tolist()
         return out
 
     def counts(self) -> dict:
-        return {k: sum(len(v) for v in getattr(self, k).values()) for k in ("adopted", "refused", "reordered")}
+        return {k: sum(len(v) for v in getattr(self, k).values()) for k in self.KINDS}
 
 
 def agreement(out, ref, resyncs: Resyncs | None = None) -> dict:
     """The JAX forward `out` against NumPy's `ref` (compose.ForwardOut both), kernel-math §2 per
     logit row: counts, the worst row, greedy ids (equal, or NumPy's top-2 within twice the row's
-    largest logit difference: a near tie), and the re-syncs.  `agrees`: every row within the
-    tolerances, every greedy difference a near tie, no refused re-sync."""
+    largest logit difference: a near tie), and the re-syncs (routes, indexer rows).  `agrees`:
+    every row within the tolerances, every greedy difference a near tie, no refused re-sync."""
     a, b = np.asarray(out.logits, np.float64), np.asarray(ref.logits, np.float64)
     cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-300)
     rl2 = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-300)
@@ -123,32 +135,29 @@ def agreement(out, ref, resyncs: Resyncs | None = None) -> dict:
            "greedy_near_tie_rows": int(np.sum((ga != gb) & near)),
            "greedy_mismatch_rows": int(np.sum((ga != gb) & ~near)),
            "route_resyncs": counts["adopted"], "route_refused": counts["refused"],
-           "route_reordered": counts["reordered"]}
-    res["agrees"] = bool(within.all() and res["greedy_mismatch_rows"] == 0 and counts["refused"] == 0)
+           "route_reordered": counts["reordered"], "index_resyncs": counts["index_adopted"],
+           "index_refused": counts["index_refused"]}
+    res["agrees"] = bool(within.all() and res["greedy_mismatch_rows"] == 0 and counts["refused"] == 0
+                         and counts["index_refused"] == 0)
     return res
 
 
 def jax_admissible(cfg, program: str, mode: str = "device", *, max_len: int | None = None) -> tuple[bool, str]:
-    """May a checker use the JAX path for `program` on preset `cfg`?  -> (yes, why).
+    """May a checker use the JAX path for `program` on preset `cfg` up to `max_len` tokens (default
+    the preset's max_position_embeddings)?  -> (yes, why).
 
-    The agreement criterion (`agreement`: every logit row within kernel-math §2 after routing
-    re-sync) holds where the JAX path runs the program and every selection it makes is either
-    re-synced (routing) or not a ranking at all.  The indexer's top-k is not re-synced: it is
-    admissible only while the indexer keeps every visible candidate, i.e. while a request's
-    compressed rows (len // 4, up to max_len, default the preset's max_position_embeddings) fit
-    min(index_topk, TILE); past that, ranked INT8 scores can tie across the two paths' drift.
-    Official mode on an FP32 checkpoint has no JAX path."""
-    from .kernels.sparse_attention import TILE
+    The agreement criterion (`agreement`: every logit row within kernel-math §2, no refused
+    re-sync) holds where the JAX path runs the program and every ranking it makes is re-synced
+    from the reference at near ties: the router's experts (the score bound above) and the
+    indexer's compressed rows (golden.ties.index_near_ties), so the context length does not
+    limit it.  Official mode on an FP32 checkpoint has no JAX path."""
     if program not in JAX_PROGRAMS:
         return False, f"{program}: the JAX path runs only {JAX_PROGRAMS} (the target model)"
     if mode not in ("device", "exact"):
         return False, f"mode {mode}: agreement is established for device and exact mode only"
     L = cfg.max_position_embeddings if max_len is None else int(max_len)
-    if L < 1:
-        raise AbiError("max_len", max_len, "a positive token count", where="jax_admissible")
-    if 4 in cfg.compress_ratios:
-        keep = min(cfg.index_topk, TILE)
-        if L // 4 > keep:
-            return False, (f"{cfg.name}: at {L} tokens the indexer ranks {L // 4} candidates for {keep} "
-                           f"(not re-synced); admissible up to {4 * keep + 3} tokens")
-    return True, f"{cfg.name} {program} ({mode}): the agreement test's criterion with routing re-synced"
+    if not 1 <= L <= cfg.max_position_embeddings:
+        raise AbiError("max_len", max_len, f"a token count in [1, {cfg.max_position_embeddings}] "
+                       f"({cfg.name}'s max_position_embeddings)", where="jax_admissible")
+    return True, (f"{cfg.name} {program} ({mode}) up to {L} tokens: the agreement criterion with routing "
+                  f"and the indexer's top-k re-synced")

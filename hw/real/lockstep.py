@@ -33,6 +33,7 @@ import numpy as np
 
 from golden.dispatch import Halt, Ran, run_dispatch
 from golden.kernels.compressor import EAGER_PUBLISH
+from golden.ties import INDEX_TIE_TOL
 from twin.abi.batches import Dispatch
 from twin.abi.errors import AbiError
 from twin.abi.outputs import write_text
@@ -45,7 +46,7 @@ from ..tolerance import Policy
 from .faults import RealFault
 from .records import RealRecorder
 from .replay import restore
-from .side import INDEX_TIE_TOL, POOL_KIND, POOL_STAGE, install_state, mapped_rows, side_state
+from .side import POOL_KIND, POOL_STAGE, install_state, mapped_rows, side_state
 from .step import DECISION_STAGES, DeviceStep, RealDispatch
 
 OUTPUT_KIND = {"main_hidden": ("activation", "bf16", "w8a8"), "state_meta": ("index", "i32", "none")}

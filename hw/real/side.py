@@ -16,7 +16,7 @@ import numpy as np
 from golden.compose import Taps, forward
 from golden.kernels.indexer import lightning_indexer
 from golden.kernels.moe import gate, moe_experts
-from golden.ties import adopt_equivalent, equivalent_rows
+from golden.ties import adopt_equivalent, equivalent_rows, index_gaps
 from golden.dspark import step as S
 from golden.dspark.parallel import SINGLE
 from golden.dispatch import Served
@@ -110,25 +110,17 @@ class TapPar:
         return moe, indexer
 
     def _adopt_topk(self, layer, score, topk):
-        """Indexer top-k: where the device selected other compressed rows and every one of them
-        scores (golden's scores) within tie_tol of the golden's weakest selected row, adopt them."""
+        """Indexer top-k: where the device selected other compressed rows within the indexer's
+        near-tie margin under golden's scores (golden.ties.index_near_ties), adopt them."""
         dev = self.route_from.get((layer, "idx_topk"))
         topk = np.asarray(topk)
         if dev is None or np.shape(dev) != topk.shape:
             return topk
         dev, score = np.asarray(dev), np.asarray(score, np.float64)
         topk = self._exact_ties(score, topk, dev, [layer, "idx_topk"])
-        rows = np.flatnonzero((np.sort(topk, -1) != np.sort(dev, -1)).any(-1))
-        tie = []
-        for r in rows:
-            g, d = topk[r][topk[r] >= 0], dev[r][dev[r] >= 0]
-            if g.size != d.size or d.size == 0 or d.max() >= score.shape[1]:
-                continue
-            scale = max(1.0, float(np.abs(score[r, g]).max()))
-            gap = (score[r, g].min() - score[r, d].min()) / scale
-            self.index_gaps.append(gap)
-            if gap <= self.index_tie_tol:
-                tie.append(int(r))
+        gaps = index_gaps(score, topk, dev)
+        self.index_gaps += gaps[~np.isnan(gaps)].tolist()
+        tie = np.flatnonzero(gaps <= self.index_tie_tol).tolist()
         if not tie:
             return topk
         topk = topk.copy()
@@ -279,10 +271,6 @@ POOL_KIND = {"kv_cache": ("kv_pool", "bf16", "none"), "hca_cmp_kv": ("kv_pool", 
 POOL_STAGE = {"kv_cache": "kv", "hca_cmp_kv": "cmp_kv", "csa_cmp_kv": "cmp_kv", "idx_kv_cache": "cmp_kv",
               "idx_kv_scale": "cmp_kv", "hca_compress_state": "cmp_kv", "csa_compress_state": "cmp_kv",
               "csa_inner_compress_state": "cmp_kv"}
-# indexer top-k near-tie margin, relative to the row's largest |score| among the golden's selection:
-# the scores are sums of INT8 products, so a one-LSB change of the per-token query quantization
-# moves them by percents, far more than the FP32 gate scores the policy's route tie_tol is for
-INDEX_TIE_TOL = 0.1           # measured clean (carry=device, seeds 0-2, 63 dispatches each): max 0.048
 # the golden slot key (golden.staging.SLOTS) that writes each pool
 POOL_SLOTS = {"kv_cache": "ori", "hca_compress_state": "hca_state", "csa_compress_state": "csa_state",
               "csa_inner_compress_state": "csa_inner_state", "hca_cmp_kv": "hca_cmp", "csa_cmp_kv": "csa_cmp",

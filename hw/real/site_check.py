@@ -30,12 +30,13 @@ from golden.compose import attention_sublayer, device_meta, final_head, moe_subl
 from golden.dspark.state import DeviceState, SlotRef, accept, prepare
 from golden.numerics import numerics
 from golden.paged import DECODE, PREFILL, StepMeta
+from golden.ties import INDEX_TIE_TOL
 
 from ..compare import Finding, compare_pool, compare_tensor
 from ..localize import compose_kind
 from ..tolerance import Policy
 from .coverage import ATTENTION_STAGES, MOE_STAGES, layer_stages
-from .side import INDEX_TIE_TOL, POOL_KIND, POOL_SLOTS, POOL_STAGE, LayerTaps, TapPar
+from .side import POOL_KIND, POOL_SLOTS, POOL_STAGE, LayerTaps, TapPar
 
 FORMS = (PREFILL, DECODE)
 META_FIELDS = tuple(f.name for f in fields(StepMeta) if f.name not in ("form", "tables", "slots"))

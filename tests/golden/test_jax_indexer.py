@@ -53,7 +53,7 @@ def _both(ckpt, s, meta, n_candidates, unmap=False):
     jnm = Fp32Numerics("device", jnp)
     with jax.enable_x64(True):
         g = {k: jnp.asarray(v) for k, v in lay.arrays().items()}
-        got = jax.jit(lambda *a: lightning_indexer_grouped(*a, cfg=cfg, nm=jnm, cap=cap, n_candidates=n_candidates))(
+        got = jax.jit(lambda *a: lightning_indexer_grouped(*a, cfg=cfg, nm=jnm, cap=cap, n_candidates=n_candidates)[0])(
             *[jnp.asarray(np.asarray(a)) for a in args], g)
     return np.asarray(got), np.asarray(ref)
 

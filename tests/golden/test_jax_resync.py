@@ -110,18 +110,18 @@ def test_resync_from_needs_every_routed_layer(tiny_ckpt):
 
 
 def test_admissibility_follows_the_agreement_criterion():
-    # the target programs, while the indexer keeps every candidate (the agreement tests' case for
-    # SMALL: 168 tokens, 42 candidates <= 64)
-    for p in JAX_PROGRAMS:
-        assert jax_admissible(SMALL, p, max_len=168)[0]
-    assert jax_admissible(SMALL, "l3_decode_fwd", "exact", max_len=259)[0]
-    # the boundary: 4 * min(index_topk, TILE) + 3 tokens keep every candidate, one more does not
-    assert not jax_admissible(SMALL, "l3_decode_fwd", max_len=260)[0]
+    """Every ranking is re-synced (routes, the indexer's top-k: tests/golden_jax), so the target
+    programs are admissible at every length up to the preset's own, FLASH's 1M included."""
+    for cfg in (TINY, SMALL, FLASH):
+        for p in JAX_PROGRAMS:
+            ok, why = jax_admissible(cfg, p)
+            assert ok and f"up to {cfg.max_position_embeddings} tokens" in why, why
+    # past 4 * min(index_topk, TILE) + 3 tokens the indexer ranks: admissible with its re-sync
+    assert jax_admissible(SMALL, "l3_decode_fwd", "exact", max_len=260)[0]
+    assert jax_admissible(FLASH, "l3_decode_fwd", max_len=4096)[0]
     # not on the JAX path, or past what agreement covers
     assert not jax_admissible(SMALL, "l3_decode_fwd_dspark")[0]
     assert not jax_admissible(SMALL, "l3_decode_fwd", "official")[0]
-    ok, why = jax_admissible(FLASH, "l3_decode_fwd")
-    assert not ok and "indexer ranks" in why
-    assert jax_admissible(FLASH, "l3_decode_fwd", max_len=4 * 128)[0]
-    with pytest.raises(AbiError, match="max_len"):
-        jax_admissible(SMALL, "l3_decode_fwd", max_len=0)
+    for bad in (0, SMALL.max_position_embeddings + 1):
+        with pytest.raises(AbiError, match="max_len"):
+            jax_admissible(SMALL, "l3_decode_fwd", max_len=bad)
