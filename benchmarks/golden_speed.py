@@ -45,7 +45,8 @@ from golden.blas import blas_threads
 from golden.checkpoint import SyntheticCheckpoint
 from golden.compose import Session, Taps, device_meta, forward, layer_step, rope_inputs
 from golden.heap import retain_heap
-from golden.jax_resync import RESYNC_STAGES, agreement
+from golden.jax_resync import RESYNC_STAGES, agreement, jax_admissible
+from golden.kernels.sparse_attention import TILE
 from golden.numerics import EXACT_F32_K, WIDEN_BLOCK_BYTES, MatmulRecorder, Numerics
 from golden.paged import DECODE, Span, alloc_caches, assign_blocks, lower
 from twin.abi import constants as C
@@ -120,8 +121,9 @@ def _widener(records):
     return run
 
 
-def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests: int = C.LOCAL_REQUESTS) -> dict:
-    cfg, B, S, prefix = SMALL, requests, C.DECODE_SEQ, 160
+def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests: int = C.LOCAL_REQUESTS,
+                 prefix: int = 160) -> dict:
+    cfg, B, S = SMALL, requests, C.DECODE_SEQ
     ck = SyntheticCheckpoint(cfg, seed=0)
     s = Session(ck, cfg, mode, B, prefix + S)
     # distinct requests: identical ones route alike (every expert's count a multiple of the request
@@ -157,6 +159,7 @@ def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests
     runs = {"numpy": step, "jax": lambda: jg.forward(meta, s.caches), "jax_resident": jax_resident}
     w, c = _interleaved(runs, reps)
     synced = jg.forward(meta, s.caches, resync_from=ref.taps)
+    L = prefix + S
     out.update({"numpy_step_beside_jax_s": w["numpy"],   # the step/GEMMs fields stay those of their own loop
                 "jax_accumulator": "float64" if mode == "exact" else "float32",
                 "jax_device": device_note(jg.device),
@@ -171,6 +174,8 @@ def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests
                 # kernel-math §2 per logit row against NumPy, as it is and with NumPy's routing
                 # adopted at near ties (golden.jax_resync: the bound, the counts)
                 "jax_agreement": agreement(first, ref), "jax_agreement_resynced": agreement(synced, ref, jg.resyncs),
+                # past 4 * min(index_topk, TILE) + 3 tokens the indexer ranks (its top-k re-synced too)
+                "indexer_ranks": L // 4 > min(cfg.index_topk, TILE), "jax_admissible": jax_admissible(cfg, "l3_decode_fwd", mode, max_len=L),
                 "target_jax_speedup": 5.0})
     return out
 
@@ -197,12 +202,39 @@ def _flash_tile(cfg, ck, layer: int, requests: int, nm, rng):
     step()
     with MatmulRecorder() as rec:
         step()
-    return step, rec, {"rows": B * S, "requests": B, "position": pos0}
+    # "_" entries: what the JAX run of the same layer reads (taken out before the report)
+    return step, rec, {"rows": B * S, "requests": B, "position": pos0, "_x_hc": x_hc, "_meta": meta, "_pools": pools}
 
 
-def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,)) -> list:
+def _jax_flash(ck, cfg, layer, tiles):
+    """The same FLASH layer on the JAX path (JaxGolden.layer_step, this layer's weights only), per
+    tile: (a run on resident JAX pools, its first call's seconds, its output)."""
+    from golden.jax_path import JaxGolden, device_note
+    jg = JaxGolden(ck, cfg, "device", layers=[layer])
+    runs = []
+    for step, _, info in tiles:
+        x_hc, meta, pools = info.pop("_x_hc"), info.pop("_meta"), info.pop("_pools")
+        resident = jg.resident(pools)        # copied in once, as a checker holds a layer's state
+        t0 = time.perf_counter()
+        first = jg.layer_step(x_hc, layer, meta, resident)[0]
+        runs.append((lambda x=x_hc, m=meta, p=resident: jg.layer_step(x, layer, m, p), time.perf_counter() - t0,
+                     np.asarray(first)))
+    return runs, device_note(jg.device)
+
+
+def _rows_against(got, want) -> dict:
+    """Per token row of a layer's output [T, hc, D]: worst cosine and relative L2 against NumPy's."""
+    a, b = (np.asarray(v, np.float64).reshape(len(v), -1) for v in (got, want))
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    rl2 = np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)
+    return {"rows": len(a), "min_row_cosine": float(cos.min()), "max_row_rel_l2": float(rl2.max()),
+            "median_row_rel_l2": float(np.median(rl2))}
+
+
+def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,), jax_too: bool = False) -> list:
     """One FLASH layer at each of `requests` (x 8 rows): its step, its GEMMs alone and its INT8
-    weights' widening alone, all tiles' runs interleaved in one loop; least and median of `reps`."""
+    weights' widening alone (and with jax_too the same layer on the JAX path, resident pools), all
+    tiles' runs interleaved in one loop; least and median of `reps`."""
     cfg, nm = FLASH, Numerics("device")
     ck = SyntheticCheckpoint(cfg, seed=0)
     rng = np.random.default_rng(2)
@@ -212,9 +244,16 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,)) -> list:
         ck.expert(layer, e)
     gen_s = time.perf_counter() - t0
     tiles = [_flash_tile(cfg, ck, layer, b, nm, rng) for b in requests]
+    names = ("step", "gemms", "widen", "jax") if jax_too else ("step", "gemms", "widen")
+    jax_runs, jax_device = _jax_flash(ck, cfg, layer, tiles) if jax_too else ([], None)
+    for _, _, info in tiles:
+        for k in ("_x_hc", "_meta", "_pools"):
+            info.pop(k, None)
     runs = {}
     for i, (step, rec, _) in enumerate(tiles):
         runs.update({(i, "step"): step, (i, "gemms"): _replayer(rec), (i, "widen"): _widener(rec)})
+        if jax_too:
+            runs[(i, "jax")] = jax_runs[i][0]
     # interleaved: load from other processes falls on every run alike
     out = []
     times = {k: ([], []) for k in runs}
@@ -225,9 +264,8 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,)) -> list:
             times[k][0].append(time.perf_counter() - t)
             times[k][1].append(time.process_time() - c)
     for i, (_, rec, info) in enumerate(tiles):
-        best = {n: (min(times[(i, n)][0]), min(times[(i, n)][1])) for n in ("step", "gemms", "widen")}
-        med = {n: (float(np.median(times[(i, n)][0])), float(np.median(times[(i, n)][1])))
-               for n in ("step", "gemms", "widen")}
+        best = {n: (min(times[(i, n)][0]), min(times[(i, n)][1])) for n in names}
+        med = {n: (float(np.median(times[(i, n)][0])), float(np.median(times[(i, n)][1]))) for n in names}
         out.append({"preset": cfg.name, "layer": layer, "kind": cfg.layer_kind(layer), **info, "repeats": reps,
                     # least of the repeats (the run least disturbed by other processes), CPU time
                     # the steadier on a loaded machine; medians beside them
@@ -242,6 +280,20 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,)) -> list:
                     "int8_weight_widening_alone_cpu_s": best["widen"][1],
                     "other_cpu_s": best["step"][1] - best["gemms"][1] - best["widen"][1],
                     "gemm_calls": len(rec), "weights_generation_s": gen_s, "target_step_over_gemms": 1.5})
+        if jax_too:
+            _, first_s, got = jax_runs[i]
+            # the layer's own output against NumPy's on the same input and pools (no re-sync here:
+            # a routing or indexer near tie shows as a worse row)
+            want = np.asarray(tiles[i][0]()[0])
+            out[-1].update({"jax_device": jax_device, "jax_first_call_s": first_s,
+                            "jax_layer_s": best["jax"][0], "jax_layer_cpu_s": best["jax"][1],
+                            "jax_layer_s_median": med["jax"][0],
+                            "jax_over_numpy_layer": best["jax"][0] / best["step"][0],
+                            "jax_over_numpy_layer_cpu": best["jax"][1] / best["step"][1],
+                            "jax_over_numpy_gemms_alone": best["jax"][0] / best["gemms"][0],
+                            "jax_over_numpy_gemms_alone_cpu": best["jax"][1] / best["gemms"][1],
+                            "jax_cpu_over_wall": best["jax"][1] / best["jax"][0],
+                            "jax_layer_output_vs_numpy": _rows_against(got, want)})
     return out
 
 
@@ -257,7 +309,12 @@ def main(argv=None):
                     help=f"requests of the FLASH layer, {C.DECODE_SEQ} rows each, comma separated: each a tile, all "
                          f"measured interleaved (default {C.DECODE_BATCH}: the {C.DECODE_TOKENS}-row group tile; "
                          f"{C.LOCAL_REQUESTS}: one rank's rows)")
+    ap.add_argument("--prefix", type=int, default=160,
+                    help="resident tokens per request of the small decode step (past 259 its indexer ranks "
+                         "candidates: the top-k re-sync is exercised)")
     ap.add_argument("--skip-jax", action="store_true")
+    ap.add_argument("--jax-flash", action="store_true",
+                    help="also run the FLASH layer on the JAX path (its weights only: ~7 GB more memory)")
     ap.add_argument("--blas-threads", type=int, default=1)
     ap.add_argument("--xla-threads", type=int, default=1, help="1: one XLA CPU thread; 0: XLA's default")
     ap.add_argument("--modes", default="device", help="numerics modes of the small decode step, comma separated")
@@ -268,7 +325,7 @@ def main(argv=None):
         flash = [int(v) for v in a.flash_requests.split(",")]
     except ValueError:
         ap.error(f"--flash-requests: {a.flash_requests!r}; comma-separated integers")
-    for name, v in (("--requests", a.requests), *(("--flash-requests", f) for f in flash)):
+    for name, v in (("--requests", a.requests), ("--prefix", a.prefix), *(("--flash-requests", f) for f in flash)):
         if v < 1:
             ap.error(f"{name}: {v}; at least 1")
     old = blas_threads(a.blas_threads)
@@ -283,9 +340,10 @@ def main(argv=None):
            "blas_threads": a.blas_threads if old is not None else "unchanged",
            "xla_threads": "default" if a.xla_threads == 0 else 1, "heap": heap}
     for mode in ([] if a.skip_small else a.modes.split(",")):
-        res["small_decode" if mode == "device" else f"small_decode_{mode}"] = small_decode(a.reps, not a.skip_jax, mode, a.requests)
+        name = "small_decode" if mode == "device" else f"small_decode_{mode}"
+        res[name] = small_decode(a.reps, not a.skip_jax, mode, a.requests, a.prefix)
     if not a.skip_flash:
-        res["flash_layer"] = flash_layer(a.reps, requests=flash)
+        res["flash_layer"] = flash_layer(a.reps, requests=flash, jax_too=a.jax_flash and not a.skip_jax)
     print(json.dumps(res, indent=1))
     return res
 

@@ -11,8 +11,10 @@ Numerics (`golden.numerics`)
     FP8 linear inputs only for FP8 weights, FP32 activations for an FP32 checkpoint).
     Numerics.rotation(hadamard): the indexer's rotation (exact +-1/sqrt(d) outside device mode).
 
-Ties (`golden.ties`): the one tie rule for top-k selections
+Ties (`golden.ties`): the tie rules for top-k selections
     equivalent_rows(scores, a, b) / adopt_equivalent(scores, mine, theirs) -> (selection, rows)
+    index_gaps(scores, mine, theirs, xp=np) / index_near_ties(..., tol=INDEX_TIE_TOL): the
+        indexer's near tie (the lockstep against a device, the JAX path against NumPy)
 
 Kernels (`golden.kernels.<family>`; ABI argument names; functions, state in and out)
     embedding.lookup_embedding       rmsnorm.rms_norm
@@ -57,15 +59,17 @@ Real checkpoints (`golden.release`)
         dequant_fp8, dequant_fp4, fp4_e2m1
 
 JAX (`golden.jax_path`, `golden.jax_numerics`)
-    JaxGolden(ckpt, cfg, mode, compiler_options=None, verify_bf16=False).forward(meta, caches,
-        donate=False, taps=None, extents=None)  - the whole step in one jit (key: form,
+    JaxGolden(ckpt, cfg, mode, compiler_options=None, verify_bf16=False, device=None,
+        layers=None).forward(meta, caches, donate=False, taps=None, extents=None,
+        resync_from=None)  - the whole step in one jit (key: form,
         candidate-count buckets, layout); device mode accumulates in FP32 (Fp32Numerics: BF16
         operands where both factors are BF16 values, kernel-math's rounding points, exact INT8
         GEMMs; verify_bf16 checks the operands and sets `bf16_operands_ok`), exact mode in float64;
         equal to NumPy within kernel-math's FP32 tolerances (tie-aware); pools come back as JAX
         arrays (to_numpy(tree) converts), donate=True updates them in place; taps from
         JAX_TAP_STAGES; resync_from=NumPy's taps (RESYNC_STAGES) adopts its routing and its
-        indexer selections at near ties (`jg.resyncs`)
+        indexer selections at near ties (`jg.resyncs`); .layer_step(x_hc, layer, meta, pools):
+        one held layer (layers=), .resident(pools): a layer's pools on the device
     golden.jax_resync: agreement(out, ref, resyncs) (kernel-math §2 per logit row);
         jax_admissible(cfg, program, mode, max_len=) -> (bool, why): where a checker may use JAX
 

@@ -15,9 +15,10 @@ from .jax_select import top_k_desc
 from .kernels.moe import moe_combine
 
 
-def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None, scratch=None, ref=None):
+def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None, scratch=None, ref=None, expert_layer=None):
     """golden.compose.moe_sublayer -> (x_hc, the expert-block buffer, re-sync masks [3, T] or None);
-    experts: the routed weights of every layer as [L, E, in, out]; scratch: a block buffer to reuse
+    experts: the routed weights of the held layers as [L, E, in, out], this layer's at row
+    expert_layer (default: layer); scratch: a block buffer to reuse
     (moe_blocks); ref: the reference's (ffn_x_mixed, moe_indices) of this layer, whose routing is
     adopted where it differs within the score bound (jax_resync.adopt_routes; masks: adopted,
     refused, reordered rows)."""
@@ -32,7 +33,8 @@ def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None, scra
             return idx
 
     def moe(x_i8, x_scale, idx, wts, _expert, shared, *, cfg, nm):
-        routed, box[0] = moe_blocks(x_i8, x_scale, idx, wts, experts, cfg=cfg, nm=nm, transposed=True, layer=layer,
+        routed, box[0] = moe_blocks(x_i8, x_scale, idx, wts, experts, cfg=cfg, nm=nm, transposed=True,
+                                    layer=layer if expert_layer is None else expert_layer,
                                     scratch=box[0])
         return moe_combine(routed, x_i8, x_scale, shared, cfg=cfg, nm=nm)
     x_hc = compose_moe_sublayer(x_hc, layer, w, None, input_ids, cfg=cfg, nm=nm, taps=seen, moe=moe,

@@ -53,8 +53,9 @@ JAX_TAP_STAGES = ("attn_in", "idx_topk", "attn_x_hc", "ffn_x_mixed", "moe_indice
 
 class JaxGolden:
     def __init__(self, ckpt, cfg, mode: str = "device", compiler_options: dict | None = None,
-                 verify_bf16: bool = False, device=None):
-        """compiler_options go to jax.jit on top of XLA_OPTIONS (e.g.
+                 verify_bf16: bool = False, device=None, layers=None):
+        """layers: the target layers to hold (default all; forward() needs all, layer_step() the
+        one it runs: a checker's single FLASH layer).  compiler_options go to jax.jit on top of XLA_OPTIONS (e.g.
         {"xla_backend_optimization_level": 0} trades step speed for less compile time in tests).  verify_bf16: every BF16 GEMM also checks that its
         operands are BF16 values (Fp32Numerics); forward() then sets `bf16_operands_ok`.  device: a
         jax.Device, or None for `accelerator()` (a GPU or TPU where JAX has one, else the CPU);
@@ -71,6 +72,10 @@ class JaxGolden:
         self.resyncs = None             # the last forward's re-syncs (resync_from), jax_resync.Resyncs
         self.host_nm = Numerics(mode).for_config(cfg)
         L = cfg.num_hidden_layers
+        held = list(range(L)) if layers is None else sorted({int(l) for l in layers})
+        if not held or not all(0 <= l < L for l in held):
+            raise AbiError("layers", layers, f"target layers in [0, {L})", where="JaxGolden")
+        self.held = held
         # weights widened once to the compute dtype (exact: int8, bf16 and f32 values are f32 values);
         # XLA would otherwise convert every weight on every step.  Index tables stay integers.  In
         # device mode BF16 and INT8 weights are held as BF16, the operand dtype of their GEMMs
@@ -86,19 +91,20 @@ class JaxGolden:
             # swaps them back in the step, where the kernel's own .T cancels that swap
             put = lambda d: {k: jnp.asarray(_swap(wide(np.asarray(v))) if k in READ_TRANSPOSED else wide(np.asarray(v)))
                              for k, v in d.items() if v is not None}
-            self.layers = [put(ckpt.layer(l)) for l in range(L)]
+            self.layers = [put(ckpt.layer(l)) if l in held else {} for l in range(L)]
             # device mode: the matrices that multiply the attn-normed x as one [D, outs] GEMM
             self.splits = [None] * L
             if mode == "device":
-                for l in range(L):
+                for l in held:
                     self.layers[l], self.splits[l] = fuse_projections(self.layers[l], cfg.compress_ratios[l], jnp)
-            # the routed experts stacked on leading (layer, expert) axes: one block reads one expert
-            # of one layer (the matrices as [in, out]: the layout the dot reads, see moe_blocks)
-            tr = lambda k, v: np.ascontiguousarray(np.swapaxes(v, 1, 2)) if k in TRANSPOSED_KEYS else v
-            self.experts = {k: jnp.asarray(np.stack([(ewide if k in TRANSPOSED_KEYS else wide)(
-                tr(k, np.stack([ckpt.expert(l, e)[k] for e in range(cfg.n_routed_experts)]))) for l in range(L)]))
-                for k in EXPERT_KEYS}
-            self.model = put(ckpt.model())
+            # the routed experts stacked on leading (held layer, expert) axes: one block reads one
+            # expert of one layer (the matrices as [in, out]: the layout the dot reads, see moe_blocks)
+            self.expert_row = {l: i for i, l in enumerate(held)}
+            self.experts = {k: jnp.asarray(_stack_experts(ckpt, held, cfg.n_routed_experts, k,
+                                                          ewide if k in TRANSPOSED_KEYS else wide))
+                            for k in EXPERT_KEYS}
+            # the embedding and head: only a whole step needs them (at FLASH ~2 GB)
+            self.model = put(ckpt.model()) if len(held) == L else {}
             # the step's arguments: the per-layer vectors stacked by name (see stack_vectors), the rest
             # per layer
             self._rows, self._stacked = stack_vectors(self.layers)
@@ -127,19 +133,10 @@ class JaxGolden:
             x_hc = lookup_embedding(ids, model["embed_weight"], cfg=cfg, nm=nm)[1]
             out, scratch, resyncs = [], None, {"route": {}, "index": {}}
             for layer in range(cfg.num_hidden_layers):
-                taps.put(layer, "attn_in", x_hc)
-                x_hc, p, masks = attention_sublayer_grouped(
-                    x_hc, layer, layers[layer], pools[layer], m, rope, g, cfg=cfg, nm=nm, form=form,
-                    ratio=cfg.compress_ratios[layer], n_idx=n_idx, n_hca=n_hca, split=self.splits[layer],
-                    index_ref=refs.get("index", {}).get(layer), taps=taps)
-                if masks is not None:
-                    resyncs["index"][layer] = masks
-                taps.put(layer, "attn_x_hc", x_hc)
                 # the expert-block buffer passes from layer to layer (XLA reuses it: no zeroing per layer)
-                x_hc, scratch, masks = moe_sublayer(x_hc, layer, layers[layer], experts, ids, cfg=cfg, nm=nm,
-                                                    taps=taps, scratch=scratch, ref=refs.get("route", {}).get(layer))
-                if masks is not None:
-                    resyncs["route"][layer] = masks
+                x_hc, p, scratch = self._layer(x_hc, layer, layers[layer], experts, pools[layer], m, rope, g, form=form,
+                                               n_idx=n_idx, n_hca=n_hca, taps=taps, scratch=scratch, refs=refs,
+                                               resyncs=resyncs)
                 out.append(p)
             logits, sampled = head(x_hc, model, m["logit_row_indices"], cfg=cfg, nm=nm)
             checks = nm.bf16_state[1]
@@ -149,6 +146,74 @@ class JaxGolden:
 
         self._fns[key] = jax.jit(step, donate_argnums=(3,) if donate else (), compiler_options=self.compiler_options)
         return self._fns[key]
+
+    def _layer(self, x_hc, layer, w, experts, pools, m, rope, g, *, form, n_idx, n_hca, taps, scratch=None, refs=None,
+               resyncs=None):
+        """One target layer inside a step (attention, then MoE) -> (x_hc, pools, expert-block buffer);
+        refs / resyncs: the re-sync inputs and the masks found ({"route": .., "index": ..})."""
+        cfg, nm, refs = self.cfg, self.nm, refs or {}
+        taps.put(layer, "attn_in", x_hc)
+        x_hc, pools, masks = attention_sublayer_grouped(
+            x_hc, layer, w, pools, m, rope, g, cfg=cfg, nm=nm, form=form, ratio=cfg.compress_ratios[layer],
+            n_idx=n_idx, n_hca=n_hca, split=self.splits[layer], index_ref=refs.get("index", {}).get(layer), taps=taps)
+        if masks is not None:
+            resyncs["index"][layer] = masks
+        taps.put(layer, "attn_x_hc", x_hc)
+        x_hc, scratch, masks = moe_sublayer(x_hc, layer, w, experts, m["input_ids"], cfg=cfg, nm=nm, taps=taps,
+                                            scratch=scratch, ref=refs.get("route", {}).get(layer),
+                                            expert_layer=self.expert_row[layer])
+        if masks is not None:
+            resyncs["route"][layer] = masks
+        return x_hc, pools, scratch
+
+    def layer_step(self, x_hc, layer: int, meta: StepMeta, pools, *, extents=None):
+        """compose.layer_step on JAX: target layer `layer` (one this JaxGolden holds) on x_hc [T,
+        hc_mult, D] with that layer's pools, for the call `meta` -> (x_hc, LayerPools).  A
+        checker's unit of work: one layer of a step, its input re-synced from a device's state."""
+        if layer not in self.expert_row:
+            raise AbiError("layer", layer, f"a layer this JaxGolden holds {self.held}", where="JaxGolden.layer_step")
+        _check_contiguous(meta)
+        n_idx, n_hca = self._extents(meta, extents, "JaxGolden.layer_step")
+        bufs, spec = self._host(meta)
+        key = ("layer", layer, meta.form, n_idx, n_hca, spec)
+        if key not in self._fns:
+            n_win_tiles, rows = win_tiles(spec), self._rows
+
+            def step(own, stacked, experts, pools, bufs, x_hc):
+                m, g, rope = _unpack(bufs, spec)
+                g["n_win_tiles"] = n_win_tiles
+                w = _abi_layout(dict(own, **{k: stacked[k][rows[k][layer]] for k in rows if layer in rows[k]}))
+                x_hc, pools, _ = self._layer(x_hc, layer, w, experts, pools, m, rope, g, form=meta.form, n_idx=n_idx,
+                                             n_hca=n_hca, taps=Taps(()))
+                return x_hc, pools
+            self._fns[key] = jax.jit(step, compiler_options=self.compiler_options)
+        with jax.enable_x64(True), jax.default_device(self.device):
+            p = pools.raw if isinstance(pools, LayerPools) else _to_bits(pools, False)
+            x = jnp.asarray(x_hc, self.nm.f)
+            x, p = self._fns[key](self._own[layer], self._stacked, self.experts, p, jax.device_put(bufs, self.device), x)
+            x.block_until_ready()
+        return x, LayerPools(p)
+
+    def resident(self, pools) -> "LayerPools":
+        """A layer's pools (NumPy, ABI dtypes) copied onto this JaxGolden's device once, as
+        layer_step and forward take them back (a checker holding a layer's state between checks)."""
+        with jax.enable_x64(True), jax.default_device(self.device):
+            return LayerPools(jax.device_put(_to_bits(pools, True), self.device))
+
+    def _extents(self, meta, extents, where):
+        n_idx, n_hca = need = self.static_extents(meta)
+        if extents is not None:
+            n_idx, n_hca = (int(e) for e in extents)
+            if n_idx < need[0] or n_hca < need[1]:
+                raise AbiError("extents", tuple(extents), f"at least static_extents(meta) = {need}", where=where)
+        return n_idx, n_hca
+
+    def _host(self, meta):
+        """The call's host arrays (metadata, layout, RoPE rows) as one buffer per dtype, and their spec."""
+        host = {**{_META + k: v for k, v in meta.arrays().items()}, **layout(meta).arrays()}
+        for k, (c, s) in self.rope_rows(meta.position_ids).items():
+            host[f"{_ROPE}{k}:0"], host[f"{_ROPE}{k}:1"] = c, s
+        return _pack(host)
 
     def static_extents(self, meta: StepMeta):
         """The candidate counts of a call (max indexer visibility, max HCA rows), rounded up to a
@@ -179,19 +244,13 @@ class JaxGolden:
         bad = [s for s in stages if s not in JAX_TAP_STAGES]
         if bad:
             raise AbiError("taps", bad[0], f"stages of {JAX_TAP_STAGES}", where="JaxGolden.forward")
+        if len(self.held) != cfg.num_hidden_layers:
+            raise AbiError("layers", self.held, "every target layer (JaxGolden(..., layers=None)) for a whole step; "
+                           "layer_step runs one", where="JaxGolden.forward")
         _check_contiguous(meta)
-        n_idx, n_hca = need = self.static_extents(meta)
-        if extents is not None:
-            n_idx, n_hca = (int(e) for e in extents)
-            if n_idx < need[0] or n_hca < need[1]:
-                raise AbiError("extents", tuple(extents), f"at least static_extents(meta) = {need}",
-                               where="JaxGolden.forward")
-        lay = layout(meta)
+        n_idx, n_hca = self._extents(meta, extents, "JaxGolden.forward")
         # the call's host arrays (metadata, layout, RoPE rows) travel as one buffer per dtype
-        host = {**{_META + k: v for k, v in meta.arrays().items()}, **lay.arrays()}
-        for k, (c, s) in self.rope_rows(meta.position_ids).items():
-            host[f"{_ROPE}{k}:0"], host[f"{_ROPE}{k}:1"] = c, s
-        bufs, spec = _pack(host)
+        bufs, spec = self._host(meta)
         refs = self._resync_refs(resync_from, meta.T)
         with jax.enable_x64(True), jax.default_device(self.device):
             bufs = jax.device_put(bufs, self.device)
@@ -249,6 +308,19 @@ class JaxGolden:
         shapes = (*jax.tree_util.tree_map(_shape, head), pools, *jax.tree_util.tree_map(_shape, tail))
         with jax.enable_x64(True):
             return fn.lower(*shapes).as_text()
+
+
+def _stack_experts(ckpt, layers, E: int, key: str, widen):
+    """[len(layers), E, ...] of one expert weight, the matrices as [in, out] (TRANSPOSED_KEYS),
+    filled expert by expert into one array (at FLASH one layer's w1 is 2 GB: no stacked copies)."""
+    first = widen(np.asarray(ckpt.expert(layers[0], 0)[key]))
+    shape = first.shape[::-1] if key in TRANSPOSED_KEYS else first.shape
+    out = np.empty((len(layers), E, *shape), first.dtype)
+    for i, l in enumerate(layers):
+        for e in range(E):
+            v = first if (i, e) == (0, 0) else widen(np.asarray(ckpt.expert(l, e)[key]))
+            out[i, e] = v.T if key in TRANSPOSED_KEYS else v
+    return out
 
 
 def accelerator():

@@ -31,6 +31,11 @@ def test_requests_below_one_is_refused_by_name():
     assert out.returncode == 2 and "--requests: 0" in out.stderr and "at least 1" in out.stderr
 
 
+def test_prefix_below_one_is_refused_by_name():
+    out = _run("--skip-flash", "--skip-jax", "--prefix", "0")
+    assert out.returncode == 2 and "--prefix: 0" in out.stderr and "at least 1" in out.stderr
+
+
 def test_flash_requests_below_one_is_refused_by_name():
     out = _run("--skip-jax", "--flash-requests", "0")
     assert out.returncode == 2 and "--flash-requests: 0" in out.stderr and "at least 1" in out.stderr
