@@ -198,27 +198,34 @@ def _flash_tile(cfg, ck, layer: int, requests: int, nm, rng):
     x_hc = rng.standard_normal((B * S, cfg.hc_mult, cfg.hidden_size))
     m = device_meta(meta, nm)
     rope = rope_inputs(cfg, meta.position_ids, nm)
-    step = lambda: layer_step(x_hc, layer, ck, pools, m, rope, cfg=cfg, nm=nm, form=DECODE)
-    step()
+    step = lambda taps=None: layer_step(x_hc, layer, ck, pools, m, rope, cfg=cfg, nm=nm, form=DECODE, taps=taps)
+    taps = Taps(RESYNC_STAGES)
+    step(taps)
     with MatmulRecorder() as rec:
         step()
     # "_" entries: what the JAX run of the same layer reads (taken out before the report)
-    return step, rec, {"rows": B * S, "requests": B, "position": pos0, "_x_hc": x_hc, "_meta": meta, "_pools": pools}
+    return step, rec, {"rows": B * S, "requests": B, "position": pos0, "_x_hc": x_hc, "_meta": meta, "_pools": pools,
+                       "_taps": taps}
 
 
 def _jax_flash(ck, cfg, layer, tiles):
     """The same FLASH layer on the JAX path (JaxGolden.layer_step, this layer's weights only), per
-    tile: (a run on resident JAX pools, its first call's seconds, its output)."""
+    tile: (a run re-synced from NumPy's taps on resident JAX pools, its first calls' seconds, its
+    output as it is and re-synced, the re-syncs' counts)."""
     from golden.jax_path import JaxGolden, device_note
     jg = JaxGolden(ck, cfg, "device", layers=[layer])
     runs = []
     for step, _, info in tiles:
-        x_hc, meta, pools = info.pop("_x_hc"), info.pop("_meta"), info.pop("_pools")
+        x_hc, meta, pools, taps = (info.pop(k) for k in ("_x_hc", "_meta", "_pools", "_taps"))
         resident = jg.resident(pools)        # copied in once, as a checker holds a layer's state
         t0 = time.perf_counter()
-        first = jg.layer_step(x_hc, layer, meta, resident)[0]
-        runs.append((lambda x=x_hc, m=meta, p=resident: jg.layer_step(x, layer, m, p), time.perf_counter() - t0,
-                     np.asarray(first)))
+        plain = np.asarray(jg.layer_step(x_hc, layer, meta, resident)[0])
+        t1 = time.perf_counter()
+        synced = np.asarray(jg.layer_step(x_hc, layer, meta, resident, resync_from=taps)[0])
+        t2 = time.perf_counter()
+        runs.append({"run": lambda x=x_hc, m=meta, p=resident, t=taps: jg.layer_step(x, layer, m, p, resync_from=t),
+                     "first_call_s": t1 - t0, "first_call_resync_s": t2 - t1, "plain": plain, "synced": synced,
+                     "resyncs": jg.resyncs.counts()})
     return runs, device_note(jg.device)
 
 
@@ -247,13 +254,13 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,), jax_too: 
     names = ("step", "gemms", "widen", "jax") if jax_too else ("step", "gemms", "widen")
     jax_runs, jax_device = _jax_flash(ck, cfg, layer, tiles) if jax_too else ([], None)
     for _, _, info in tiles:
-        for k in ("_x_hc", "_meta", "_pools"):
+        for k in ("_x_hc", "_meta", "_pools", "_taps"):
             info.pop(k, None)
     runs = {}
     for i, (step, rec, _) in enumerate(tiles):
         runs.update({(i, "step"): step, (i, "gemms"): _replayer(rec), (i, "widen"): _widener(rec)})
         if jax_too:
-            runs[(i, "jax")] = jax_runs[i][0]
+            runs[(i, "jax")] = jax_runs[i]["run"]
     # interleaved: load from other processes falls on every run alike
     out = []
     times = {k: ([], []) for k in runs}
@@ -281,11 +288,12 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,), jax_too: 
                     "other_cpu_s": best["step"][1] - best["gemms"][1] - best["widen"][1],
                     "gemm_calls": len(rec), "weights_generation_s": gen_s, "target_step_over_gemms": 1.5})
         if jax_too:
-            _, first_s, got = jax_runs[i]
-            # the layer's own output against NumPy's on the same input and pools (no re-sync here:
-            # a routing or indexer near tie shows as a worse row)
+            j = jax_runs[i]
+            # the layer's output against NumPy's on the same input and pools, as it is (a routing
+            # or indexer near tie shows as a worse row) and with both re-synced (what is timed)
             want = np.asarray(tiles[i][0]()[0])
-            out[-1].update({"jax_device": jax_device, "jax_first_call_s": first_s,
+            out[-1].update({"jax_device": jax_device, "jax_first_call_s": j["first_call_s"],
+                            "jax_first_call_resync_s": j["first_call_resync_s"],
                             "jax_layer_s": best["jax"][0], "jax_layer_cpu_s": best["jax"][1],
                             "jax_layer_s_median": med["jax"][0],
                             "jax_over_numpy_layer": best["jax"][0] / best["step"][0],
@@ -293,7 +301,9 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,), jax_too: 
                             "jax_over_numpy_gemms_alone": best["jax"][0] / best["gemms"][0],
                             "jax_over_numpy_gemms_alone_cpu": best["jax"][1] / best["gemms"][1],
                             "jax_cpu_over_wall": best["jax"][1] / best["jax"][0],
-                            "jax_layer_output_vs_numpy": _rows_against(got, want)})
+                            "jax_layer_output_vs_numpy": _rows_against(j["plain"], want),
+                            "jax_layer_output_vs_numpy_resynced": _rows_against(j["synced"], want),
+                            "jax_resyncs": j["resyncs"]})
     return out
 
 

@@ -166,31 +166,37 @@ class JaxGolden:
             resyncs["route"][layer] = masks
         return x_hc, pools, scratch
 
-    def layer_step(self, x_hc, layer: int, meta: StepMeta, pools, *, extents=None):
+    def layer_step(self, x_hc, layer: int, meta: StepMeta, pools, *, extents=None, resync_from=None):
         """compose.layer_step on JAX: target layer `layer` (one this JaxGolden holds) on x_hc [T,
         hc_mult, D] with that layer's pools, for the call `meta` -> (x_hc, LayerPools).  A
-        checker's unit of work: one layer of a step, its input re-synced from a device's state."""
+        checker's unit of work: one layer of a step, its input re-synced from a device's state.
+        resync_from: the reference's taps of this layer (RESYNC_STAGES, as forward's), adopted at
+        near ties; `self.resyncs` says where."""
         if layer not in self.expert_row:
             raise AbiError("layer", layer, f"a layer this JaxGolden holds {self.held}", where="JaxGolden.layer_step")
         _check_contiguous(meta)
         n_idx, n_hca = self._extents(meta, extents, "JaxGolden.layer_step")
         bufs, spec = self._host(meta)
-        key = ("layer", layer, meta.form, n_idx, n_hca, spec)
+        refs = self._resync_refs(resync_from, meta.T, layers=[layer])
+        key = ("layer", layer, meta.form, n_idx, n_hca, spec, bool(refs))
         if key not in self._fns:
             n_win_tiles, rows = win_tiles(spec), self._rows
 
-            def step(own, stacked, experts, pools, bufs, x_hc):
+            def step(own, stacked, experts, pools, bufs, x_hc, refs):
                 m, g, rope = _unpack(bufs, spec)
                 g["n_win_tiles"] = n_win_tiles
                 w = _abi_layout(dict(own, **{k: stacked[k][rows[k][layer]] for k in rows if layer in rows[k]}))
+                resyncs = {"route": {}, "index": {}}
                 x_hc, pools, _ = self._layer(x_hc, layer, w, experts, pools, m, rope, g, form=meta.form, n_idx=n_idx,
-                                             n_hca=n_hca, taps=Taps(()))
-                return x_hc, pools
+                                             n_hca=n_hca, taps=Taps(()), refs=refs, resyncs=resyncs)
+                return x_hc, pools, resyncs
             self._fns[key] = jax.jit(step, compiler_options=self.compiler_options)
         with jax.enable_x64(True), jax.default_device(self.device):
             p = pools.raw if isinstance(pools, LayerPools) else _to_bits(pools, False)
             x = jnp.asarray(x_hc, self.nm.f)
-            x, p = self._fns[key](self._own[layer], self._stacked, self.experts, p, jax.device_put(bufs, self.device), x)
+            x, p, masks = self._fns[key](self._own[layer], self._stacked, self.experts, p,
+                                         jax.device_put(bufs, self.device), x, jax.device_put(refs, self.device))
+            self.resyncs = Resyncs.from_masks(masks["route"], masks["index"]) if refs else None
             x.block_until_ready()
         return x, LayerPools(p)
 
@@ -274,14 +280,15 @@ class JaxGolden:
         return ForwardOut(logits, sampled, [LayerPools(p) for p in out], x_hc, got, meta)
 
 
-    def _resync_refs(self, taps, T: int) -> dict:
+    def _resync_refs(self, taps, T: int, layers=None) -> dict:
         """{"route": layer -> (the reference's router input, its expert ids) for every routed layer,
-        "index": layer -> its indexer topk for every CSA layer}."""
+        "index": layer -> its indexer topk for every CSA layer} of `layers` (default all)."""
         if taps is None:
             return {}
         cfg, refs = self.cfg, {"route": {}, "index": {}}
         K, IK = cfg.num_experts_per_tok, cfg.index_topk
-        for layer in range(cfg.num_hash_layers, cfg.num_hidden_layers):
+        layers = range(cfg.num_hidden_layers) if layers is None else layers
+        for layer in (l for l in layers if l >= cfg.num_hash_layers):
             x, idx = (taps.get((layer, s)) for s in ROUTE_STAGES)
             if x is None or idx is None:
                 raise AbiError("resync_from", f"layer {layer}", f"taps holding {ROUTE_STAGES} of every routed layer",
@@ -292,7 +299,7 @@ class JaxGolden:
                                f"[{T}, {cfg.hidden_size}] router inputs and [{T}, {K}] expert ids",
                                where="JaxGolden.forward")
             refs["route"][layer] = (x.astype(np.dtype(self.nm.f)), idx.astype(np.int32))
-        for layer in (l for l, r in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]) if r == 4):
+        for layer in (l for l in layers if cfg.compress_ratios[l] == 4):
             topk = taps.get((layer, INDEX_STAGE))
             if topk is None or np.shape(topk) != (T, IK):
                 got = "missing" if topk is None else np.shape(topk)

@@ -1,12 +1,16 @@
 """JaxGolden.layer_step: one target layer on JAX (a checker's unit of work at FLASH, where a whole
 model does not fit), holding only the layers asked for.  It runs the whole step's own layer code,
 so from the same input and pools it gives the whole step's layer output; the experts it reads
-are its layer's (held layers stack in order: layer 4 of (4, 6) is row 0)."""
+are its layer's (held layers stack in order: layer 4 of (4, 6) is row 0).  From NumPy's input,
+pools and taps of a layer (re-synced as the whole step is), its output is NumPy's within
+kernel-math §2."""
 import numpy as np
 import pytest
 
 from golden.checkpoint import SyntheticCheckpoint
+from golden.compose import Taps, forward
 from golden.jax_path import JaxGolden
+from golden.jax_resync import COSINE_MIN, REL_L2_MAX, RESYNC_STAGES
 from index_resync_lib import OPT0, session
 from twin.abi.errors import AbiError
 from twin.abi.presets import TINY
@@ -43,3 +47,21 @@ def test_layer_step_is_the_whole_steps_layer():
         part.forward(meta, s.caches)
     with pytest.raises(AbiError, match="layers"):
         JaxGolden(ckpt, cfg, "device", layers=(cfg.num_hidden_layers,))
+
+
+def test_layer_step_resynced_from_numpy_is_numpys_layer():
+    """TINY at 104 tokens: layer 4 (CSA, routed: both rankings) from NumPy's layer input."""
+    cfg, layer = TINY, 4
+    ckpt = SyntheticCheckpoint(cfg, seed=0)
+    s, meta = session(ckpt, cfg, 2, 96)
+    ref = forward(ckpt, meta, s.caches, cfg=cfg, nm=s.nm, taps=Taps((*RESYNC_STAGES, "attn_in", "x_hc")))
+    jg = JaxGolden(ckpt, cfg, "device", compiler_options=OPT0, layers=(layer,))
+    x, _ = jg.layer_step(ref.taps[(layer, "attn_in")], layer, meta, s.caches[layer], resync_from=ref.taps)
+    got, want = _rows(x), _rows(ref.taps[(layer, "x_hc")])
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    rel = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= COSINE_MIN and rel.max() <= REL_L2_MAX, (cos.min(), rel.max())
+    counts = jg.resyncs.counts()
+    assert counts["refused"] == 0 and counts["index_refused"] == 0, counts
+    with pytest.raises(AbiError, match="resync_from"):
+        jg.layer_step(ref.taps[(layer, "attn_in")], layer, meta, s.caches[layer], resync_from=Taps())
