@@ -14,12 +14,16 @@
      (compose.forward's signature: the pools are copied into JAX first) and resident pools (a
      decode loop carries the returned pools, donated, so the writes happen in place); wall and
      CPU time, interleaved; agreement with NumPy per logit row (kernel-math §2 tolerances), as
-     it is and with NumPy's routing re-synced at near ties (golden.jax_resync).
+     it is and with NumPy's routing and indexer rows re-synced at near ties (golden.jax_resync;
+     --prefix past 259 makes SMALL's indexer rank its candidates), and jax_admissible's answer.
 2. one FLASH-shaped layer at the 512-row decode tile (64 requests x 8 rows at position ~4096;
    --flash-requests 16: one rank's 128 rows; 64,16: both tiles, interleaved in one loop; resident
    pools filled with random rows, the experts generated once): the NumPy layer step against its
    GEMMs alone, and the INT8 weights' widening to f32 alone (where the rest goes); the least of the
-   repeats (CPU and wall) and the medians.
+   repeats (CPU and wall) and the medians.  --jax-flash: the same layer on the JAX path
+   (JaxGolden.layer_step, this layer's weights only, pools resident, routing and indexer rows
+   re-synced from NumPy's taps) in the same loop, over the NumPy layer and over its GEMMs, and its
+   output's worst rows against NumPy's, as it is and re-synced.
 
 Targets: the small step <= 2x its GEMMs, the FLASH layer (a checker's unit of work) <= 1.5x;
 JAX >= 5x faster than NumPy on the small decode step.  The JSON names the device JAX ran on
@@ -29,7 +33,7 @@ setting is fixed when JAX starts, so it applies to the whole process).  Heap: fr
 kept for reuse (golden.heap.retain_heap; --default-heap for glibc's own thresholds).
 
     python benchmarks/golden_speed.py [--skip-flash | --skip-small] [--reps 3] [--modes device,exact]
-        [--requests 16] [--flash-requests 64,16]
+        [--requests 16] [--prefix 160] [--flash-requests 64,16] [--jax-flash]
 """
 from __future__ import annotations
 

@@ -38,8 +38,8 @@ from .kernels.rmsnorm import rms_norm
 from .kernels.rope import rope_tail_bf16
 from .kernels.sparse_attention import TILE, csa_rows
 from .numerics import EXACT_F32_K, FP32_NEG_INF, NEG_INF_ATTN
-from .ties import index_near_ties
 from .paged import PREFILL
+from .ties import index_near_ties
 
 MOE_BLOCK = 16          # rows per expert block: small enough that padding stays < E * G rows
 TRANSPOSED_KEYS = ("routed_w1", "routed_w3", "routed_w2")
