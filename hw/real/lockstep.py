@@ -68,7 +68,8 @@ class RealLockstep:
 
     def __init__(self, backend, device, golden, *, policy: Policy | None = None, mode: str = "strict",
                  fault=None, run_dir=None, config: dict | None = None, carry: str = "device",
-                 record: bool = True, build: dict | None = None, steps: int | None = None, plan=None):
+                 record: bool = True, build: dict | None = None, steps: int | None = None, plan=None,
+                 auto: int | None = None):
         if mode not in MODES:
             raise AbiError("mode", mode, f"one of {MODES}", where="hw.real lockstep")
         if carry not in CARRY:
@@ -79,6 +80,9 @@ class RealLockstep:
         # sampled mode: a `hw.real.coverage.CoveragePlan`; per dispatch only its sites (and the head)
         # are checked, each from the device's recorded state (`hw.real.site_check`)
         self.plan, self.nth = plan, {}
+        # --coverage auto: `auto` dispatches checked in full (the plan starts at N = 1), then N chosen
+        # from the rates measured on them and fixed (`choose_coverage`); choice: what was chosen
+        self.auto = None if auto is None else {"calibration": auto, "choice": None}
         self.throughput = {"sites": 0, "site_s": 0.0, "dispatches": 0, "device_s": 0.0}   # sampled mode, measured
         self.index_tie_tol = INDEX_TIE_TOL
         self.backend, self.dev, self.gold = backend, device, golden
@@ -91,6 +95,8 @@ class RealLockstep:
             from .site_check import SiteGolden
 
             self.config["coverage"] = plan.summary()
+            if self.auto is not None:
+                self.config["coverage"]["auto"] = {"calibration_dispatches": auto, "chosen_at": None}
             self.site_golden = SiteGolden(golden.g.cfg, golden.g.ckpt, golden.g.nm, self.policy, INDEX_TIE_TOL)
         self.entries: list[dict] = []
         # records need a run directory and the arguments that rebuild this run offline
@@ -327,10 +333,79 @@ class RealLockstep:
 
     def planned(self, program: str) -> tuple[int, tuple]:
         """The plan's count of `program`'s dispatches so far (this one's nth) and this one's sites;
-        counts it (sampled mode, live or asynchronous)."""
+        counts it (sampled mode, live or asynchronous).  With --coverage auto the first dispatch
+        after the calibration chooses N first."""
+        if self.auto is not None and self.auto["choice"] is None and self.index - 1 >= self.auto["calibration"]:
+            self.choose_coverage()
         nth = self.nth.get(program, 0)
         self.nth[program] = nth + 1
         return nth, self.plan.plan(program, nth)
+
+    def checker_rate(self) -> tuple[int, float, int]:
+        """(site checks, their seconds, workers) measured this session: the pool's workers' own time
+        per check (asynchronous), or this process's (synchronous: one worker)."""
+        if self.pool is not None:
+            return self.pool.checked_sites, self.pool.check_s, self.pool.workers.n
+        return self.throughput["sites"], self.throughput["site_s"], 1
+
+    def choose_coverage(self) -> None:
+        """--coverage auto at the end of its calibration: N from the checker's measured site checks per
+        second (per worker, times the workers) against the device's dispatches per second
+        (`coverage.choose_n`), fixed for the rest of the run.  An asynchronous run first waits for the
+        calibration's checks (their times are the measurement).  Nothing measured yet this session (a
+        resume at the boundary): this dispatch is checked in full too."""
+        from .coverage import choose_n
+
+        wait = self.pool.settle() if self.pool is not None else 0.0
+        sites, secs, workers = self.checker_rate()
+        t = self.throughput
+        if not sites or secs <= 0 or not t["dispatches"] or t["device_s"] <= 0:
+            return
+        rates = choose_n(max(len(x) for x in self.plan.sites.values()), workers * sites / secs,
+                         t["dispatches"] / t["device_s"])
+        rates.update(workers=workers, sites_per_s_per_worker=sites / secs, calibration_wait_s=wait,
+                     measured={"site_checks": sites, "check_s": secs, "dispatches": t["dispatches"],
+                               "device_s": t["device_s"]})
+        choice = {"n": rates["n"], "full_until": dict(self.nth), "chosen_at": self.index - 1, "rates": rates}
+        self.apply_coverage(choice)
+        if self.recorder is not None:
+            write_text(self.recorder.store.root / AUTO_FILE, json.dumps(choice, indent=2, sort_keys=True) + "\n")
+
+    def apply_coverage(self, choice: dict) -> None:
+        """A --coverage auto run's choice (`choose_coverage`, or read back by a resume or replay)."""
+        from .coverage import CoveragePlan
+
+        self.plan = CoveragePlan(self.plan.sites, choice["n"], self.plan.seed, choice["full_until"])
+        self.auto["choice"] = choice
+        self.config["coverage"] = {**self.plan.summary(), "auto": {
+            "calibration_dispatches": self.auto["calibration"], "chosen_at": choice["chosen_at"]}}
+
+    def auto_report(self) -> dict:
+        """run.json's account of --coverage auto: the chosen N with the calibration's rates, the
+        guarantee, and over the session's whole run whether the checker kept up at that N (the
+        smallest N its run-long rates allow is no larger) and, asynchronously, what the backlog did:
+        the guarantee holds while no check is skipped (throttle slows the device instead)."""
+        from .coverage import choose_n
+
+        ch = self.auto["choice"]
+        if ch is None:
+            return {"n": None, "calibration_dispatches": self.auto["calibration"],
+                    "why": "the run ended within its calibration: every dispatch checked every site"}
+        out = {"n": ch["n"], "chosen_at": ch["chosen_at"], "calibration": ch["rates"],
+               "guarantee": self.plan.guarantee()}
+        sites, secs, workers = self.checker_rate()
+        t = self.throughput
+        if sites and secs > 0 and t["dispatches"] and t["device_s"] > 0:
+            run = choose_n(max(len(x) for x in self.plan.sites.values()), workers * sites / secs,
+                           t["dispatches"] / t["device_s"])
+            out["run"] = run
+            out["kept_up"] = bool(run["keeps_up"] and run["n"] <= ch["n"])
+        skipped = [] if self.pool is None else [i for i, st in enumerate(self.pool.status) if st == "skipped"]
+        if self.pool is not None:
+            out["device_waited_s"] = self.pool.waited_s
+        out["skipped"] = len(skipped)
+        out["guarantee_holds"] = not skipped
+        return out
 
     def check_sampled(self, rd) -> dict:
         """The head and the plan's sites of this dispatch, each from the device's own state
@@ -398,6 +473,10 @@ class RealLockstep:
                            where="hw.real lockstep")
 
         restore(self, entries)
+        if self.auto is not None:
+            choice = read_coverage_choice(self.dir)
+            if choice is not None:
+                self.apply_coverage(choice)
 
     def finish(self, serving: dict | None = None) -> dict:
         """The summary of the dispatches checked (serving: the scheduler's counts, kept in the summary's
@@ -414,6 +493,8 @@ class RealLockstep:
             # the N at which this checker would keep up with this device (measured this session)
             timing["coverage_throughput"] = choose_n(max(len(s) for s in self.plan.sites.values()),
                                                      t["sites"] / max(t["site_s"], 1e-9), t["dispatches"] / t["device_s"])
+        if self.auto is not None:
+            timing["coverage_auto"] = self.auto_report()
         if self.dir:
             # timings stay out of the report and summary, so a resumed run writes the same bytes
             write_text(self.dir / "run.json", json.dumps({**timing, "config": config},
@@ -422,6 +503,19 @@ class RealLockstep:
         from ..report import summarize
         return summarize(self.entries, {**config, **{("wall_s" if k == "wall_s_this_session" else k): v
                                                      for k, v in timing.items()}})
+
+
+AUTO_FILE = "coverage.json"          # records/: a --coverage auto run's choice (a resume and a replay apply it)
+
+
+def read_coverage_choice(run_dir) -> dict | None:
+    """The choice a --coverage auto run recorded (None: it ended before its calibration did)."""
+    path = Path(run_dir) / "records" / AUTO_FILE
+    if not path.exists():
+        return None
+    from twin.abi.inputs import read_json
+
+    return read_json(path, "--run-dir", "the N a --coverage auto run chose, as lockstep wrote it")
 
 
 def _rows_ne(a, b):
@@ -443,7 +537,7 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                   golden_mode: str = "device",
                   fault=None, policy: Policy | None = None, run_dir=None, carry: str = "device",
                   record: bool = True, build: dict | None = None, steps: int | None = None,
-                  config: dict | None = None, nproc: int = 1, coverage: int | None = None,
+                  config: dict | None = None, nproc: int = 1, coverage: int | str | None = None,
                   coverage_seed: int = 0) -> RealLockstep:
     """The checker of a parity run on `ctx` (a `twin.abi.lowering.LoweringContext` of a small
     preset's deployment): golden's side in `golden_mode` numerics and the device, both on the
@@ -487,10 +581,12 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
         backend = SelfCheckBackend(dev, device, fault)
     config = {**(config or {}), "preset": cfg.name, "seed": seed, "k": dep.k, "golden_mode": golden_mode,
               "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer}}
-    plan = None
+    plan, auto = None, None
     if coverage is not None:
-        from .coverage import CoveragePlan
+        from .coverage import AUTO, CALIBRATION, CoveragePlan
 
+        if coverage == AUTO:            # N = 1 through the calibration (RealLockstep.choose_coverage)
+            coverage, auto = 1, CALIBRATION
         plan = CoveragePlan.for_deployment(dep, coverage, coverage_seed)
     return RealLockstep(backend, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config,
-                        carry=carry, record=record, build=build, steps=steps, plan=plan)
+                        carry=carry, record=record, build=build, steps=steps, plan=plan, auto=auto)
