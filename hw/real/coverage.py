@@ -2,8 +2,8 @@
 
 A site is (program, group, layer, stage): a target layer's stage tap (and the pool rows it writes)
 for the rows and pages of one TP group (cache partition) in one program, or the drafter's context
-pool of every group ("drafter", "ctx_kv", group -1: the drafter check runs golden's whole dispatch, so
-one site covers all groups at the same cost).  The logits, the sampled and the accepted tokens are
+pool of every group ("drafter", "ctx_kv", group -1: the drafter check re-runs golden's drafter stage of
+the dispatch, every group's calls, so one site covers all groups).  The logits, the sampled and the accepted tokens are
 checked on every dispatch and are not sites.
 
 The plan is a deterministic round-robin over a seeded permutation of each program's sites, cut into

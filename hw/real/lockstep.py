@@ -46,6 +46,7 @@ from .faults import RealFault
 from .records import RealRecorder
 from .replay import restore
 from .side import INDEX_TIE_TOL, POOL_KIND, POOL_STAGE, install_state, mapped_rows, side_state
+from .site_check import draft_pool_findings
 from .step import DECISION_STAGES, DeviceStep, RealDispatch
 
 OUTPUT_KIND = {"main_hidden": ("activation", "bf16", "w8a8"), "state_meta": ("index", "i32", "none")}
@@ -97,7 +98,8 @@ class RealLockstep:
             self.config["coverage"] = plan.summary()
             if self.auto is not None:
                 self.config["coverage"]["auto"] = {"calibration_dispatches": auto, "chosen_at": None}
-            self.site_golden = SiteGolden(golden.g.cfg, golden.g.ckpt, golden.g.nm, self.policy, INDEX_TIE_TOL)
+            self.site_golden = SiteGolden(golden.g.cfg, golden.g.ckpt, golden.g.nm, self.policy, INDEX_TIE_TOL,
+                                          golden.g.dckpt)
         self.entries: list[dict] = []
         # records need a run directory and the arguments that rebuild this run offline
         self.build = build
@@ -235,8 +237,7 @@ class RealLockstep:
             return self.check_sampled(rd)
         return self.check_full(rd)
 
-    def check_full(self, rd, drafter_only: bool = False) -> dict:
-        """drafter_only: judge only the drafter pools (sampled mode's drafter site)."""
+    def check_full(self, rd) -> dict:
         resyncs = self._adopt_decisions()
         before = [dict(p) for p in self.dev.run.caches]
         gold_before = [dict(p) for p in self.gold.run.caches]
@@ -296,22 +297,12 @@ class RealLockstep:
                 f.site = (layer, POOL_STAGE[pool])
                 if not f.passed or len(mapped[pool]):
                     findings.append(f)
-        for grp, (pd, pg) in enumerate(zip(self.dev.run.pools or [], self.gold.run.pools or [])):
-            if dpools_before and pd is dpools_before[grp] and pg is gpools_before[grp] and pd is pg:
-                continue
-            # rows either side wrote (or where the sides started apart) are compared numerically;
-            # the device's other rows must be bit-identical to before (the drafter's ring addressing
-            # lives inside golden.dspark, so "mapped" here is what either side touched)
-            db, gb = dpools_before[grp], gpools_before[grp]
-            a2, e2, b2, c2 = (np.asarray(x).reshape(-1, x.shape[-1]) for x in (pd, pg, db, gb))
-            mapped = np.flatnonzero(_rows_ne(a2, b2) | _rows_ne(e2, b2) | _rows_ne(c2, b2))
-            kind = ("kv_pool", "bf16", "none")
-            f = compare_pool(f"draft_kv[{grp}]", a2, e2, b2, mapped, self.policy.lookup(*kind), kind)
-            f.site = ("drafter", "ctx_kv")
-            if not f.passed or len(mapped):
-                findings.append(f)
-        if drafter_only:
-            findings = [f for f in findings if f.site == ("drafter", "ctx_kv")]
+        if dpools_before:
+            # a group's pools neither side wrote, from the same array, are skipped by identity
+            moved = [grp for grp, (pd, pg) in enumerate(zip(self.dev.run.pools, self.gold.run.pools))
+                     if not (pd is dpools_before[grp] and pg is gpools_before[grp] and pd is pg)]
+            findings += draft_pool_findings(self.policy, self.dev.run.pools, self.gold.run.pools, dpools_before,
+                                            gpools_before, moved)
         failed = [f for f in findings if not f.passed]
         entry = {"index": rd.index, "program": rd.dispatch.program, "kind": rd.kind, "rows": len(rd.rows),
                  "verdict": "fail" if failed else "pass",
@@ -409,33 +400,20 @@ class RealLockstep:
 
     def check_sampled(self, rd) -> dict:
         """The head and the plan's sites of this dispatch, each from the device's own state
-        (`hw.real.site_check.sampled_entry`).  A drafter site runs golden's whole dispatch from the
-        device's state (the drafter reads the target hidden the dispatch computes) and judges every
-        group's drafter pool."""
+        (`hw.real.site_check.sampled_entry`), the drafter site's too: the same unit an asynchronous
+        check runs on the dispatch's records."""
         from .site_check import sampled_entry, view_from_step
 
         program = rd.dispatch.program
         nth, sites = self.planned(program)
-        drafting = any(s[2] == "drafter" for s in sites)
         before, state = [dict(p) for p in self.dev.run.caches], self.dev.run.state
-        drafter, resyncs = None, []
-        if drafting:
-            # the golden has not run since its last drafter site: it starts from the device's pools and
-            # slots (check_full adopts the decisions and each request's tokens)
-            self.gold.run.caches = [dict(p) for p in before]
-            if self.dev.run.pools is not None:
-                self.gold.run.pools = list(self.dev.run.pools)
-            for sd, sg in zip(self.dev.run.seqs, self.gold.run.seqs, strict=True):
-                sg.group, sg.lease, sg.generation = sd.group, sd.lease, sd.generation
-            full = self.check_full(rd, drafter_only=True)
-            drafter, resyncs = full["findings"], full["resyncs"]
-            step = self.last_step
-        else:
-            step = self.last_step = self.device_step(rd)
-        view = view_from_step(program, step, before, [dict(p) for p in self.dev.run.caches], state)
+        draft_before = None if self.dev.run.pools is None else list(self.dev.run.pools)
+        step = self.last_step = self.device_step(rd)
+        draft = (draft_before, None if draft_before is None else list(self.dev.run.pools))
+        view = view_from_step(program, step, before, [dict(p) for p in self.dev.run.caches], state, draft)
         about = {"index": rd.index, "program": program, "kind": rd.kind, "rows": len(rd.rows), "nth": nth}
         t0 = time.perf_counter()
-        entry = sampled_entry(self.site_golden, view, about, sites, self.plan.sites[program], drafter, resyncs)
+        entry = sampled_entry(self.site_golden, view, about, sites, self.plan.sites[program])
         self.throughput["site_s"] += time.perf_counter() - t0
         self.throughput["sites"] += sum(s[2] != "drafter" for s in sites)
         return entry
@@ -516,10 +494,6 @@ def read_coverage_choice(run_dir) -> dict | None:
     from twin.abi.inputs import read_json
 
     return read_json(path, "--run-dir", "the N a --coverage auto run chose, as lockstep wrote it")
-
-
-def _rows_ne(a, b):
-    return (a.view(np.uint8).reshape(a.shape[0], -1) != b.view(np.uint8).reshape(b.shape[0], -1)).any(-1)
 
 
 def parse_real_fault(spec: str):

@@ -233,11 +233,8 @@ def _run(args, nproc: int) -> int:
         cv = s["coverage"]
         seen = sum(c["checked"] for c in cv["programs"].values())
         total = sum(c["sites"] for c in cv["programs"].values())
-        unchecked = sum(r[5] == "unchecked" for r in cv["last_checked"])
         con.print(f"coverage: every site at least once every {cv['n']} dispatches of its program; {seen} of {total} "
-                  f"sites checked so far (per site: summary.json coverage.last_checked)"
-                  + (f"; {unchecked} drafter site(s) unchecked (an asynchronous check reads the records alone, the "
-                     "drafter needs golden's whole dispatch)" if unchecked else ""))
+                  f"sites checked so far (per site: summary.json coverage.last_checked)")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
     sv = s["config"].get("serving")
@@ -408,14 +405,6 @@ def _replay(args, run_dir, con, policy) -> int:
     report = ReportWriter(run_dir).entries()
     # an asynchronous run's report holds the dispatches it checked; each is held to its replay
     replayed = {e["index"]: json.dumps(e, sort_keys=True) for e in entries}
-    from twin.functional.parity import check
-
-    for r in report:
-        # a line an asynchronous sampled run judged from the records alone (its drafter site
-        # "unchecked") is held to that same unit; the live re-judgement also checks the drafter
-        if any(x[3] == "unchecked" for x in r.get("sites", ())) and r["index"] in replayed:
-            sites = [[r["program"], *x[:3]] for x in r["sites"]]
-            replayed[r["index"]] = json.dumps(check(run_dir, r["index"], sites, policy), sort_keys=True)
     differ = [r["index"] for r in report if replayed.get(r["index"]) != json.dumps(r, sort_keys=True)]
     failed = sum(e["verdict"] == "fail" for e in entries)
     # a synchronous run's report has a line for every record; an asynchronous one's, for those checked

@@ -327,8 +327,7 @@ def single_dispatch_case(kind: str, *, at: int, layer: int, n: int, plan_seeds, 
     The run is checked at coverage 1 (every site) with records in `run_dir`; the sites failing at the
     dispatch the fault fired at are the set A it shows at.  For each plan seed, the dispatch's planned
     sites at coverage `n` are checked from the records (`hw.real.site_check.check_recorded`): caught
-    when one fails, or the head check does, or the drafter site is planned and failed live (it needs
-    golden's whole dispatch, so its verdict is the N = 1 run's).  Returns the measured frequency and the plan's probability
+    when one fails (the drafter site among them) or the head check does.  Returns the measured frequency and the plan's probability
     (`CoveragePlan.hit_probability`, the chance a seed's slot meets A), and the seeds whose outcome
     is not the plan's (caught exactly when the slot meets A): none, unless a site check misjudges."""
     from hw.real.coverage import CoveragePlan
@@ -345,16 +344,13 @@ def single_dispatch_case(kind: str, *, at: int, layer: int, n: int, plan_seeds, 
     prog, nth = e["program"], e["coverage"]["nth"]
     affected = sorted((prog, *x[:3]) for x in e["sites"] if x[3] == "fail")
     head = any(not h["passed"] for h in e["findings"] if tuple(h["site"] or ())[:1] == ("head",))
-    drafter = any(x[1] == "drafter" and x[3] == "fail" for x in e["sites"])
     caught, probs, disagree = [], [], []
     for s in plan_seeds:
         plan = CoveragePlan.for_deployment(lr.sim.dep, n, s)
         probs.append(1.0 if head else plan.hit_probability(prog, affected))
         planned = plan.plan(prog, nth)
         r = check_recorded(str(run_dir), f.fired_at, planned)
-        # the drafter site needs golden's whole dispatch: its verdict is the live check's at N = 1
-        caught.append(any(x["verdict"] == "fail" for x in r["sites"]) or any(not h["passed"] for h in r["head"])
-                      or (drafter and any(x[2] == "drafter" for x in planned)))
+        caught.append(any(x["verdict"] == "fail" for x in r["sites"]) or any(not h["passed"] for h in r["head"]))
         # each seed's outcome is the plan's: caught exactly when its slot meets A (or the head fails)
         if caught[-1] != (head or bool(set(planned) & set(affected))):
             disagree.append(s)
@@ -417,8 +413,7 @@ def check(run_dir, index: int, sites=None, policy=None) -> dict:
     alone (paths and ints in, a JSON-able report entry out, so it runs in a worker process or a Ray
     task).  sites: None checks the whole dispatch (re-driving the scheduler to it); a sampled run's
     sites of the dispatch (program, group, layer, stage) check those and the head from the device's
-    recorded state (`hw.real.site_check`), the drafter site "unchecked" (it needs golden's whole
-    dispatch)."""
+    recorded state (`hw.real.site_check`), the drafter site's too."""
     if sites is None:
         return check_dispatches(run_dir, [index], policy=policy)[0]
     from hw.real.site_check import recorded_view, sampled_entry
