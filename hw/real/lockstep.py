@@ -149,12 +149,14 @@ class RealLockstep:
         rd = RealDispatch(self.index, kind, Dispatch(d.program, d.args, {**d.meta, "index": self.index}), [],
                           list(items))
         self.index += 1
+        skipped = self.resumed or (self.seek is not None and rd.index not in self.seek.live)
+        if skipped and self.plan is not None:
+            # a dispatch resumed or replayed past still counts in the plan's count of its program's dispatches
+            self.nth[rd.dispatch.program] = self.nth.get(rd.dispatch.program, 0) + 1
         if self.resumed:
             from .replay import fast_forward
-            if self.plan is not None:           # the plan's count of the program's dispatches goes on
-                self.nth[rd.dispatch.program] = self.nth.get(rd.dispatch.program, 0) + 1
             return fast_forward(self, rd, self.resumed.pop(0))
-        if self.seek is not None and rd.index not in self.seek.live:
+        if skipped:
             return self.seek.forward(rd)
         if self.pool is not None:
             return self.pool.dispatch(self, rd)
