@@ -76,9 +76,11 @@ def test_the_unit_refuses_sites_outside_the_plan_and_runs_without_coverage(pair)
         build_lockstep(preset="tiny", coverage=N, run_dir=d.parent / "every").run_async(4, every=2)
 
 
-# stale_draft_kv: the drafter keeps one committed context row stale, found at the drafter site from the
-# records alone (golden's drafter stage re-run on the rows its own acceptance gives)
-@pytest.mark.parametrize("kind,layer", [("weight", 1), ("kv_row", 3), ("stale_draft_kv", 0)])
+# stale_draft_kv, uncommitted_publish: the drafter writes a stale or an uncommitted context row, found
+# at the drafter site from the records alone (golden's drafter stage re-run on the rows its own
+# acceptance gives)
+@pytest.mark.parametrize("kind,layer", [("weight", 1), ("kv_row", 3), ("stale_draft_kv", 0),
+                                        ("uncommitted_publish", 0)])
 def test_a_persistent_fault_is_found_asynchronously_within_n_dispatches_of_its_program(kind, layer, tmp_path):
     r = run_case(kind, seed=0, at=5, layer=layer, persistent=True, coverage=N, horizon=5 + 3 * N, max_new=16,
                  workers=1, run_dir=tmp_path, mode="continuous")
