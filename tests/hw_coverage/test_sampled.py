@@ -109,15 +109,18 @@ def test_persistent_fault_is_detected_within_n_dispatches_of_its_program(kind):
     assert r["localized"], r
 
 
-@pytest.mark.parametrize("kind", ["kv_row", "weight"])
+@pytest.mark.parametrize("kind", ["kv_row", "weight", "stale_draft_kv"])
 def test_single_dispatch_fault_is_caught_with_the_plans_probability(kind, tmp_path):
-    """One firing at a fused dispatch (kv_row: one pool row; weight: layer 3's attention output, and
-    through the target hidden the drafter): at N = 1 the dispatch's failing sites are the set A; for
+    """One firing at a fused dispatch (kv_row: one pool row; weight: layer 3's attention output;
+    stale_draft_kv: one stale drafter context row, the drafter site alone): at N = 1 the dispatch's failing sites are the set A; for
     each of 40 plan seeds at N = 4 the recorded dispatch's planned sites are checked from the records.
     Each seed's outcome is the plan's (caught exactly when its slot meets A), and the frequency is
     within a 4-sigma binomial bound of `hit_probability`."""
     r = single_dispatch_case(kind, at=6, layer=3, n=N, plan_seeds=range(40), run_dir=tmp_path)
     assert r["fired_at"] == 6 and r["affected_sites"] and not r["head"]
+    if kind == "stale_draft_kv":
+        # the drafter's stage re-run from the records fails, and nothing upstream of it
+        assert r["affected_sites"] == [["l3_decode_fwd_dspark", -1, "drafter", "ctx_kv"]], r
     assert r["disagree_with_plan"] == [], r
     p = r["plan_probability"]
     assert 0 < p < 1
