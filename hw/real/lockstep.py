@@ -47,6 +47,7 @@ from .faults import RealFault
 from .records import RealRecorder
 from .replay import restore
 from .side import POOL_KIND, POOL_STAGE, install_state, mapped_rows, side_state
+from .site_check import draft_pool_findings
 from .step import DECISION_STAGES, DeviceStep, RealDispatch
 
 OUTPUT_KIND = {"main_hidden": ("activation", "bf16", "w8a8"), "state_meta": ("index", "i32", "none")}
@@ -69,7 +70,8 @@ class RealLockstep:
 
     def __init__(self, backend, device, golden, *, policy: Policy | None = None, mode: str = "strict",
                  fault=None, run_dir=None, config: dict | None = None, carry: str = "device",
-                 record: bool = True, build: dict | None = None, steps: int | None = None, plan=None):
+                 record: bool = True, build: dict | None = None, steps: int | None = None, plan=None,
+                 auto: int | None = None):
         if mode not in MODES:
             raise AbiError("mode", mode, f"one of {MODES}", where="hw.real lockstep")
         if carry not in CARRY:
@@ -80,6 +82,9 @@ class RealLockstep:
         # sampled mode: a `hw.real.coverage.CoveragePlan`; per dispatch only its sites (and the head)
         # are checked, each from the device's recorded state (`hw.real.site_check`)
         self.plan, self.nth = plan, {}
+        # --coverage auto: `auto` dispatches checked in full (the plan starts at N = 1), then N chosen
+        # from the rates measured on them and fixed (`choose_coverage`); choice: what was chosen
+        self.auto = None if auto is None else {"calibration": auto, "choice": None}
         self.throughput = {"sites": 0, "site_s": 0.0, "dispatches": 0, "device_s": 0.0}   # sampled mode, measured
         self.index_tie_tol = INDEX_TIE_TOL
         self.backend, self.dev, self.gold = backend, device, golden
@@ -92,7 +97,10 @@ class RealLockstep:
             from .site_check import SiteGolden
 
             self.config["coverage"] = plan.summary()
-            self.site_golden = SiteGolden(golden.g.cfg, golden.g.ckpt, golden.g.nm, self.policy, INDEX_TIE_TOL)
+            if self.auto is not None:
+                self.config["coverage"]["auto"] = {"calibration_dispatches": auto, "chosen_at": None}
+            self.site_golden = SiteGolden(golden.g.cfg, golden.g.ckpt, golden.g.nm, self.policy, INDEX_TIE_TOL,
+                                          golden.g.dckpt)
         self.entries: list[dict] = []
         # records need a run directory and the arguments that rebuild this run offline
         self.build = build
@@ -142,12 +150,14 @@ class RealLockstep:
         rd = RealDispatch(self.index, kind, Dispatch(d.program, d.args, {**d.meta, "index": self.index}), [],
                           list(items))
         self.index += 1
+        skipped = self.resumed or (self.seek is not None and rd.index not in self.seek.live)
+        if skipped and self.plan is not None:
+            # a dispatch resumed or replayed past still counts in the plan's count of its program's dispatches
+            self.nth[rd.dispatch.program] = self.nth.get(rd.dispatch.program, 0) + 1
         if self.resumed:
             from .replay import fast_forward
-            if self.plan is not None:           # the plan's count of the program's dispatches goes on
-                self.nth[rd.dispatch.program] = self.nth.get(rd.dispatch.program, 0) + 1
             return fast_forward(self, rd, self.resumed.pop(0))
-        if self.seek is not None and rd.index not in self.seek.live:
+        if skipped:
             return self.seek.forward(rd)
         if self.pool is not None:
             return self.pool.dispatch(self, rd)
@@ -230,8 +240,7 @@ class RealLockstep:
             return self.check_sampled(rd)
         return self.check_full(rd)
 
-    def check_full(self, rd, drafter_only: bool = False) -> dict:
-        """drafter_only: judge only the drafter pools (sampled mode's drafter site)."""
+    def check_full(self, rd) -> dict:
         resyncs = self._adopt_decisions()
         before = [dict(p) for p in self.dev.run.caches]
         gold_before = [dict(p) for p in self.gold.run.caches]
@@ -291,22 +300,12 @@ class RealLockstep:
                 f.site = (layer, POOL_STAGE[pool])
                 if not f.passed or len(mapped[pool]):
                     findings.append(f)
-        for grp, (pd, pg) in enumerate(zip(self.dev.run.pools or [], self.gold.run.pools or [])):
-            if dpools_before and pd is dpools_before[grp] and pg is gpools_before[grp] and pd is pg:
-                continue
-            # rows either side wrote (or where the sides started apart) are compared numerically;
-            # the device's other rows must be bit-identical to before (the drafter's ring addressing
-            # lives inside golden.dspark, so "mapped" here is what either side touched)
-            db, gb = dpools_before[grp], gpools_before[grp]
-            a2, e2, b2, c2 = (np.asarray(x).reshape(-1, x.shape[-1]) for x in (pd, pg, db, gb))
-            mapped = np.flatnonzero(_rows_ne(a2, b2) | _rows_ne(e2, b2) | _rows_ne(c2, b2))
-            kind = ("kv_pool", "bf16", "none")
-            f = compare_pool(f"draft_kv[{grp}]", a2, e2, b2, mapped, self.policy.lookup(*kind), kind)
-            f.site = ("drafter", "ctx_kv")
-            if not f.passed or len(mapped):
-                findings.append(f)
-        if drafter_only:
-            findings = [f for f in findings if f.site == ("drafter", "ctx_kv")]
+        if dpools_before:
+            # a group's pools neither side wrote, from the same array, are skipped by identity
+            moved = [grp for grp, (pd, pg) in enumerate(zip(self.dev.run.pools, self.gold.run.pools))
+                     if not (pd is dpools_before[grp] and pg is gpools_before[grp] and pd is pg)]
+            findings += draft_pool_findings(self.policy, self.dev.run.pools, self.gold.run.pools, dpools_before,
+                                            gpools_before, moved)
         failed = [f for f in findings if not f.passed]
         entry = {"index": rd.index, "program": rd.dispatch.program, "kind": rd.kind, "rows": len(rd.rows),
                  "verdict": "fail" if failed else "pass",
@@ -328,40 +327,96 @@ class RealLockstep:
 
     def planned(self, program: str) -> tuple[int, tuple]:
         """The plan's count of `program`'s dispatches so far (this one's nth) and this one's sites;
-        counts it (sampled mode, live or asynchronous)."""
+        counts it (sampled mode, live or asynchronous).  With --coverage auto the first dispatch
+        after the calibration chooses N first."""
+        if self.auto is not None and self.auto["choice"] is None and self.index - 1 >= self.auto["calibration"]:
+            self.choose_coverage()
         nth = self.nth.get(program, 0)
         self.nth[program] = nth + 1
         return nth, self.plan.plan(program, nth)
 
+    def checker_rate(self) -> tuple[int, float, int]:
+        """(site checks, their seconds, workers) measured this session: the pool's workers' own time
+        per check (asynchronous), or this process's (synchronous: one worker)."""
+        if self.pool is not None:
+            return self.pool.checked_sites, self.pool.check_s, self.pool.workers.n
+        return self.throughput["sites"], self.throughput["site_s"], 1
+
+    def choose_coverage(self) -> None:
+        """--coverage auto at the end of its calibration: N from the checker's measured site checks per
+        second (per worker, times the workers) against the device's dispatches per second
+        (`coverage.choose_n`), fixed for the rest of the run.  An asynchronous run first waits for the
+        calibration's checks (their times are the measurement).  Nothing measured yet this session (a
+        resume at the boundary): this dispatch is checked in full too."""
+        from .coverage import choose_n
+
+        wait = self.pool.settle() if self.pool is not None else 0.0
+        sites, secs, workers = self.checker_rate()
+        t = self.throughput
+        if not sites or secs <= 0 or not t["dispatches"] or t["device_s"] <= 0:
+            return
+        rates = choose_n(max(len(x) for x in self.plan.sites.values()), workers * sites / secs,
+                         t["dispatches"] / t["device_s"])
+        rates.update(workers=workers, sites_per_s_per_worker=sites / secs, calibration_wait_s=wait,
+                     measured={"site_checks": sites, "check_s": secs, "dispatches": t["dispatches"],
+                               "device_s": t["device_s"]})
+        choice = {"n": rates["n"], "full_until": dict(self.nth), "chosen_at": self.index - 1, "rates": rates}
+        self.apply_coverage(choice)
+        if self.recorder is not None:
+            write_text(self.recorder.store.root / AUTO_FILE, json.dumps(choice, indent=2, sort_keys=True) + "\n")
+
+    def apply_coverage(self, choice: dict) -> None:
+        """A --coverage auto run's choice (`choose_coverage`, or read back by a resume or replay)."""
+        from .coverage import CoveragePlan
+
+        self.plan = CoveragePlan(self.plan.sites, choice["n"], self.plan.seed, choice["full_until"])
+        self.auto["choice"] = choice
+        self.config["coverage"] = {**self.plan.summary(), "auto": {
+            "calibration_dispatches": self.auto["calibration"], "chosen_at": choice["chosen_at"]}}
+
+    def auto_report(self) -> dict:
+        """run.json's account of --coverage auto: the chosen N with the calibration's rates, the
+        guarantee, and over the session's whole run whether the checker kept up at that N (the
+        smallest N its run-long rates allow is no larger) and, asynchronously, what the backlog did:
+        the guarantee holds while no check is skipped (throttle slows the device instead)."""
+        from .coverage import choose_n
+
+        ch = self.auto["choice"]
+        if ch is None:
+            return {"n": None, "calibration_dispatches": self.auto["calibration"],
+                    "why": "the run ended within its calibration: every dispatch checked every site"}
+        out = {"n": ch["n"], "chosen_at": ch["chosen_at"], "calibration": ch["rates"],
+               "guarantee": self.plan.guarantee()}
+        sites, secs, workers = self.checker_rate()
+        t = self.throughput
+        if sites and secs > 0 and t["dispatches"] and t["device_s"] > 0:
+            run = choose_n(max(len(x) for x in self.plan.sites.values()), workers * sites / secs,
+                           t["dispatches"] / t["device_s"])
+            out["run"] = run
+            out["kept_up"] = bool(run["keeps_up"] and run["n"] <= ch["n"])
+        skipped = [] if self.pool is None else [i for i, st in enumerate(self.pool.status) if st == "skipped"]
+        if self.pool is not None:
+            out["device_waited_s"] = self.pool.waited_s
+        out["skipped"] = len(skipped)
+        out["guarantee_holds"] = not skipped
+        return out
+
     def check_sampled(self, rd) -> dict:
         """The head and the plan's sites of this dispatch, each from the device's own state
-        (`hw.real.site_check.sampled_entry`).  A drafter site runs golden's whole dispatch from the
-        device's state (the drafter reads the target hidden the dispatch computes) and judges every
-        group's drafter pool."""
+        (`hw.real.site_check.sampled_entry`), the drafter site's too: the same unit an asynchronous
+        check runs on the dispatch's records."""
         from .site_check import sampled_entry, view_from_step
 
         program = rd.dispatch.program
         nth, sites = self.planned(program)
-        drafting = any(s[2] == "drafter" for s in sites)
         before, state = [dict(p) for p in self.dev.run.caches], self.dev.run.state
-        drafter, resyncs = None, []
-        if drafting:
-            # the golden has not run since its last drafter site: it starts from the device's pools and
-            # slots (check_full adopts the decisions and each request's tokens)
-            self.gold.run.caches = [dict(p) for p in before]
-            if self.dev.run.pools is not None:
-                self.gold.run.pools = list(self.dev.run.pools)
-            for sd, sg in zip(self.dev.run.seqs, self.gold.run.seqs, strict=True):
-                sg.group, sg.lease, sg.generation = sd.group, sd.lease, sd.generation
-            full = self.check_full(rd, drafter_only=True)
-            drafter, resyncs = full["findings"], full["resyncs"]
-            step = self.last_step
-        else:
-            step = self.last_step = self.device_step(rd)
-        view = view_from_step(program, step, before, [dict(p) for p in self.dev.run.caches], state)
+        draft_before = None if self.dev.run.pools is None else list(self.dev.run.pools)
+        step = self.last_step = self.device_step(rd)
+        draft = (draft_before, None if draft_before is None else list(self.dev.run.pools))
+        view = view_from_step(program, step, before, [dict(p) for p in self.dev.run.caches], state, draft)
         about = {"index": rd.index, "program": program, "kind": rd.kind, "rows": len(rd.rows), "nth": nth}
         t0 = time.perf_counter()
-        entry = sampled_entry(self.site_golden, view, about, sites, self.plan.sites[program], drafter, resyncs)
+        entry = sampled_entry(self.site_golden, view, about, sites, self.plan.sites[program])
         self.throughput["site_s"] += time.perf_counter() - t0
         self.throughput["sites"] += sum(s[2] != "drafter" for s in sites)
         return entry
@@ -399,6 +454,10 @@ class RealLockstep:
                            where="hw.real lockstep")
 
         restore(self, entries)
+        if self.auto is not None:
+            choice = read_coverage_choice(self.dir)
+            if choice is not None:
+                self.apply_coverage(choice)
 
     def finish(self, serving: dict | None = None) -> dict:
         """The summary of the dispatches checked (serving: the scheduler's counts, kept in the summary's
@@ -415,6 +474,8 @@ class RealLockstep:
             # the N at which this checker would keep up with this device (measured this session)
             timing["coverage_throughput"] = choose_n(max(len(s) for s in self.plan.sites.values()),
                                                      t["sites"] / max(t["site_s"], 1e-9), t["dispatches"] / t["device_s"])
+        if self.auto is not None:
+            timing["coverage_auto"] = self.auto_report()
         if self.dir:
             # timings stay out of the report and summary, so a resumed run writes the same bytes
             write_text(self.dir / "run.json", json.dumps({**timing, "config": config},
@@ -425,8 +486,17 @@ class RealLockstep:
                                                      for k, v in timing.items()}})
 
 
-def _rows_ne(a, b):
-    return (a.view(np.uint8).reshape(a.shape[0], -1) != b.view(np.uint8).reshape(b.shape[0], -1)).any(-1)
+AUTO_FILE = "coverage.json"          # records/: a --coverage auto run's choice (a resume and a replay apply it)
+
+
+def read_coverage_choice(run_dir) -> dict | None:
+    """The choice a --coverage auto run recorded (None: it ended before its calibration did)."""
+    path = Path(run_dir) / "records" / AUTO_FILE
+    if not path.exists():
+        return None
+    from twin.abi.inputs import read_json
+
+    return read_json(path, "--run-dir", "the N a --coverage auto run chose, as lockstep wrote it")
 
 
 def parse_real_fault(spec: str):
@@ -444,7 +514,7 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                   golden_mode: str = "device",
                   fault=None, policy: Policy | None = None, run_dir=None, carry: str = "device",
                   record: bool = True, build: dict | None = None, steps: int | None = None,
-                  config: dict | None = None, nproc: int = 1, coverage: int | None = None,
+                  config: dict | None = None, nproc: int = 1, coverage: int | str | None = None,
                   coverage_seed: int = 0) -> RealLockstep:
     """The checker of a parity run on `ctx` (a `twin.abi.lowering.LoweringContext` of a small
     preset's deployment): golden's side in `golden_mode` numerics and the device, both on the
@@ -488,10 +558,12 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
         backend = SelfCheckBackend(dev, device, fault)
     config = {**(config or {}), "preset": cfg.name, "seed": seed, "k": dep.k, "golden_mode": golden_mode,
               "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer}}
-    plan = None
+    plan, auto = None, None
     if coverage is not None:
-        from .coverage import CoveragePlan
+        from .coverage import AUTO, CALIBRATION, CoveragePlan
 
+        if coverage == AUTO:            # N = 1 through the calibration (RealLockstep.choose_coverage)
+            coverage, auto = 1, CALIBRATION
         plan = CoveragePlan.for_deployment(dep, coverage, coverage_seed)
     return RealLockstep(backend, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config,
-                        carry=carry, record=record, build=build, steps=steps, plan=plan)
+                        carry=carry, record=record, build=build, steps=steps, plan=plan, auto=auto)

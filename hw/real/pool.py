@@ -24,6 +24,7 @@ device side's threads) or `RayWorkers()` (tasks on the Ray cluster `ray.init` co
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -32,6 +33,14 @@ from golden.dispatch import Halt
 from twin.abi.errors import AbiError
 
 POLICIES = ("throttle", "skip-oldest")
+
+
+def timed(unit, *args) -> dict:
+    """unit(*args), its entry holding the seconds it took on its worker under "check_s" (the checker's
+    throughput, --coverage auto's measurement; the pool takes it out before the entry is written)."""
+    t0 = time.perf_counter()
+    out = unit(*args)
+    return {**out, "check_s": time.perf_counter() - t0}
 
 
 def in_worker(fn, *args):
@@ -121,6 +130,7 @@ class CheckPool:
         if every < 1:
             raise AbiError("every", every, ">= 1", where="hw.real pool")
         self.unit, self.run_dir, self.workers = unit, str(run_dir), workers
+        self.timed = functools.partial(timed, unit)
         self.backlog, self.policy, self.write, self.every, self.strict = backlog, policy, write, every, strict
         self.check_policy = check_policy
         self.pending: deque[int] = deque()          # submitted, not started
@@ -137,6 +147,9 @@ class CheckPool:
         self.waited_s = 0.0                         # the device side's time blocked on a full backlog
         self.drain_s = 0.0                          # the run's end waiting for the last checks
         self.record_s = 0.0                         # the device side's time writing dispatch records
+        self.check_s = 0.0                          # the workers' own time in the site checks finished
+        self.checked_sites = 0                      # the target site checks they held
+        self.n_sites: dict[int, int] = {}           # a running check's target sites
         self.failed_at: int | None = None
 
     # ---- the device side ----------------------------------------------------------------------------
@@ -190,7 +203,9 @@ class CheckPool:
     def _start(self) -> None:
         while self.pending and len(self.running) < self.workers.n:
             i = self.pending.popleft()
-            self.running[self.workers.start(self.unit, self.run_dir, i, self.sites.pop(i), self.check_policy)] = i
+            sites = self.sites.pop(i)
+            self.n_sites[i] = sum(s[2] != "drafter" for s in sites or ())
+            self.running[self.workers.start(self.timed, self.run_dir, i, sites, self.check_policy)] = i
 
     def pump(self, block: bool) -> None:
         """Collect finished checks (block: wait for at least one) and start pending ones."""
@@ -198,6 +213,10 @@ class CheckPool:
             for h in self.workers.wait(list(self.running), block):
                 i = self.running.pop(h)
                 e = self.done[i] = self.workers.result(h)
+                secs, n = e.pop("check_s", None), self.n_sites.pop(i)
+                if n and secs is not None:
+                    self.check_s += secs
+                    self.checked_sites += n
                 self.status[i] = e["verdict"]
                 if e["verdict"] == "fail" and self.failed_at is None:
                     self.failed_at = i
@@ -213,12 +232,16 @@ class CheckPool:
                     self.write(e)
             self.written += 1
 
-    def drain(self) -> None:
-        """Wait for every submitted check (the run's end); drain_s: how long that took."""
+    def settle(self) -> float:
+        """Wait for every submitted check; returns the seconds waited."""
         t0 = time.perf_counter()
         while self.pending or self.running:
             self.pump(block=True)
-        self.drain_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def drain(self) -> None:
+        """Wait for every submitted check (the run's end); drain_s: how long that took."""
+        self.drain_s = self.settle()
 
     def close(self) -> None:
         self.workers.close()

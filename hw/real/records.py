@@ -134,6 +134,7 @@ class RealRecorder:
             raise AbiError("initial state", bad[:4], "the same pools on both sides", where="hw.real records")
         self.store.truncate(0)
         (self.store.root / "initial.json").unlink(missing_ok=True)
+        (self.store.root / "coverage.json").unlink(missing_ok=True)       # a --coverage auto run's choice
         self.store.put_initial(dev)
         write_text(self.store.root / "config.json", json.dumps(self.build, sort_keys=True) + "\n")
         self.last = {"dev": dict(dev), "gold": dict(gold)}

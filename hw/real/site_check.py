@@ -10,6 +10,17 @@ is localized within the sub-layer: the first of its stages, in dependency order,
 Near-tie routes and indexer rows are adopted from the device as in the full lockstep
 (`hw.real.side.TapPar.resync_hooks`).
 
+The drafter site ("drafter", "ctx_kv", every group) re-runs golden's drafter stage of the dispatch
+from the records too: at a fused K=7 dispatch, golden's acceptance of the device's samples from
+the K=7 state before it gives the requests that redraft, their rows (lease, drafter anchor, bonus
+token, accepted positions) and, from the device's taps, the target hidden of their accepted rows
+(`golden.dspark.step.redraft_calls`, the same rule golden's own step follows); at a seeding wave,
+the rows and captured prompt hidden the device seeded from (recorded, `site:seed_*`).  Golden's
+drafter runs them on the device's drafter pools before the dispatch, adopting the device's
+near-tie drafter routes, and every group's pool after is held to the device's: rows either side
+wrote within tolerance, every other row bit-identical.  A drafter that wrote the wrong rows (a
+stale or an uncommitted context row) fails there, since its rows are golden's, not the device's.
+
 Every dispatch also gets the head check (and a dispatch without a target forward, the check that it
 wrote no target pool): golden's final head from the device's last layer output
 gives the logits; the device's greedy samples are judged against them with the sample tie rule, its
@@ -62,15 +73,21 @@ class DispatchView:
     outputs: dict | None = None
     state: DeviceState | None = None
     refs: list | None = None
+    draft_before: list | None = None        # the device's drafter pool of each group around the dispatch
+    draft_after: list | None = None
+    draft_routes: list | None = None        # the device's drafter MoE routes, in call order
+    seed_rows: list | None = None           # a seeding wave: (group, DraftRow, captured hidden) per request
 
 
 class SiteGolden:
     """Golden's weights, numerics and the tie margins a site check uses."""
 
-    def __init__(self, cfg, ckpt, nm="device", policy: Policy | None = None, index_tie_tol: float = INDEX_TIE_TOL):
+    def __init__(self, cfg, ckpt, nm="device", policy: Policy | None = None, index_tie_tol: float = INDEX_TIE_TOL,
+                 dckpt=None):
         self.cfg, self.ckpt, self.nm = cfg, ckpt, numerics(nm, cfg=cfg)
         self.policy = policy or Policy()
         self.index_tie_tol = index_tie_tol
+        self.dckpt = dckpt                  # the drafter's checkpoint (None at K = 0)
 
     def par(self, dtaps) -> TapPar:
         par = TapPar()
@@ -213,6 +230,72 @@ def localized(f: Finding) -> dict:
             "metrics": f.to_dict()["metrics"], "bad_rows": f.bad_rows[:8]}
 
 
+# ---- the drafter site ------------------------------------------------------------------------------------
+def rows_ne(a, b) -> np.ndarray:
+    """Per row of two 2-D arrays: whether its bytes differ."""
+    return (a.view(np.uint8).reshape(a.shape[0], -1) != b.view(np.uint8).reshape(b.shape[0], -1)).any(-1)
+
+
+def draft_pool_findings(policy: Policy, dev_after, gold_after, dev_before, gold_before=None,
+                        groups=None) -> list[Finding]:
+    """The drafter pool of each group in `groups` (default all; the lists are indexed by group): rows
+    either side wrote (or where the sides started apart) within tolerance, every other device row
+    bit-identical to before (the drafter's ring addressing lives inside golden.dspark, so "mapped" is
+    what either side touched); a group's finding is kept when it fails or has rows written."""
+    out = []
+    kind = ("kv_pool", "bf16", "none")
+    for grp in range(len(dev_after)) if groups is None else groups:
+        pd, pg, db = dev_after[grp], gold_after[grp], dev_before[grp]
+        gb = db if gold_before is None else gold_before[grp]
+        a2, e2, b2, c2 = (np.asarray(x).reshape(-1, np.shape(x)[-1]) for x in (pd, pg, db, gb))
+        mapped = np.flatnonzero(rows_ne(a2, b2) | rows_ne(e2, b2) | rows_ne(c2, b2))
+        f = compare_pool(f"draft_kv[{grp}]", a2, e2, b2, mapped, policy.lookup(*kind), kind)
+        f.site = ("drafter", "ctx_kv")
+        if not f.passed or len(mapped):
+            out.append(f)
+    return out
+
+
+def _accepted(view: DispatchView):
+    """Golden's acceptance of the device's samples from the K=7 state before a fused dispatch:
+    (Prepared, Accepted)."""
+    prep = prepare(view.state, view.refs)
+    flat = np.asarray(view.sampled, np.int64).reshape(-1)
+    sampled = np.full(prep.tokens.shape, -1, np.int64)
+    starts = np.concatenate([[0], np.cumsum(prep.active_width)])
+    for i in range(len(view.refs)):
+        sampled[i, :prep.active_width[i]] = flat[starts[i]:starts[i + 1]]
+    return prep, accept(view.state, prep, sampled)[0]
+
+
+def drafter_findings(sg: SiteGolden, view: DispatchView) -> tuple[list[Finding], list[dict]]:
+    """The drafter site of one dispatch (module docstring): the findings on every group's drafter
+    pool and the re-syncs (near-tie drafter routes adopted)."""
+    from types import SimpleNamespace
+
+    from golden.compose import target_hidden
+    from golden.dspark import step as S
+    from twin.abi.lowering.decode import owner_member
+
+    cfg = sg.cfg
+    par = TapPar()
+    par.draft_from = list(view.draft_routes or [])
+    par.tie_tol = lambda d: sg.policy.lookup("route", "i32", depth=d).tie_tol or 0.0
+    g = S.Golden(cfg, sg.ckpt, sg.dckpt, sg.nm, max_model_len=cfg.max_position_embeddings,
+                 groups=len(view.draft_before), par=par)
+    run = SimpleNamespace(pools=list(view.draft_before))
+    if view.seed_rows is not None:
+        for group, row, hidden in view.seed_rows:
+            S.draft_rows(g, run, group, [row], hidden, num_sampled=0)
+    elif view.refs is not None and view.meta is not None:
+        prep, acc = _accepted(view)
+        mh = np.asarray(target_hidden(view.taps, sg.ckpt.model(), cfg=cfg, nm=sg.nm, tap=g.drafter.target_hidden_tap))
+        owners = [g.tp * r.group + owner_member(1, r.lease, 0, g.tp) for r in view.refs]
+        for group, _, rows, hidden in S.redraft_calls(acc, view.refs, owners, mh, prep.active_width):
+            S.draft_rows(g, run, group, rows, hidden, num_sampled=1)
+    return draft_pool_findings(sg.policy, view.draft_after, run.pools, view.draft_before), par.resyncs
+
+
 # ---- the head, every dispatch --------------------------------------------------------------------------
 def head_findings(sg: SiteGolden, view: DispatchView) -> list[Finding]:
     """Logits from golden's head on the device's last layer output; samples, sampled-token outputs and
@@ -241,13 +324,7 @@ def head_findings(sg: SiteGolden, view: DispatchView) -> list[Finding]:
                            reasons=["the dispatch's sampled tokens are not its greedy samples (exact)"],
                            site=("head", "sample")))
     if "accepted_ids" in outs and view.state is not None:
-        prep = prepare(view.state, view.refs)
-        flat = np.asarray(view.sampled, np.int64).reshape(-1)
-        sampled = np.full(prep.tokens.shape, -1, np.int64)
-        starts = np.concatenate([[0], np.cumsum(prep.active_width)])
-        for i in range(len(view.refs)):
-            sampled[i, :prep.active_width[i]] = flat[starts[i]:starts[i + 1]]
-        acc, _ = accept(view.state, prep, sampled)
+        _, acc = _accepted(view)
         if not (np.array_equal(acc.token_ids, outs["accepted_ids"])
                 and np.array_equal(acc.counts, outs["accepted_counts"])):
             out.append(Finding("accepted_ids", False, ("sample", "i32", "none"), points=int(acc.token_ids.size),
@@ -281,17 +358,19 @@ def unwritten_findings(view: DispatchView) -> list[Finding]:
 
 
 def check_view(sg: SiteGolden, view: DispatchView, sites) -> dict:
-    """The head check and the target `sites` of one dispatch: {"head": [findings], "sites": [...],
-    "resyncs": [...]} (plain data)."""
+    """The head check, the target `sites` and (planned) the drafter site of one dispatch:
+    {"head": [findings], "sites": [...], "drafter": [findings], "resyncs": [...]} (plain data)."""
     target = [tuple(s) for s in sites if s[2] != "drafter"]
     res, resyncs = check_layer_sites(sg, view, target) if view.meta is not None else ([], [])
-    # the drafter reads the target hidden its dispatch computes: its site is the live lockstep's (golden's
-    # whole dispatch from the device's state, `RealLockstep.check_sampled`), not a records-only check
-    res += [{"site": list(s), "rows": 0, "verdict": "unchecked",
-             "why": "the drafter site runs golden's whole dispatch (the lockstep, live or replayed)"}
-            for s in sites if s[2] == "drafter"]
+    drafter = []
+    for s in sites:
+        if s[2] == "drafter":
+            fs, more = drafter_findings(sg, view)
+            drafter += [f.to_dict() for f in fs]
+            resyncs = resyncs + more
+            res.append({"site": list(s), "rows": 0, "verdict": "fail" if any(not f.passed for f in fs) else "pass"})
     every = head_findings(sg, view) + unwritten_findings(view)
-    return {"head": [f.to_dict() for f in every], "sites": res, "resyncs": resyncs}
+    return {"head": [f.to_dict() for f in every], "sites": res, "drafter": drafter, "resyncs": resyncs}
 
 
 # ---- from records ----------------------------------------------------------------------------------
@@ -311,11 +390,35 @@ def site_arrays(side, seqs, kind: str) -> dict:
         out.update({f"site:slots/{k}": np.asarray(v) for k, v in meta.slots.items()})
     if kind == "decode" and side.served.k:
         out["site:refs"] = np.array([[s.group, s.lease, s.generation] for s in seqs], np.int64).reshape(-1, 3)
+    if kind == "seed":
+        # what each request of the wave seeded the drafter from (golden.dspark.step.seed_row)
+        from golden.dspark.step import seed_row
+
+        calls = [(s.group, c) for s in seqs for c in [seed_row(side.g, s)] if c is not None]
+        out["site:seed_rows"] = np.array([[g, r.lease, r.anchor, r.anchor_token, r.owner_rank, len(r.context_positions)]
+                                          for g, (r, _) in calls], np.int64).reshape(-1, 6)
+        out["site:seed_hidden"] = (np.concatenate([h for _, (_, h) in calls]) if calls
+                                   else np.zeros((0, 3 * side.g.cfg.hidden_size), np.float32))
     return out
 
 
-def view_from_step(program: str, step, before: list, after: list, state) -> DispatchView:
-    """The view of one dispatch from its `DeviceStep` (live, or read back from its record)."""
+def _seed_rows(a: dict) -> list | None:
+    from golden.dspark.drafter import DraftRow
+
+    if "site:seed_rows" not in a:
+        return None
+    out, at = [], 0
+    for g, lease, anchor, token, owner, n in a["site:seed_rows"]:
+        row = DraftRow(int(lease), int(anchor), int(token), tuple(range(int(anchor) + 1 - int(n), int(anchor) + 1)),
+                       owner_rank=int(owner))
+        out.append((int(g), row, a["site:seed_hidden"][at:at + int(n)]))
+        at += int(n)
+    return out
+
+
+def view_from_step(program: str, step, before: list, after: list, state, draft=(None, None)) -> DispatchView:
+    """The view of one dispatch from its `DeviceStep` (live, or read back from its record); draft: the
+    device's drafter pools before and after it."""
     a = step.site
     meta = None
     if "site:form" in a:
@@ -325,7 +428,8 @@ def view_from_step(program: str, step, before: list, after: list, state) -> Disp
         meta = StepMeta(FORMS[int(a["site:form"][0])], **{k: get[k] for k in META_FIELDS}, tables=tables, slots=slots)
     refs = [SlotRef(int(g), int(le), int(ge)) for g, le, ge in a["site:refs"]] if "site:refs" in a else None
     return DispatchView(program, meta, step.taps, before, after, a.get("site:row_group", np.zeros(0, np.int64)),
-                        step.sampled[-1] if step.sampled else None, step.outputs, state, refs)
+                        step.sampled[-1] if step.sampled else None, step.outputs, state, refs, draft[0], draft[1],
+                        list(step.draft_routes), _seed_rows(a))
 
 
 _GOLDEN: dict = {}
@@ -348,7 +452,10 @@ def recorded_golden(run_dir, policy=None) -> tuple[SiteGolden, dict]:
         b = read_config(run_dir)
         cfg = get_preset(b["preset"])
         pol = policy if isinstance(policy, Policy) else Policy.from_json(policy) if policy else None
-        _GOLDEN[key] = (SiteGolden(cfg, SyntheticCheckpoint(cfg, b["seed"]), b["golden_mode"], pol), b)
+        from golden.dspark.weights import DrafterCheckpoint
+
+        _GOLDEN[key] = (SiteGolden(cfg, SyntheticCheckpoint(cfg, b["seed"]), b["golden_mode"], pol,
+                                   dckpt=DrafterCheckpoint(cfg) if b["k"] else None), b)
     return _GOLDEN[key]
 
 
@@ -397,7 +504,9 @@ def recorded_view(run_dir: str, index: int, policy=None) -> tuple[SiteGolden, di
     real = rec.meta["real"]
     about = {"program": rec.program, "kind": real["kind"], "rows": len(real["rows"]),
              "nth": sum(r.program == rec.program for r in recs[:index])}
-    return sg, about, view_from_step(rec.program, step, layers(state), layers(after), st)
+    groups = sorted(int(k.split("/")[1]) for k in state if k.startswith("draft/"))
+    draft = ([state[f"draft/{g}"] for g in groups], [after[f"draft/{g}"] for g in groups]) if groups else (None, None)
+    return sg, about, view_from_step(rec.program, step, layers(state), layers(after), st, draft)
 
 
 def check_recorded(run_dir: str, index: int, sites, policy=None) -> dict:
@@ -410,24 +519,19 @@ def check_recorded(run_dir: str, index: int, sites, policy=None) -> dict:
 
 
 # ---- a sampled dispatch's report entry -----------------------------------------------------------------
-def sampled_entry(sg: SiteGolden, view: DispatchView, about: dict, sites, every, drafter=None,
-                  resyncs=()) -> dict:
+def sampled_entry(sg: SiteGolden, view: DispatchView, about: dict, sites, every) -> dict:
     """The report line of a sampled dispatch: the head and the plan's `sites` checked (`check_view`);
-    about: index, program, kind, rows, nth.  drafter: the drafter site's findings where golden's whole
-    dispatch ran (the live lockstep); None leaves the drafter site "unchecked".  every: the program's
-    target sites.  A failure is localized by checking every one of them: the first failing (layer,
-    stage) in dependency order, else a layer's pool, else the head, else the drafter."""
+    about: index, program, kind, rows, nth.  every: the program's sites.  A failure is localized by
+    checking every target site: the first failing (layer, stage) in dependency order, else a layer's
+    pool, else the head, else the drafter."""
     res = check_view(sg, view, sites)
-    drafter = list(drafter or []) if drafter is not None else None
-    findings = res["head"] + [r["finding"] for r in res["sites"] if r["verdict"] == "fail"] + (drafter or [])
+    findings = res["head"] + [r["finding"] for r in res["sites"] if r["verdict"] == "fail" and "finding" in r] \
+        + res["drafter"]
     failed = [f for f in findings if not f["passed"]]
     ran = {tuple(r["site"]): r["verdict"] for r in res["sites"]}
-    if drafter is not None:
-        ran.update({tuple(s): "fail" if any(not f["passed"] for f in drafter) else "pass"
-                    for s in sites if s[2] == "drafter"})
     entry = {"index": about["index"], "program": about["program"], "kind": about["kind"], "rows": about["rows"],
              "verdict": "fail" if failed else "pass", "findings": findings, "first_divergence": None,
-             "resyncs": list(resyncs) + res["resyncs"], "coverage": {"nth": about["nth"], "sites": len(sites)},
+             "resyncs": res["resyncs"], "coverage": {"nth": about["nth"], "sites": len(sites)},
              "sites": [[s[1], s[2], s[3], ran[tuple(s)]] for s in sites]}
     if failed:
         cfg = sg.cfg

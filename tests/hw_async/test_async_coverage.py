@@ -1,7 +1,7 @@
 """Sampled checking on the asynchronous pool (`run_async` of a run built with coverage N): the device
 never waits, each dispatch's planned sites and the head go to a worker as one check from the records,
-and the report is the synchronous sampled run's, but for the drafter site (it needs golden's whole
-dispatch, which the records-only check does not run: "unchecked")."""
+and the report is the synchronous sampled run's, line for line, the drafter site's included (golden's
+drafter stage re-run from the records)."""
 import json
 
 import pytest
@@ -45,36 +45,24 @@ def test_a_clean_async_sampled_run_passes_and_its_ledger_lists_every_planned_sit
         assert any(tuple(f["site"])[:1] == ("head",) for f in e["findings"]) or e["program"].startswith("l3_dspark")
     cov = json.loads((d / "summary.json").read_text())["coverage"]
     assert {tuple(r[:4]) for r in cov["last_checked"]} == planned
-    assert {r[5] for r in cov["last_checked"] if r[3] != "ctx_kv"} == {"pass"}
-    assert {r[5] for r in cov["last_checked"] if r[3] == "ctx_kv"} <= {"unchecked"}
+    assert {r[5] for r in cov["last_checked"]} == {"pass"}
+    assert any(r[3] == "ctx_kv" for r in cov["last_checked"]), "no drafter site was planned"
     for program, c in cov["programs"].items():
-        # the drafter site is listed but not counted as checked
-        drafter = sum(1 for r in cov["last_checked"] if r[0] == program and r[3] == "ctx_kv")
-        assert c["checked"] == sum(1 for r in cov["last_checked"] if r[0] == program) - drafter
+        assert c["checked"] == sum(1 for r in cov["last_checked"] if r[0] == program)
 
 
-def test_the_async_report_is_the_synchronous_sampled_runs_verdicts(pair):
+def test_the_async_report_is_the_synchronous_sampled_runs_line_for_line(pair):
     (_, ss, ds), (_, sa, da) = pair
     sync = [json.loads(x) for x in (ds / "report.jsonl").read_text().splitlines()]
     asy = [json.loads(x) for x in (da / "report.jsonl").read_text().splitlines()]
     assert [e["index"] for e in asy] == [e["index"] for e in sync] == list(range(STEPS))
     drafting = 0
     for a, b in zip(sync, asy):
-        assert (a["program"], a["kind"], a["rows"], a["coverage"], a["verdict"]) == \
-               (b["program"], b["kind"], b["rows"], b["coverage"], b["verdict"])
-        assert [x[:3] for x in a["sites"]] == [x[:3] for x in b["sites"]]
-        assert [x for x in a["sites"] if not _drafter(x)] == [x for x in b["sites"] if not _drafter(x)]
-        if any(_drafter(x) for x in a["sites"]):
-            # the live run judged the drafter from golden's whole dispatch; the records-only check cannot
-            drafting += 1
-            assert {x[3] for x in b["sites"] if _drafter(x)} == {"unchecked"}
-            assert [f for f in a["findings"] if tuple(f["site"]) != ("drafter", "ctx_kv")] == b["findings"]
-            assert all(r in a["resyncs"] for r in b["resyncs"])
-        else:
-            # the same sub-layers and head from the same device arrays (the records hold the live bytes),
-            # in the same order: the whole line is equal as bytes
-            assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-    assert drafting, "the run planned no drafter site: the legitimate difference went untested"
+        # the same sub-layers, drafter stage and head from the same device arrays (the records hold the
+        # live bytes), in the same order, on one BLAS thread each: the whole line is equal as bytes
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+        drafting += any(_drafter(x) for x in a["sites"])
+    assert drafting, "the run planned no drafter site: its records-only check went untested"
     assert ss["coverage"]["programs"].keys() == sa["coverage"]["programs"].keys()
 
 
@@ -88,7 +76,11 @@ def test_the_unit_refuses_sites_outside_the_plan_and_runs_without_coverage(pair)
         build_lockstep(preset="tiny", coverage=N, run_dir=d.parent / "every").run_async(4, every=2)
 
 
-@pytest.mark.parametrize("kind,layer", [("weight", 1), ("kv_row", 3)])
+# stale_draft_kv, uncommitted_publish: the drafter writes a stale or an uncommitted context row, found
+# at the drafter site from the records alone (golden's drafter stage re-run on the rows its own
+# acceptance gives)
+@pytest.mark.parametrize("kind,layer", [("weight", 1), ("kv_row", 3), ("stale_draft_kv", 0),
+                                        ("uncommitted_publish", 0)])
 def test_a_persistent_fault_is_found_asynchronously_within_n_dispatches_of_its_program(kind, layer, tmp_path):
     r = run_case(kind, seed=0, at=5, layer=layer, persistent=True, coverage=N, horizon=5 + 3 * N, max_new=16,
                  workers=1, run_dir=tmp_path, mode="continuous")

@@ -15,6 +15,8 @@ lockstep and the other ranks serve their rank slices (docs/lockstep.md, "Several
 """
 from __future__ import annotations
 
+import argparse
+
 from twin.abi.errors import AbiError
 
 from ._common import add_budget_args, budget_from_args, flag_names, integer, out_dir, seed
@@ -30,6 +32,17 @@ DEVICE_SIDE = {"preset": "tiny", "backend": "selfcheck", "device": "cpu", "steps
                "measured_slots": None, "coverage": None}
 
 LOCKSTEP_RANKS = 8          # the parity deployment: TP4 x EP8 (twin.functional.parity.build_lockstep)
+CALIBRATION = 4             # hw.real.coverage.CALIBRATION (not imported: the CLI loads lazily)
+
+
+def coverage(text: str):
+    """--coverage: an integer N (checked >= 1 where the run is built) or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: an integer N >= 1 or auto") from None
 
 def add_arguments(p) -> None:
     d = DEVICE_SIDE
@@ -51,9 +64,11 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default=None, help="JSON file of tolerance entries overriding the defaults")
     p.add_argument("--seed", type=seed, default=d["seed"], help="weights and workload seed (default 0)")
     p.add_argument("--no-records", action="store_true", help="do not write dispatch records (no resume, no replay)")
-    p.add_argument("--coverage", type=integer, default=d["coverage"], metavar="N",
+    p.add_argument("--coverage", type=coverage, default=d["coverage"], metavar="N|auto",
                    help="sampled checking: every site (program, group, layer, stage) checked at least once every N "
-                        "dispatches of its program, each from the device's state; the head every dispatch "
+                        "dispatches of its program, each from the device's state; the head every dispatch; auto: "
+                        f"the first {CALIBRATION} dispatches check every site and measure the checker's and the "
+                        "device's rates, then N is the smallest at which the checker keeps up, fixed for the run "
                         "(default: every dispatch checked in full)")
     p.add_argument("--replay", nargs="?", const=True, default=False, metavar="RUN_DIR",
                    help="no device: re-judge the records in RUN_DIR (default --run-dir) against the golden "
@@ -211,15 +226,15 @@ def _run(args, nproc: int) -> int:
         con.print(f"checked {ck['checked']} of {len(ck['per_dispatch'])} dispatches on {ck['workers']['n']} "
                   f"{ck['workers']['kind']} worker(s): backlog high-water {ck['backlog_high_water']} of "
                   f"{ck['backlog']} ({ck['policy']}), {len(ck['skipped'])} skipped")
+    auto = _coverage_auto(run_dir, lr.checker)
+    if auto:
+        con.print(auto)
     if "coverage" in s:
         cv = s["coverage"]
         seen = sum(c["checked"] for c in cv["programs"].values())
         total = sum(c["sites"] for c in cv["programs"].values())
-        unchecked = sum(r[5] == "unchecked" for r in cv["last_checked"])
         con.print(f"coverage: every site at least once every {cv['n']} dispatches of its program; {seen} of {total} "
-                  f"sites checked so far (per site: summary.json coverage.last_checked)"
-                  + (f"; {unchecked} drafter site(s) unchecked (an asynchronous check reads the records alone, the "
-                     "drafter needs golden's whole dispatch)" if unchecked else ""))
+                  f"sites checked so far (per site: summary.json coverage.last_checked)")
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
     sv = s["config"].get("serving")
@@ -228,6 +243,27 @@ def _run(args, nproc: int) -> int:
     extra = ")" if args.no_records else ", records/)"
     con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}", soft_wrap=True)   # a path stays whole
     return 0 if s["verdict"] == "PASS" else 1
+
+
+def _coverage_auto(run_dir, checker) -> str | None:
+    """The --coverage auto line: the chosen N, the rates behind it, and whether the checker kept up."""
+    if checker.auto is None:
+        return None
+    a = checker.auto_report()
+    if a["n"] is None:
+        return f"coverage auto: {a['why']} (no N chosen; run past {a['calibration_dispatches']} dispatches)"
+    c = a["calibration"]
+    line = (f"coverage auto: N = {a['n']}, chosen at dispatch {a['chosen_at']} from the checker's "
+            f"{c['sites_per_s_per_worker']:.3g} site checks/s on each of {c['workers']} worker(s) against the device's "
+            f"{c['dispatches_per_s']:.3g} dispatches/s ({c['sites']} sites: {c['site_checks_per_dispatch']:.3g} site "
+            f"checks per dispatch); guarantee: {a['guarantee']}")
+    if "run" in a:
+        r = a["run"]
+        line += (f"; over the run {r['sites_per_s']:.3g} site checks/s against {r['dispatches_per_s']:.3g} "
+                 f"dispatches/s: {'kept up' if a['kept_up'] else 'did not keep up'} (those rates give N = {r['n']})")
+    if not a["guarantee_holds"]:
+        line += f"; {a['skipped']} check(s) skipped: the guarantee does not hold for their sites"
+    return line + f" ({run_dir / 'run.json'} coverage_auto)"
 
 
 # the asynchronous-checking flags' defaults (a replay takes none but --ray)
@@ -291,6 +327,9 @@ def _parity(args, run_dir, resumed: bool, fault, policy, nproc: int = 1):
         raise AbiError("--slots", args.slots, "1..64", where="lockstep")
     if args.requests is not None and args.requests < 1:
         raise AbiError("--requests", args.requests, ">= 1", where="lockstep")
+    if args.coverage == "auto" and args.steps <= CALIBRATION:
+        raise AbiError("--steps", args.steps, f"> {CALIBRATION} with --coverage auto (its first {CALIBRATION} "
+                       "dispatches check every site to measure the rates N is chosen from)", where="lockstep")
     if args.workload or args.trace:
         from ._datasets import OWN_DEFAULTS
         from .simulate import _requests
@@ -366,14 +405,6 @@ def _replay(args, run_dir, con, policy) -> int:
     report = ReportWriter(run_dir).entries()
     # an asynchronous run's report holds the dispatches it checked; each is held to its replay
     replayed = {e["index"]: json.dumps(e, sort_keys=True) for e in entries}
-    from twin.functional.parity import check
-
-    for r in report:
-        # a line an asynchronous sampled run judged from the records alone (its drafter site
-        # "unchecked") is held to that same unit; the live re-judgement also checks the drafter
-        if any(x[3] == "unchecked" for x in r.get("sites", ())) and r["index"] in replayed:
-            sites = [[r["program"], *x[:3]] for x in r["sites"]]
-            replayed[r["index"]] = json.dumps(check(run_dir, r["index"], sites, policy), sort_keys=True)
     differ = [r["index"] for r in report if replayed.get(r["index"]) != json.dumps(r, sort_keys=True)]
     failed = sum(e["verdict"] == "fail" for e in entries)
     # a synchronous run's report has a line for every record; an asynchronous one's, for those checked

@@ -205,7 +205,7 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                    slots: int | None = None, total_kv_pages: int | None = None, chunk: int = 64,
                    max_model_len: int = 512, max_num_seqs: int | None = None, max_num_batched_tokens: int = 256,
                    ep: int = 8, fault=None, policy=None, run_dir=None, carry: str = "device", record: bool = True,
-                   steps: int | None = None, nproc: int = 1, coverage: int | None = None,
+                   steps: int | None = None, nproc: int = 1, coverage: int | str | None = None,
                    coverage_seed: int = 0) -> ParityRun:
     """A parity run on a small preset's deployment (TP4, EP8 by default: two cache partitions).
 
@@ -216,7 +216,9 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     over that many torch.distributed processes, this one process 0 (`hw.launch.torch_device_ranks`
     sets them up); the results, and so the run, are the same bit for bit.  coverage: None checks every dispatch in
     full; N samples (`hw.real.coverage`: every site at least once every N dispatches of its program,
-    the permutation of `coverage_seed`; N = 1 checks every site, each from the device's state)."""
+    the permutation of `coverage_seed`; N = 1 checks every site, each from the device's state); "auto"
+    checks every site on the first `hw.real.coverage.CALIBRATION` dispatches, then fixes N from the
+    checker's and the device's measured rates (`RealLockstep.choose_coverage`)."""
     from hw.real.lockstep import BACKENDS, build_checker
 
     cfg = get_preset(preset)
@@ -228,9 +230,9 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     if slots is not None and total_kv_pages is not None:
         raise AbiError("slots", slots, "not together with total_kv_pages (one KV budget)", where="lockstep")
     if coverage is not None:
-        from hw.real.coverage import check_n
+        from hw.real.coverage import check_coverage
 
-        coverage = check_n(coverage, where="lockstep")
+        coverage = check_coverage(coverage, where="lockstep")
         if backend != "selfcheck":
             raise AbiError("coverage", coverage, "none with backend torch (a site check reads the staged meta of "
                            "the self-check device's forward)", where="lockstep")
@@ -325,8 +327,7 @@ def single_dispatch_case(kind: str, *, at: int, layer: int, n: int, plan_seeds, 
     The run is checked at coverage 1 (every site) with records in `run_dir`; the sites failing at the
     dispatch the fault fired at are the set A it shows at.  For each plan seed, the dispatch's planned
     sites at coverage `n` are checked from the records (`hw.real.site_check.check_recorded`): caught
-    when one fails, or the head check does, or the drafter site is planned and failed live (it needs
-    golden's whole dispatch, so its verdict is the N = 1 run's).  Returns the measured frequency and the plan's probability
+    when one fails (the drafter site among them) or the head check does.  Returns the measured frequency and the plan's probability
     (`CoveragePlan.hit_probability`, the chance a seed's slot meets A), and the seeds whose outcome
     is not the plan's (caught exactly when the slot meets A): none, unless a site check misjudges."""
     from hw.real.coverage import CoveragePlan
@@ -343,16 +344,13 @@ def single_dispatch_case(kind: str, *, at: int, layer: int, n: int, plan_seeds, 
     prog, nth = e["program"], e["coverage"]["nth"]
     affected = sorted((prog, *x[:3]) for x in e["sites"] if x[3] == "fail")
     head = any(not h["passed"] for h in e["findings"] if tuple(h["site"] or ())[:1] == ("head",))
-    drafter = any(x[1] == "drafter" and x[3] == "fail" for x in e["sites"])
     caught, probs, disagree = [], [], []
     for s in plan_seeds:
         plan = CoveragePlan.for_deployment(lr.sim.dep, n, s)
         probs.append(1.0 if head else plan.hit_probability(prog, affected))
         planned = plan.plan(prog, nth)
         r = check_recorded(str(run_dir), f.fired_at, planned)
-        # the drafter site needs golden's whole dispatch: its verdict is the live check's at N = 1
-        caught.append(any(x["verdict"] == "fail" for x in r["sites"]) or any(not h["passed"] for h in r["head"])
-                      or (drafter and any(x[2] == "drafter" for x in planned)))
+        caught.append(any(x["verdict"] == "fail" for x in r["sites"]) or any(not h["passed"] for h in r["head"]))
         # each seed's outcome is the plan's: caught exactly when its slot meets A (or the head fails)
         if caught[-1] != (head or bool(set(planned) & set(affected))):
             disagree.append(s)
@@ -395,6 +393,12 @@ def check_dispatches(run_dir, indices, policy=None) -> list[dict]:
 
     run_dir = Path(run_dir)
     lr = rebuild(read_config(run_dir), policy=policy, record=False, fault=None)
+    if lr.checker.auto is not None:
+        from hw.real.lockstep import read_coverage_choice
+
+        choice = read_coverage_choice(run_dir)      # the N the run chose (none: it ended calibrating)
+        if choice is not None:
+            lr.checker.apply_coverage(choice)
     seek = Seek(lr.checker, run_dir, indices)
     lr.run(len(seek.want))
     got = [e["index"] for e in lr.entries]
@@ -409,8 +413,7 @@ def check(run_dir, index: int, sites=None, policy=None) -> dict:
     alone (paths and ints in, a JSON-able report entry out, so it runs in a worker process or a Ray
     task).  sites: None checks the whole dispatch (re-driving the scheduler to it); a sampled run's
     sites of the dispatch (program, group, layer, stage) check those and the head from the device's
-    recorded state (`hw.real.site_check`), the drafter site "unchecked" (it needs golden's whole
-    dispatch)."""
+    recorded state (`hw.real.site_check`), the drafter site's too."""
     if sites is None:
         return check_dispatches(run_dir, [index], policy=policy)[0]
     from hw.real.site_check import recorded_view, sampled_entry
@@ -444,5 +447,7 @@ def recorded_plan(run_dir):
         dep = _deployment(get_preset(b["preset"]), ep=b["ep"], max_model_len=b["max_model_len"], chunk=b["chunk"],
                           max_num_seqs=b["max_num_seqs"], slots=b["slots"],
                           max_num_batched_tokens=b["max_num_batched_tokens"], k=b["k"])
-        _PLANS[key] = CoveragePlan.for_deployment(dep, b["coverage"], b["coverage_seed"])
+        # the sites are the plan's whatever its N (an auto run's N is chosen during the run)
+        n = 1 if b["coverage"] == "auto" else b["coverage"]
+        _PLANS[key] = CoveragePlan.for_deployment(dep, n, b["coverage_seed"])
     return _PLANS[key]
