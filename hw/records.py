@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,27 +67,27 @@ class RecordStore:
         (self.root / "packs").mkdir(parents=True, exist_ok=True)
         self.manifest = self.root / "manifest.jsonl"
         self.index_path = self.root / "index.jsonl"
-        self._index: dict[str, tuple] | None = None
+        self._index: dict[str, tuple] = {}
+        self._index_at = _Tail()
+        self._records: list[Record] = []
+        self._records_at = _Tail()
         self._pending: dict[str, np.ndarray] = {}
+        self.generation = 0             # counts the files found replaced: what a reader cached of them is void
+        self._maps: dict[str, mmap.mmap] = {}           # pack -> its bytes, mapped (packs are written once)
+        self._maps_generation = 0
 
     @property
     def index(self) -> dict[str, tuple]:
-        if self._index is None:
+        """hash -> (pack, offset, dtype, shape).  Read once and then incrementally: a checker reads the
+        store while the device side appends to it, so each access parses only the lines appended since
+        (one stat when nothing was), and a file replaced or shortened is read afresh."""
+        fresh, lines = self._index_at.read(self.index_path, json.loads)
+        if fresh:
             self._index = {}
-            if self.index_path.exists():
-                raw, good = self.index_path.read_bytes(), 0
-                for line in raw.split(b"\n"):
-                    try:
-                        e = json.loads(line)
-                    except json.JSONDecodeError:
-                        break
-                    good += len(line) + 1
-                    if (self.root / "packs" / e["pack"]).exists():
-                        self._index.update({h: (e["pack"], *loc) for h, loc in e["blobs"].items()})
-                if good < len(raw):
-                    # a line torn by a killed writer goes, so the next append starts a line of its own
-                    with open(self.index_path, "r+b") as fh:
-                        fh.truncate(good)
+            self.generation += 1
+        for e in lines:
+            if (self.root / "packs" / e["pack"]).exists():
+                self._index.update({h: (e["pack"], *loc) for h, loc in e["blobs"].items()})
         return self._index
 
     def put(self, a) -> str:
@@ -114,10 +115,17 @@ class RecordStore:
                 entries[h] = [off, v.dtype.name, list(v.shape)]
                 off += v.nbytes
         os.replace(tmp, self.root / "packs" / pack)
-        with open(self.index_path, "a") as fh:
-            fh.write(json.dumps({"pack": pack, "blobs": entries}) + "\n")
+        self._maps.pop(pack, None)
+        index = self.index
+        # a line torn by a killed writer goes first, so this one starts a line of its own (only the
+        # writer cuts: a reader stops before a line still being written)
+        self._index_at.cut_torn(self.index_path)
+        line = (json.dumps({"pack": pack, "blobs": entries}) + "\n").encode()
+        with open(self.index_path, "ab") as fh:
+            fh.write(line)
             fh.flush()
-        self.index.update({h: (pack, *e) for h, e in entries.items()})
+        index.update({h: (pack, *e) for h, e in entries.items()})
+        self._index_at.wrote(self.index_path, len(line))
         self._pending = {}
 
     def get(self, h: str) -> np.ndarray:
@@ -129,7 +137,16 @@ class RecordStore:
         pack, off, dtype, shape = loc
         dt = np.dtype(getattr(ml_dtypes, dtype)) if hasattr(ml_dtypes, dtype) else np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64))
-        return np.fromfile(self.root / "packs" / pack, dtype=dt, count=n, offset=off).reshape(shape)
+        if not n:
+            return np.zeros(shape, dt)
+        if self._maps_generation != self.generation:
+            self._maps, self._maps_generation = {}, self.generation
+        m = self._maps.get(pack)
+        if m is None:
+            with open(self.root / "packs" / pack, "rb") as fh:
+                m = self._maps[pack] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        # a read-only view of the pack: only the pages a check touches are read
+        return np.frombuffer(m, dtype=dt, count=n, offset=off).reshape(shape)
 
     def put_delta(self, before: np.ndarray, after: np.ndarray) -> dict:
         """The rows of a pool (viewed as [rows, last axis]) that differ bit-wise, and their new values."""
@@ -183,15 +200,12 @@ class RecordStore:
         """Complete manifest lines in order (a torn last line from a killed writer is ignored); the
         records of a run directory of another format are refused (`hw.run_format`)."""
         check_run_dir(self.root.parent)
-        if not self.manifest.exists():
-            return []
-        out = []
-        for line in self.manifest.read_text().splitlines():
-            try:
-                out.append(Record(**json.loads(line)))
-            except (json.JSONDecodeError, TypeError):
-                break
-        return out
+        fresh, recs = self._records_at.read(self.manifest, lambda line: Record(**json.loads(line)))
+        if fresh:
+            self._records = []
+            self.generation += 1
+        self._records += recs
+        return list(self._records)
 
     def truncate(self, n: int) -> None:
         """Keep the first n manifest lines (resume drops records its report never confirmed)."""
@@ -199,6 +213,62 @@ class RecordStore:
         tmp = self.manifest.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r.to_dict(), sort_keys=True, default=_json_default) + "\n" for r in recs))
         os.replace(tmp, self.manifest)
+
+
+class _Tail:
+    """How far this process has read an append-only JSON-lines file: the file's identity and the
+    byte offset after the last line it took.  The files are only appended to, replaced (os.replace)
+    or cut back by their one writer, which each read detects."""
+
+    def __init__(self):
+        self.key, self.at = None, 0
+
+    def read(self, path: Path, parse) -> tuple[bool, list]:
+        """(fresh, values): `parse` of each complete line appended since the last read, stopping before
+        the first line it refuses (a line still being written, or torn by a killed writer: read again
+        next time); fresh: the file was replaced, shortened or removed, so earlier values are void."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            fresh, self.key, self.at = self.key is not None, None, 0
+            return fresh, []
+        key = (st.st_dev, st.st_ino)
+        if key == self.key and st.st_size == self.at:
+            return False, []                        # nothing appended: one stat
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            key = (st.st_dev, st.st_ino)
+            fresh = self.key is not None and (key != self.key or st.st_size < self.at)
+            if not fresh and self.at:
+                fh.seek(self.at - 1)
+                fresh = fh.read(1) != b"\n"        # not the file read before (its last line ended there)
+            if fresh:
+                self.at = 0
+            self.key = key
+            if st.st_size == self.at:
+                return fresh, []
+            fh.seek(self.at)
+            raw = fh.read()
+        out = []
+        for line in raw.split(b"\n")[:-1]:        # the part after the last newline is not a line yet
+            try:
+                out.append(parse(line))
+            except (ValueError, TypeError, KeyError):
+                break
+            self.at += len(line) + 1
+        return fresh, out
+
+    def cut_torn(self, path: Path) -> None:
+        """The writer, before it appends: drop what follows the last line read (a torn line)."""
+        if self.key is not None and os.stat(path).st_size > self.at:
+            with open(path, "r+b") as fh:
+                fh.truncate(self.at)
+
+    def wrote(self, path: Path, n: int) -> None:
+        """The writer appended `n` bytes of lines it holds already (so the next read skips them)."""
+        st = os.stat(path)
+        if self.key in (None, (st.st_dev, st.st_ino)) and st.st_size == self.at + n:
+            self.key, self.at = (st.st_dev, st.st_ino), self.at + n
 
 
 def changed_rows(before: np.ndarray, after: np.ndarray) -> np.ndarray:

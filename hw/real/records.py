@@ -44,6 +44,8 @@ SEQ_KEYS = ("anchor", "current", "draft_anchor", "released", "lease", "generatio
 BUILD_KEYS = ("preset", "backend", "device", "mode", "seed", "golden_mode", "k", "slots", "total_kv_pages", "chunk",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "ep", "carry", "requests", "fault",
               "coverage", "coverage_seed")
+# its injected fault (`hw.real.faults.RealFault`): a persistent one fires again on every dispatch from AT
+FAULT_KEYS = ("kind", "at", "layer", "seed", "persistent")
 
 
 def seqs_state(store: RecordStore, seqs) -> list[dict]:
@@ -188,6 +190,10 @@ def read_config(run_dir) -> dict:
     d = read_json(path, "--run-dir", what)
     if set(d) != set(BUILD_KEYS):
         raise AbiError("keys", sorted(d), f"exactly {sorted(BUILD_KEYS)}: {what}", where=f"--run-dir {path}")
+    f = d["fault"]
+    if f is not None and (not isinstance(f, dict) or set(f) != set(FAULT_KEYS)):
+        raise AbiError("fault", f, f"null or an object with exactly the keys {list(FAULT_KEYS)}: {what}",
+                       where=f"--run-dir {path}")
     return d
 
 

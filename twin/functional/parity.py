@@ -250,7 +250,7 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                   "carry": carry, "requests": request_rows(requests), "coverage": coverage,
                   "coverage_seed": coverage_seed,
                   "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer,
-                                                      "seed": fault.seed}}
+                                                      "seed": fault.seed, "persistent": fault.persistent}}
     checker = build_checker(LoweringContext(dep, admitted), backend=backend, device=device, mode=mode, seed=seed,
                             golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
                             record=record, build=build_args, steps=steps,
@@ -282,7 +282,7 @@ def rebuild(build_args: dict, **kw) -> ParityRun:
     f = b.pop("fault")
     if f is not None and "fault" not in kw:
         from hw.real.faults import RealFault
-        kw["fault"] = RealFault(f["kind"], at=f["at"], layer=f["layer"], seed=f["seed"])
+        kw["fault"] = RealFault(**f)
     return build_lockstep(**{**b, **kw})
 
 
