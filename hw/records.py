@@ -13,7 +13,9 @@ Layout of a record store:
                               initial pools with the deltas applied in order
 
 A line is appended only after its pack is on disk and indexed, so a killed writer leaves at most
-an orphan pack, never a line that points at nothing.  Identical tensors (pools that a dispatch did
+an orphan pack, never a line that points at nothing.  One process writes a store; any number read
+it while it grows (a checker beside the device side): a reader parses only the lines appended since
+its last read and maps the packs.  Identical tensors (pools that a dispatch did
 not change, repeated tables) are stored once.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import hashlib
 import json
 import mmap
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +74,9 @@ class RecordStore:
         self._index_at = _Tail()
         self._records: list[Record] = []
         self._records_at = _Tail()
-        self._pending: dict[str, np.ndarray] = {}
+        self._pending: dict[str, list] = {}            # hash -> [offset, dtype, shape] in the open pack
+        self._pack = None                                # the open pack (a temporary file until flushed)
+        self._pack_tmp, self._pack_off = None, 0
         self.generation = 0             # counts the files found replaced: what a reader cached of them is void
         self._maps: dict[str, mmap.mmap] = {}           # pack -> its bytes, mapped (packs are written once)
         self._maps_generation = 0
@@ -93,29 +98,33 @@ class RecordStore:
     def put(self, a) -> str:
         """Store an array's bytes as they are now; returns their hash.  Always hashed from content: an
         array can change in place between two puts, and a memo by object identity would then answer
-        with a stale hash (pools are stored as row deltas, so a memo would save ~0.1% of a run)."""
+        with a stale hash (pools are stored as row deltas, so a memo would save ~0.1% of a run).  A new
+        blob's bytes go to the open pack at once, so what happens to `a` afterwards does not matter and
+        nothing is copied."""
         a = np.asarray(a)
         h = content_hash(a)
-        if h not in self.index and h not in self._pending:
-            self._pending[h] = a.copy()          # the blob is these bytes, whatever happens to `a` before the pack
+        if h not in self._pending and h not in self.index:
+            if self._pack is None:
+                fd, tmp = tempfile.mkstemp(prefix="pending.", suffix=".tmp", dir=self.root / "packs")
+                self._pack, self._pack_tmp, self._pack_off = open(fd, "wb"), tmp, 0
+            a = np.ascontiguousarray(a)
+            if a.size:
+                self._pack.write(a.view(np.uint8).reshape(-1).data)
+            self._pending[h] = [self._pack_off, a.dtype.name, list(a.shape)]
+            self._pack_off += a.nbytes
         return h
 
     def flush_pack(self, name: str) -> None:
-        """Write the pending blobs as one raw pack, then index them (a killed writer leaves at most
-        an unindexed pack)."""
+        """The pending blobs' pack, complete, under its name; then their index line (a killed writer
+        leaves at most an unindexed pack)."""
         if not self._pending:
             return
         pack = f"{name}.bin"
-        tmp = self.root / "packs" / f"{name}.tmp{os.getpid()}"
-        entries, off = {}, 0
-        with open(tmp, "wb") as fh:
-            for h, v in self._pending.items():
-                v = np.ascontiguousarray(v)
-                fh.write(v.view(np.uint8).reshape(-1).data if v.size else b"")
-                entries[h] = [off, v.dtype.name, list(v.shape)]
-                off += v.nbytes
-        os.replace(tmp, self.root / "packs" / pack)
+        self._pack.close()
+        os.replace(self._pack_tmp, self.root / "packs" / pack)
+        self._pack = None
         self._maps.pop(pack, None)
+        entries, self._pending = self._pending, {}
         index = self.index
         # a line torn by a killed writer goes first, so this one starts a line of its own (only the
         # writer cuts: a reader stops before a line still being written)
@@ -126,16 +135,18 @@ class RecordStore:
             fh.flush()
         index.update({h: (pack, *e) for h, e in entries.items()})
         self._index_at.wrote(self.index_path, len(line))
-        self._pending = {}
 
     def get(self, h: str) -> np.ndarray:
         if h in self._pending:
-            return self._pending[h]
+            off, dtype, shape = self._pending[h]
+            self._pack.flush()
+            return np.fromfile(self._pack_tmp, dtype=_dtype(dtype), count=int(np.prod(shape, dtype=np.int64)),
+                               offset=off).reshape(shape)
         loc = self.index.get(h)
         if loc is None:
             raise AbiError("blob", h, f"a hash indexed in {self.index_path}", where="record store")
         pack, off, dtype, shape = loc
-        dt = np.dtype(getattr(ml_dtypes, dtype)) if hasattr(ml_dtypes, dtype) else np.dtype(dtype)
+        dt = _dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64))
         if not n:
             return np.zeros(shape, dt)
@@ -213,6 +224,10 @@ class RecordStore:
         tmp = self.manifest.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r.to_dict(), sort_keys=True, default=_json_default) + "\n" for r in recs))
         os.replace(tmp, self.manifest)
+
+
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
 class _Tail:

@@ -133,15 +133,21 @@ class ParityRun:
         if c.plan is not None and every != 1:
             raise AbiError("every", every, f"1 with coverage {c.plan.n} (the plan chooses each dispatch's sites)",
                            where="lockstep")
+        from hw.real.records import RecordThread
+
         w = LocalWorkers(workers) if isinstance(workers, int) else workers
+        writer = RecordThread(c.recorder, backlog)
         pool = CheckPool(check, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
-                         check_policy=c.policy, write=lambda e: c.report.append(e))
+                         check_policy=c.policy, write=lambda e: c.report.append(e), writer=writer)
         c.pool, c.steps, c.progress = pool, steps, progress
         try:
             self.serving = serving_counts(self._serve(), self.executor)
             pool.drain()
         finally:
-            pool.close()
+            try:
+                writer.close()
+            finally:
+                pool.close()
         c.entries = pool.entries
         c.config["checking"] = pool.stats()
         return c.finish(self.serving)
