@@ -37,6 +37,9 @@ from twin.abi.inputs import read_json
 from .run_format import check_run_dir
 
 
+MAPPED_PACKS = 128         # packs a reader keeps mapped at once
+
+
 def content_hash(a: np.ndarray) -> str:
     a = np.ascontiguousarray(a)
     h = hashlib.sha256()            # hardware-accelerated on current CPUs: the fastest strong hash here
@@ -152,10 +155,14 @@ class RecordStore:
             return np.zeros(shape, dt)
         if self._maps_generation != self.generation:
             self._maps, self._maps_generation = {}, self.generation
-        m = self._maps.get(pack)
+        m = self._maps.pop(pack, None)
         if m is None:
             with open(self.root / "packs" / pack, "rb") as fh:
-                m = self._maps[pack] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            if len(self._maps) >= MAPPED_PACKS:
+                # each map holds a file descriptor: the least recently read goes (its arrays keep it alive)
+                del self._maps[next(iter(self._maps))]
+        self._maps[pack] = m                         # most recently read last
         # a read-only view of the pack: only the pages a check touches are read
         return np.frombuffer(m, dtype=dt, count=n, offset=off).reshape(shape)
 

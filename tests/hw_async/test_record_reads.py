@@ -3,6 +3,7 @@ manifest grow with the store (each line parsed once), a line still being written
 nor cut, and a store recreated at the same path is read afresh.  A rebuilt run keeps its fault's
 persistence."""
 import json
+import os
 import shutil
 
 import numpy as np
@@ -89,3 +90,18 @@ def test_a_rebuilt_run_keeps_a_persistent_fault_persistent(tmp_path):
     assert b["fault"] == {"kind": "weight", "at": 1, "layer": 0, "seed": 1, "persistent": True}
     again = rebuild(b, record=False, run_dir=None)
     assert again.checker.fault.persistent and verdicts(again) == got
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+def test_a_reader_keeps_a_bounded_number_of_packs_open(tmp_path, monkeypatch):
+    """Packs are memory-mapped and each map holds a file descriptor: a long run's reader keeps only the
+    most recently read ones mapped (the others are mapped again when read)."""
+    monkeypatch.setattr(records, "MAPPED_PACKS", 4)
+    w = RecordStore(tmp_path)
+    hashes = [_append(w, i, np.full(3, i)) for i in range(12)]
+    reader = RecordStore(tmp_path)
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(2):
+        for i, h in enumerate(hashes):
+            assert np.array_equal(reader.get(h), np.full(3, i))
+    assert len(reader._maps) == 4 and len(os.listdir("/proc/self/fd")) <= fds + 4
