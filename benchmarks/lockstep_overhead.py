@@ -14,8 +14,16 @@ All runs serve the same seeded workload through the simulator's scheduler (`twin
                processes (`hw.real.pool`, what `dspark-twin lockstep --async` pays); its wall time
                runs until the last check is back, and `device_side_s` until the device finished
                --mode async --coverage N: sampled, every dispatch's planned sites and its head as one
-               check from the records (what `dspark-twin lockstep --async --coverage N` pays);
-               `record_s` is the device side's time writing records (every tap, as the checks read them)
+               check from the records (what `dspark-twin lockstep --async --coverage N` pays)
+
+The asynchronous device side captures each record and a thread of its own hashes and writes it
+(`hw.real.records.RecordThread`): `record_s` is the device side's time capturing (and waiting on a
+full record queue, `record_waited_s`), `record_thread_s` the writer thread's.  Its checkers are one
+thread each at the lowest CPU priority (`hw.real.pool.lowest_priority`); the device side is one torch
+and one OpenBLAS thread (`threads`).  `load_average` is the machine's (1, 5, 15 minutes) at the start
+and the end: other processes' load falls on the asynchronous run's second core first.
+`--flash-layer` adds the checker's unit of work at FLASH scale: one FLASH-shaped layer for one rank's
+128 decode rows in NumPy against its GEMMs alone (`benchmarks/golden_speed.py`'s measurement).
 
 Each runs `--repeats` times, alternating, and the fastest of each is kept, so a noisy shared machine
 penalizes neither.  Wall and process CPU seconds are both printed (the asynchronous mode's CPU is the
@@ -83,9 +91,11 @@ def checked_async(preset: str, n: int, seed: int, *, every: int, workers: int, b
         pool = run.checker.pool
         return (wall, cpu), s, {"checker_cpu_s": round(k1.ru_utime + k1.ru_stime - k0.ru_utime - k0.ru_stime, 4),
                                 "device_side_s": round(wall - pool.drain_s, 4),
-                                                     "device_waited_s": round(pool.waited_s, 4),
-                                                     "drain_s": round(pool.drain_s, 4),
-                                                     "record_s": round(pool.record_s, 4)}
+                                "device_waited_s": round(pool.waited_s, 4),
+                                "drain_s": round(pool.drain_s, 4),
+                                "record_s": round(pool.record_s, 4),
+                                "record_waited_s": round(pool.writer.waited_s, 4),
+                                "record_thread_s": round(pool.writer.busy_s, 4)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -105,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--check-workers", type=int, default=1, help="async: checker processes (default 1)")
     p.add_argument("--backlog", type=int, default=8, help="async: checks pending at most (default 8)")
     p.add_argument("--backlog-policy", choices=("throttle", "skip-oldest"), default="throttle")
+    p.add_argument("--flash-layer", action="store_true",
+                   help="also time one FLASH-shaped layer's check for one rank's rows against its GEMMs alone")
     a = p.parse_args(argv)
     for flag, v in (("--dispatches", a.dispatches), ("--repeats", a.repeats), ("--check-every", a.check_every),
                     ("--check-workers", a.check_workers), ("--backlog", a.backlog), ("--coverage", a.coverage)):
@@ -122,6 +134,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     limit_cpu_threads(1)
+    load0 = [round(x, 2) for x in os.getloadavg()]
     device_only(a.preset, 2, a.seed)                        # warm-up: imports, allocator, kernels
     dev, ls, summary, n_dev, best_async = [], [], None, 0, None
     for _ in range(a.repeats):
@@ -159,6 +172,13 @@ def main(argv=None) -> int:
             cv = summary["coverage"]
             out["async"]["sites"] = {p: {"sites": c["sites"], "checked": c["checked"]} for p, c in cv["programs"].items()}
     out["meets_target"] = out["ratio"] <= TARGET[a.mode]
+    out["threads"] = {"device_torch": torch.get_num_threads(), "checker": "one each, lowest CPU priority"}
+    if a.flash_layer:
+        from golden_speed import flash_layer           # this script's directory is on sys.path
+
+        f = flash_layer(a.repeats, requests=(16,))[0]
+        out["flash_layer_check"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in f.items()}
+    out["load_average"] = {"start": load0, "end": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(out, indent=2))
     return 0
 

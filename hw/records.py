@@ -13,14 +13,18 @@ Layout of a record store:
                               initial pools with the deltas applied in order
 
 A line is appended only after its pack is on disk and indexed, so a killed writer leaves at most
-an orphan pack, never a line that points at nothing.  Identical tensors (pools that a dispatch did
+an orphan pack, never a line that points at nothing.  One process writes a store; any number read
+it while it grows (a checker beside the device side): a reader parses only the lines appended since
+its last read and maps the packs.  Identical tensors (pools that a dispatch did
 not change, repeated tables) are stored once.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +35,9 @@ from twin.abi.errors import AbiError
 from twin.abi.inputs import read_json
 
 from .run_format import check_run_dir
+
+
+MAPPED_PACKS = 128         # packs a reader keeps mapped at once
 
 
 def content_hash(a: np.ndarray) -> str:
@@ -66,70 +73,98 @@ class RecordStore:
         (self.root / "packs").mkdir(parents=True, exist_ok=True)
         self.manifest = self.root / "manifest.jsonl"
         self.index_path = self.root / "index.jsonl"
-        self._index: dict[str, tuple] | None = None
-        self._pending: dict[str, np.ndarray] = {}
+        self._index: dict[str, tuple] = {}
+        self._index_at = _Tail()
+        self._records: list[Record] = []
+        self._records_at = _Tail()
+        self._pending: dict[str, list] = {}            # hash -> [offset, dtype, shape] in the open pack
+        self._pack = None                                # the open pack (a temporary file until flushed)
+        self._pack_tmp, self._pack_off = None, 0
+        self.generation = 0             # counts the files found replaced: what a reader cached of them is void
+        self._maps: dict[str, mmap.mmap] = {}           # pack -> its bytes, mapped (packs are written once)
+        self._maps_generation = 0
 
     @property
     def index(self) -> dict[str, tuple]:
-        if self._index is None:
+        """hash -> (pack, offset, dtype, shape).  Read once and then incrementally: a checker reads the
+        store while the device side appends to it, so each access parses only the lines appended since
+        (one stat when nothing was), and a file replaced or shortened is read afresh."""
+        fresh, lines = self._index_at.read(self.index_path, json.loads)
+        if fresh:
             self._index = {}
-            if self.index_path.exists():
-                raw, good = self.index_path.read_bytes(), 0
-                for line in raw.split(b"\n"):
-                    try:
-                        e = json.loads(line)
-                    except json.JSONDecodeError:
-                        break
-                    good += len(line) + 1
-                    if (self.root / "packs" / e["pack"]).exists():
-                        self._index.update({h: (e["pack"], *loc) for h, loc in e["blobs"].items()})
-                if good < len(raw):
-                    # a line torn by a killed writer goes, so the next append starts a line of its own
-                    with open(self.index_path, "r+b") as fh:
-                        fh.truncate(good)
+            self.generation += 1
+        for e in lines:
+            if (self.root / "packs" / e["pack"]).exists():
+                self._index.update({h: (e["pack"], *loc) for h, loc in e["blobs"].items()})
         return self._index
 
     def put(self, a) -> str:
         """Store an array's bytes as they are now; returns their hash.  Always hashed from content: an
         array can change in place between two puts, and a memo by object identity would then answer
-        with a stale hash (pools are stored as row deltas, so a memo would save ~0.1% of a run)."""
+        with a stale hash (pools are stored as row deltas, so a memo would save ~0.1% of a run).  A new
+        blob's bytes go to the open pack at once, so what happens to `a` afterwards does not matter and
+        nothing is copied."""
         a = np.asarray(a)
         h = content_hash(a)
-        if h not in self.index and h not in self._pending:
-            self._pending[h] = a.copy()          # the blob is these bytes, whatever happens to `a` before the pack
+        if h not in self._pending and h not in self.index:
+            if self._pack is None:
+                fd, tmp = tempfile.mkstemp(prefix="pending.", suffix=".tmp", dir=self.root / "packs")
+                self._pack, self._pack_tmp, self._pack_off = open(fd, "wb"), tmp, 0
+            a = np.ascontiguousarray(a)
+            if a.size:
+                self._pack.write(a.view(np.uint8).reshape(-1).data)
+            self._pending[h] = [self._pack_off, a.dtype.name, list(a.shape)]
+            self._pack_off += a.nbytes
         return h
 
     def flush_pack(self, name: str) -> None:
-        """Write the pending blobs as one raw pack, then index them (a killed writer leaves at most
-        an unindexed pack)."""
+        """The pending blobs' pack, complete, under its name; then their index line (a killed writer
+        leaves at most an unindexed pack)."""
         if not self._pending:
             return
         pack = f"{name}.bin"
-        tmp = self.root / "packs" / f"{name}.tmp{os.getpid()}"
-        entries, off = {}, 0
-        with open(tmp, "wb") as fh:
-            for h, v in self._pending.items():
-                v = np.ascontiguousarray(v)
-                fh.write(v.view(np.uint8).reshape(-1).data if v.size else b"")
-                entries[h] = [off, v.dtype.name, list(v.shape)]
-                off += v.nbytes
-        os.replace(tmp, self.root / "packs" / pack)
-        with open(self.index_path, "a") as fh:
-            fh.write(json.dumps({"pack": pack, "blobs": entries}) + "\n")
+        self._pack.close()
+        os.replace(self._pack_tmp, self.root / "packs" / pack)
+        self._pack = None
+        self._maps.pop(pack, None)
+        entries, self._pending = self._pending, {}
+        index = self.index
+        # a line torn by a killed writer goes first, so this one starts a line of its own (only the
+        # writer cuts: a reader stops before a line still being written)
+        self._index_at.cut_torn(self.index_path)
+        line = (json.dumps({"pack": pack, "blobs": entries}) + "\n").encode()
+        with open(self.index_path, "ab") as fh:
+            fh.write(line)
             fh.flush()
-        self.index.update({h: (pack, *e) for h, e in entries.items()})
-        self._pending = {}
+        index.update({h: (pack, *e) for h, e in entries.items()})
+        self._index_at.wrote(self.index_path, len(line))
 
     def get(self, h: str) -> np.ndarray:
         if h in self._pending:
-            return self._pending[h]
+            off, dtype, shape = self._pending[h]
+            self._pack.flush()
+            return np.fromfile(self._pack_tmp, dtype=_dtype(dtype), count=int(np.prod(shape, dtype=np.int64)),
+                               offset=off).reshape(shape)
         loc = self.index.get(h)
         if loc is None:
             raise AbiError("blob", h, f"a hash indexed in {self.index_path}", where="record store")
         pack, off, dtype, shape = loc
-        dt = np.dtype(getattr(ml_dtypes, dtype)) if hasattr(ml_dtypes, dtype) else np.dtype(dtype)
+        dt = _dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64))
-        return np.fromfile(self.root / "packs" / pack, dtype=dt, count=n, offset=off).reshape(shape)
+        if not n:
+            return np.zeros(shape, dt)
+        if self._maps_generation != self.generation:
+            self._maps, self._maps_generation = {}, self.generation
+        m = self._maps.pop(pack, None)
+        if m is None:
+            with open(self.root / "packs" / pack, "rb") as fh:
+                m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            if len(self._maps) >= MAPPED_PACKS:
+                # each map holds a file descriptor: the least recently read goes (its arrays keep it alive)
+                del self._maps[next(iter(self._maps))]
+        self._maps[pack] = m                         # most recently read last
+        # a read-only view of the pack: only the pages a check touches are read
+        return np.frombuffer(m, dtype=dt, count=n, offset=off).reshape(shape)
 
     def put_delta(self, before: np.ndarray, after: np.ndarray) -> dict:
         """The rows of a pool (viewed as [rows, last axis]) that differ bit-wise, and their new values."""
@@ -183,15 +218,12 @@ class RecordStore:
         """Complete manifest lines in order (a torn last line from a killed writer is ignored); the
         records of a run directory of another format are refused (`hw.run_format`)."""
         check_run_dir(self.root.parent)
-        if not self.manifest.exists():
-            return []
-        out = []
-        for line in self.manifest.read_text().splitlines():
-            try:
-                out.append(Record(**json.loads(line)))
-            except (json.JSONDecodeError, TypeError):
-                break
-        return out
+        fresh, recs = self._records_at.read(self.manifest, lambda line: Record(**json.loads(line)))
+        if fresh:
+            self._records = []
+            self.generation += 1
+        self._records += recs
+        return list(self._records)
 
     def truncate(self, n: int) -> None:
         """Keep the first n manifest lines (resume drops records its report never confirmed)."""
@@ -199,6 +231,66 @@ class RecordStore:
         tmp = self.manifest.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r.to_dict(), sort_keys=True, default=_json_default) + "\n" for r in recs))
         os.replace(tmp, self.manifest)
+
+
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+class _Tail:
+    """How far this process has read an append-only JSON-lines file: the file's identity and the
+    byte offset after the last line it took.  The files are only appended to, replaced (os.replace)
+    or cut back by their one writer, which each read detects."""
+
+    def __init__(self):
+        self.key, self.at = None, 0
+
+    def read(self, path: Path, parse) -> tuple[bool, list]:
+        """(fresh, values): `parse` of each complete line appended since the last read, stopping before
+        the first line it refuses (a line still being written, or torn by a killed writer: read again
+        next time); fresh: the file was replaced, shortened or removed, so earlier values are void."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            fresh, self.key, self.at = self.key is not None, None, 0
+            return fresh, []
+        key = (st.st_dev, st.st_ino)
+        if key == self.key and st.st_size == self.at:
+            return False, []                        # nothing appended: one stat
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            key = (st.st_dev, st.st_ino)
+            fresh = self.key is not None and (key != self.key or st.st_size < self.at)
+            if not fresh and self.at:
+                fh.seek(self.at - 1)
+                fresh = fh.read(1) != b"\n"        # not the file read before (its last line ended there)
+            if fresh:
+                self.at = 0
+            self.key = key
+            if st.st_size == self.at:
+                return fresh, []
+            fh.seek(self.at)
+            raw = fh.read()
+        out = []
+        for line in raw.split(b"\n")[:-1]:        # the part after the last newline is not a line yet
+            try:
+                out.append(parse(line))
+            except (ValueError, TypeError, KeyError):
+                break
+            self.at += len(line) + 1
+        return fresh, out
+
+    def cut_torn(self, path: Path) -> None:
+        """The writer, before it appends: drop what follows the last line read (a torn line)."""
+        if self.key is not None and os.stat(path).st_size > self.at:
+            with open(path, "r+b") as fh:
+                fh.truncate(self.at)
+
+    def wrote(self, path: Path, n: int) -> None:
+        """The writer appended `n` bytes of lines it holds already (so the next read skips them)."""
+        st = os.stat(path)
+        if self.key in (None, (st.st_dev, st.st_ino)) and st.st_size == self.at + n:
+            self.key, self.at = (st.st_dev, st.st_ino), self.at + n
 
 
 def changed_rows(before: np.ndarray, after: np.ndarray) -> np.ndarray:

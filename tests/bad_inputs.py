@@ -89,6 +89,11 @@ FILES = {
     "run-keys/report.jsonl": REPORT,
     "run-keys/records/config.json": '{"preset": "tiny"}',
     "run-report/report.jsonl": REPORT + "garbage\n" + REPORT,
+    "run-fault/report.jsonl": REPORT,
+    "run-fault/records/config.json": json.dumps({**{k: None for k in (
+        "preset", "backend", "device", "mode", "seed", "golden_mode", "k", "slots", "total_kv_pages", "chunk",
+        "max_model_len", "max_num_seqs", "max_num_batched_tokens", "ep", "carry", "requests", "coverage",
+        "coverage_seed")}, "fault": {"kind": "kv_row", "at": 2, "layer": 0, "seed": 2}}),
     # recorded by the NumPy reference step: a finished run (its run.json) and a killed one (its records)
     "run-ref/report.jsonl": REPORT,
     "run-ref/run.json": '{"config": {"golden": "golden:numpy", "preset": "tiny"}}',
@@ -392,6 +397,9 @@ def _rows():
         "--run-dir", "{d}/run-config/records/config.json:2", "not JSON")
     add("lockstep --run-dir wrong shape", ["lockstep", "--replay", "--run-dir", "{d}/run-keys"], "--run-dir",
         ["{d}/run-keys/records/config.json", "keys=['preset']"], "exactly ['backend', 'carry'")
+    add("lockstep --run-dir fault without persistence", ["lockstep", "--replay", "--run-dir", "{d}/run-fault"],
+        "--run-dir", ["{d}/run-fault/records/config.json", "fault={'kind': 'kv_row'"],
+        "null or an object with exactly the keys ['kind', 'at', 'layer', 'seed', 'persistent']")
     add("lockstep --run-dir corrupt report", LS + ["--run-dir", "{d}/run-report"], "--run-dir",
         ["{d}/run-report/report.jsonl:2", "line='garbage'"], "a report entry written by lockstep")
     add("lockstep --run-dir of the reference step", LS + ["--run-dir", "{d}/run-ref"], "--run-dir",

@@ -19,6 +19,10 @@ One `hw.records.Record` per dispatch, content-addressed in `<run>/records/` (`Re
 requests among them): a resume or a replay re-drives the same scheduler with the recorded device
 outputs, so the dispatches come out the same and are checked against the recorded input hashes.  A
 pool neither side wrote keeps its identity from one record to the next (copy-on-write), as live.
+
+A record is taken in two halves: `RealRecorder.capture` (what the dispatch left, at once) and
+`write` (hashing and storing it), which an asynchronous run does on a thread of its own
+(`RecordThread`), so the device side does not wait for SHA-256 and the disk.
 """
 from __future__ import annotations
 
@@ -44,20 +48,30 @@ SEQ_KEYS = ("anchor", "current", "draft_anchor", "released", "lease", "generatio
 BUILD_KEYS = ("preset", "backend", "device", "mode", "seed", "golden_mode", "k", "slots", "total_kv_pages", "chunk",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens", "ep", "carry", "requests", "fault",
               "coverage", "coverage_seed")
+# its injected fault (`hw.real.faults.RealFault`): a persistent one fires again on every dispatch from AT
+FAULT_KEYS = ("kind", "at", "layer", "seed", "persistent")
 
 
-def seqs_state(store: RecordStore, seqs) -> list[dict]:
+def capture_seqs(seqs) -> list[dict]:
+    """Each request's bookkeeping as it is now (the scheduler changes it with the next dispatch)."""
     out = []
     for s in seqs:
         d = {k: getattr(s, k) for k in SEQ_KEYS}
         d["id"] = s.req.request_id
         d["generated"] = [int(t) for t in s.generated]
         pos = sorted(s.tail)
-        d["tail"] = [store.put(np.asarray(pos, np.int64)),
-                     store.put(np.stack([np.asarray(s.tail[p]) for p in pos]) if pos else np.zeros((0, 0)))]
-        d["confidence_logit"] = None if s.confidence_logit is None else store.put(np.asarray(s.confidence_logit))
+        d["tail"] = [np.asarray(pos, np.int64),
+                     np.stack([np.asarray(s.tail[p]) for p in pos]) if pos else np.zeros((0, 0))]
+        d["confidence_logit"] = None if s.confidence_logit is None else np.array(s.confidence_logit)
         out.append(d)
     return out
+
+
+def put_seqs(store: RecordStore, captured: list[dict]) -> list[dict]:
+    """The captured bookkeeping as a record holds it: arrays as hashes."""
+    return [{**d, "tail": [store.put(d["tail"][0]), store.put(d["tail"][1])],
+             "confidence_logit": None if d["confidence_logit"] is None else store.put(d["confidence_logit"])}
+            for d in captured]
 
 
 def install_seqs(store: RecordStore, seqs, states: list[dict]) -> None:
@@ -75,12 +89,22 @@ def install_seqs(store: RecordStore, seqs, states: list[dict]) -> None:
 
 def _put_outputs(store, step, *, all_taps: bool) -> dict:
     out = {name: store.put(v) for name, v in step.outputs.items()}
+    # one array is often two taps (a layer's output is the next layer's input): hashed once, as
+    # nothing runs between these puts that could change it
+    seen: dict[int, tuple] = {}
+
+    def put(a):
+        hit = seen.get(id(a))
+        if hit is None:
+            hit = seen[id(a)] = (a, store.put(a))          # holding `a` keeps its id from being reused
+        return hit[1]
+
     for (layer, stage), v in step.taps.items():
         if all_taps or stage in DECISION_STAGES or (layer, stage) == ("head", "logits"):
             if isinstance(v, (tuple, list)):
-                out.update({f"tap:{layer}/{stage}#{i}": store.put(x) for i, x in enumerate(v)})
+                out.update({f"tap:{layer}/{stage}#{i}": put(x) for i, x in enumerate(v)})
             else:
-                out[f"tap:{layer}/{stage}"] = store.put(v)
+                out[f"tap:{layer}/{stage}"] = put(v)
     out.update({f"sampled:{i}": store.put(v) for i, v in enumerate(step.sampled)})
     out.update({f"route:{i}": store.put(v) for i, v in enumerate(step.draft_routes)})
     out.update({name: store.put(v) for name, v in step.site.items()})
@@ -158,25 +182,108 @@ class RealRecorder:
         return out
 
     def record(self, lockstep, rd, entry: dict) -> None:
-        s, step = self.store, lockstep.last_step
+        self.write(self.capture(lockstep, rd, entry))
+
+    def capture(self, lockstep, rd, entry: dict) -> dict:
+        """What dispatch `rd`'s record holds, taken now so that `write` may run later (`RecordThread`):
+        the arguments and per-request bookkeeping copied (the scheduler reuses and changes them), the
+        device's step and both sides' pools by reference (a step's arrays are its own, and pools are
+        replaced, never changed in place, as the deltas' identity test already relies on)."""
+        dev_seqs = capture_seqs(lockstep.dev.run.seqs)
+        return {"index": rd.index, "program": rd.dispatch.program, "meta": dict(rd.dispatch.meta),
+                "kind": rd.kind, "rows": list(rd.rows), "items": _items_json(rd.items), "dev_seqs": dev_seqs,
+                # an asynchronous run records the device's side as the golden's (hw.real.pool): stated once
+                "gold_seqs": None if lockstep.gold is lockstep.dev else capture_seqs(lockstep.gold.run.seqs),
+                "inputs": {k: np.array(v) for k, v in rd.dispatch.args.items()}, "step": lockstep.last_step,
+                # a sampled run's site checks read any layer's taps (hw.real.site_check)
+                "all_taps": entry["verdict"] == "fail" or "sites" in entry,
+                "dev": side_state(lockstep.dev), "gold": side_state(lockstep.gold)}
+
+    def write(self, c: dict) -> None:
+        """Hash, store and append the captured record."""
+        s = self.store
         self._deltas.clear()
-        dev_seqs = seqs_state(s, lockstep.dev.run.seqs)
-        # an asynchronous run records the device's side as the golden's (hw.real.pool): stated once
-        gold_seqs = dev_seqs if lockstep.gold is lockstep.dev else seqs_state(s, lockstep.gold.run.seqs)
-        real = {"kind": rd.kind, "rows": list(rd.rows), "items": _items_json(rd.items),
-                "dev_seqs": dev_seqs, "gold_seqs": gold_seqs}
-        rec = Record(index=rd.index, program=rd.dispatch.program, meta={**rd.dispatch.meta, "real": real},
-                     inputs=s.put_all(dict(rd.dispatch.args)),
-                     # a sampled run's site checks read any layer's taps (hw.real.site_check)
-                     outputs=_put_outputs(s, step, all_taps=entry["verdict"] == "fail" or "sites" in entry),
-                     state_delta=self._delta("dev", side_state(lockstep.dev)),
-                     golden_state_delta=self._delta("gold", side_state(lockstep.gold)),
+        dev_seqs = put_seqs(s, c["dev_seqs"])
+        real = {"kind": c["kind"], "rows": c["rows"], "items": c["items"], "dev_seqs": dev_seqs,
+                "gold_seqs": dev_seqs if c["gold_seqs"] is None else put_seqs(s, c["gold_seqs"])}
+        rec = Record(index=c["index"], program=c["program"], meta={**c["meta"], "real": real},
+                     inputs=s.put_all(c["inputs"]), outputs=_put_outputs(s, c["step"], all_taps=c["all_taps"]),
+                     state_delta=self._delta("dev", c["dev"]), golden_state_delta=self._delta("gold", c["gold"]),
                      weights=self.build_fingerprint())
         s.append(rec)
 
     def build_fingerprint(self) -> str:
         b = self.build
         return f"synthetic:{b['preset']}:seed{b['seed']}:k{b['k']}"
+
+
+class RecordThread:
+    """A recorder's writes on a thread of their own, in dispatch order: the device side captures each
+    record (`RealRecorder.capture`) and goes on while this thread hashes and writes it (SHA-256 and
+    file writes release the GIL, so they run on another core).  At most `depth` captured records
+    wait; a device side that gets further ahead waits (`waited_s`).  `written`: the records on disk;
+    a failed write is raised on the device side's next call."""
+
+    def __init__(self, recorder: RealRecorder, depth: int):
+        import queue
+        import threading
+
+        self.recorder, self.written, self.error = recorder, 0, None
+        self.waited_s = 0.0             # the device side blocked on a full queue
+        self.busy_s = 0.0               # this thread's time writing
+        self.q = queue.Queue(maxsize=depth)
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self._loop, name="record-writer", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        import time
+
+        while (c := self.q.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                self.recorder.write(c)
+            except BaseException as e:          # noqa: BLE001 - raised again on the device side
+                with self.cv:
+                    self.error = e
+                    self.cv.notify_all()
+                return
+            self.busy_s += time.perf_counter() - t0
+            with self.cv:
+                self.written += 1
+                self.cv.notify_all()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put(self, capture: dict) -> None:
+        import time
+
+        import queue
+
+        self._raise()
+        t0 = time.perf_counter()
+        while True:
+            try:
+                self.q.put(capture, timeout=0.5)
+                break
+            except queue.Full:
+                self._raise()               # the thread stopped on an error: the queue drains no more
+        self.waited_s += time.perf_counter() - t0
+
+    def wait(self, n: int) -> None:
+        """Until `n` records are on disk."""
+        with self.cv:
+            self.cv.wait_for(lambda: self.written >= n or self.error is not None)
+        self._raise()
+
+    def close(self) -> None:
+        """The queued records written, the thread ended; a failed write raised."""
+        if self.thread.is_alive() and self.error is None:
+            self.q.put(None)
+        self.thread.join()
+        self._raise()
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -189,6 +296,10 @@ def read_config(run_dir) -> dict:
     d = read_json(path, "--run-dir", what)
     if set(d) != set(BUILD_KEYS):
         raise AbiError("keys", sorted(d), f"exactly {sorted(BUILD_KEYS)}: {what}", where=f"--run-dir {path}")
+    f = d["fault"]
+    if f is not None and (not isinstance(f, dict) or set(f) != set(FAULT_KEYS)):
+        raise AbiError("fault", f, f"null or an object with exactly the keys {list(FAULT_KEYS)}: {what}",
+                       where=f"--run-dir {path}")
     return d
 
 

@@ -433,7 +433,7 @@ def view_from_step(program: str, step, before: list, after: list, state, draft=(
 
 
 _GOLDEN: dict = {}
-_STATES: dict = {}
+_READER: dict = {}
 
 
 def recorded_golden(run_dir, policy=None) -> tuple[SiteGolden, dict]:
@@ -459,38 +459,49 @@ def recorded_golden(run_dir, policy=None) -> tuple[SiteGolden, dict]:
     return _GOLDEN[key]
 
 
-def _state_before(store, recs, run_dir, index: int) -> dict:
-    """The device's state before record `index`: the initial state with the deltas applied.  A worker
-    checks a run's dispatches in increasing order, so the last state reached is advanced from (one
-    delta per record overall, not one per record per check)."""
-    from .records import apply_deltas
+def _reader(run_dir) -> dict:
+    """This process's reader of one run's records (one run held per process): its store, whose index
+    and manifest are read incrementally as the device side appends, and the last state reached."""
+    from ..records import RecordStore
 
     key = str(Path(run_dir).resolve())
-    at, state = _STATES.get(key, (None, None))
-    if at is None or at > index:
+    if key not in _READER:
+        _READER.clear()
+        _READER[key] = {"store": RecordStore(Path(run_dir) / "records"), "at": None, "state": None, "generation": 0}
+    return _READER[key]
+
+
+def _state_before(reader: dict, recs, index: int) -> dict:
+    """The device's state before record `index`: the initial state with the deltas applied.  A worker
+    checks a run's dispatches in increasing order, so the last state reached is advanced from (one
+    delta per record overall, not one per record per check); records found rewritten start over."""
+    from .records import apply_deltas
+
+    store = reader["store"]
+    at, state = reader["at"], reader["state"]
+    if at is None or at > index or reader["generation"] != store.generation:
         at, state = 0, {k: store.get(h) for k, h in store.initial_hashes().items()}
     for rec in recs[at:index]:
         state = apply_deltas(store, state, rec.state_delta)
-    _STATES.clear()                     # one run's state held per process
-    _STATES[key] = (index, state)
+    reader.update(at=index, state=state, generation=store.generation)
     return state
 
 
 def recorded_view(run_dir: str, index: int, policy=None) -> tuple[SiteGolden, dict, DispatchView]:
     """The golden, the record (program, kind, rows, nth: the program's dispatches before it) and the
     view of recorded dispatch `index` of the run in `run_dir`, from its records alone."""
-    from ..records import RecordStore
     from .records import apply_deltas, outputs_step
 
     sg, _ = recorded_golden(run_dir, policy)
-    store = RecordStore(Path(run_dir) / "records")
+    reader = _reader(run_dir)
+    store = reader["store"]
     recs = store.records()
     if not 0 <= int(index) < len(recs):
         from twin.abi.errors import AbiError
 
         raise AbiError("index", index, f"a recorded dispatch 0..{len(recs) - 1}", where=f"site check {run_dir}")
     rec = recs[index]
-    state = _state_before(store, recs, run_dir, int(index))
+    state = _state_before(reader, recs, int(index))
     after = apply_deltas(store, state, rec.state_delta)
     step = outputs_step({k: store.get(h) for k, h in rec.outputs.items()})
     n = sg.cfg.num_hidden_layers

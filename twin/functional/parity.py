@@ -133,15 +133,21 @@ class ParityRun:
         if c.plan is not None and every != 1:
             raise AbiError("every", every, f"1 with coverage {c.plan.n} (the plan chooses each dispatch's sites)",
                            where="lockstep")
+        from hw.real.records import RecordThread
+
         w = LocalWorkers(workers) if isinstance(workers, int) else workers
+        writer = RecordThread(c.recorder, backlog)
         pool = CheckPool(check, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
-                         check_policy=c.policy, write=lambda e: c.report.append(e))
+                         check_policy=c.policy, write=lambda e: c.report.append(e), writer=writer)
         c.pool, c.steps, c.progress = pool, steps, progress
         try:
             self.serving = serving_counts(self._serve(), self.executor)
             pool.drain()
         finally:
-            pool.close()
+            try:
+                writer.close()
+            finally:
+                pool.close()
         c.entries = pool.entries
         c.config["checking"] = pool.stats()
         return c.finish(self.serving)
@@ -252,7 +258,7 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                   "carry": carry, "requests": request_rows(requests), "coverage": coverage,
                   "coverage_seed": coverage_seed,
                   "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer,
-                                                      "seed": fault.seed}}
+                                                      "seed": fault.seed, "persistent": fault.persistent}}
     checker = build_checker(LoweringContext(dep, admitted), backend=backend, device=device, mode=mode, seed=seed,
                             golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
                             record=record, build=build_args, steps=steps,
@@ -284,7 +290,7 @@ def rebuild(build_args: dict, **kw) -> ParityRun:
     f = b.pop("fault")
     if f is not None and "fault" not in kw:
         from hw.real.faults import RealFault
-        kw["fault"] = RealFault(f["kind"], at=f["at"], layer=f["layer"], seed=f["seed"])
+        kw["fault"] = RealFault(**f)
     return build_lockstep(**{**b, **kw})
 
 
