@@ -93,15 +93,18 @@ def decode_groups(items, partitions: int, k: int) -> tuple[tuple[tuple[DecodeIte
 
 
 def plan(cmd, dep) -> StepPlan:
-    """Split a `StepCommand` the way the worker and runner do."""
+    """Split a `StepCommand` the way the worker and runner do (the scheduler's command carries its
+    packed-prefill split, made once with the leases; a command without one is split here)."""
     error = cmd.error
     pre = cmd.prefill.items
-    dispatches: list[PrefillBatch] = []
-    if pre:
-        try:
-            dispatches = split_prefill(pre, dep.prefill_batch, dep.prefill_requests_per_partition)
-        except ValueError as e:
-            error = error or str(e)
+    dispatches = getattr(cmd, "dispatches", None)
+    if dispatches is None:
+        dispatches = []
+        if pre:
+            try:
+                dispatches = split_prefill(pre, dep.prefill_batch, dep.prefill_requests_per_partition)
+            except ValueError as e:
+                error = error or str(e)
     waves = dispatch_waves(dispatches) if dep.k else []
     groups, derr = decode_groups(cmd.decode.items, dep.partitions, dep.k)
     return StepPlan(cmd.step_id, tuple(dispatches), tuple(waves), cmd.decode if cmd.decode.items else None,
