@@ -156,7 +156,9 @@ class Scheduler:
         self._step = 0
         self._pass = 0
         self._noise = (noise_token,) * cfg.k
-        self._prompt_tokens: dict[str, tuple[int, ...]] = {}   # prompts being prefilled, as ints
+        # the prompts of admitted, unfinished requests as ints (a preempted one prefills again; a
+        # scheduler that replaces a prompt array at preemption gets the new one converted)
+        self._prompt_tokens: dict[str, tuple] = {}
         self.max_hit_offset = max(1, cfg.replay_tokens)
         self._progress_step = 0             # the last step whose result kept a token or finished a request
         self._thrash: list[tuple[str, str, int]] = []   # (victim, by, partition) since then
@@ -378,11 +380,10 @@ class Scheduler:
             s.pin = pin = kv.pin(rid)
             blocks = dict(zip(names, pin.tables))
             if s.prefill:
-                toks = prompts.get(rid)
-                if toks is None:                 # the prompt as ints, once per prefill (not per chunk)
-                    toks = prompts[rid] = tuple(req.prompt.tolist())
-                if s.samples:
-                    del prompts[rid]
+                got = prompts.get(rid)
+                if got is None or got[0] is not req.prompt:   # the prompt as ints, once per prompt array
+                    got = prompts[rid] = (req.prompt, tuple(req.prompt.tolist()))
+                toks = got[1]
                 pre.append(PrefillItem(rid, toks[s.start:s.start + s.num_new], s.start, req.prompt_len, blocks,
                                        req.partition, req.lease, req.generation))
             else:
@@ -557,6 +558,7 @@ class Scheduler:
     def _retire(self, req: Request) -> None:
         """Free a finished request's pages and queue its id for the worker."""
         self.kv.release(req.request_id)
+        self._prompt_tokens.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
