@@ -460,10 +460,11 @@ class Scheduler:
         if log is not None:
             log.begin_apply(cmd.step_id)
         publish, unpin = self.kv.publish, self.kv.unpin
+        finished = Status.FINISHED
         for s in cmd.scheduled:
             req = s.req
             rid = req.request_id
-            if req.finished or req.incarnation != s.incarnation:
+            if req.status is finished or req.incarnation != s.incarnation:
                 if log is not None:
                     log.discarded(req)
                 req.discarded_tokens += len(tokens.get(rid, ()))
@@ -493,7 +494,7 @@ class Scheduler:
                         done = True
                         break
             touched.append((req, retained))
-            if req.finished:
+            if req.status is finished:
                 continue
             req.num_placeholders -= 1 + s.spec
             req.num_computed += (retained - 1) - s.spec
