@@ -218,6 +218,7 @@ class CostModel:
         self._decode_static: dict[tuple, dict] = {}     # decode_arrays: the parts set by the batch shape
         self._prefill_static: dict[tuple, tuple] = {}   # prefill_arrays: the same, by (rows per rank, requests)
         self._prefill_row: dict[tuple, tuple] = {}      # one prefill row's (bytes, flops) by (tokens, start)
+        self._seed: dict[int, tuple] = {}                # seed: (uncalibrated seconds, parts) by rows
         self.moe_bucket = 64                             # token rows per routing draw
         self._row_time: np.ndarray | None = None
         d = self.device
@@ -322,10 +323,12 @@ class CostModel:
     def prefill(self, groups: list[list[tuple[int, int]]]) -> tuple[float, dict]:
         """One packed prefill dispatch: per group, (chunk tokens, start position) per request
         (`prefill_arrays` over the flattened rows)."""
-        tokens = np.array([n for grp in groups for n, _ in grp], dtype=np.int64)
-        start = np.array([st for grp in groups for _, st in grp])      # int or float positions, as given
-        group = np.array([g for g, grp in enumerate(groups) for _ in grp], dtype=np.int64)
-        return self.prefill_arrays(tokens, start, group)
+        tokens = [n for grp in groups for n, _ in grp]
+        start = [st for grp in groups for _, st in grp]                 # int or float positions, as given
+        group = [g for g, grp in enumerate(groups) for _ in grp]
+        if len(tokens) <= self.PREFILL_ROWS_IN_PYTHON:
+            return self._prefill_from_rows(tokens, start, group)
+        return self.prefill_arrays(np.array(tokens, dtype=np.int64), np.array(start), np.array(group, dtype=np.int64))
 
     def decode(self, contexts: list[list[float]], owners: list[list[int]]) -> tuple[float, dict]:
         """One decode step: per group, each request's context and owner rank (lease % 4 at K=7)
@@ -389,15 +392,20 @@ class CostModel:
 
     def prefill_arrays(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> tuple[float, dict]:
         """One packed prefill dispatch given as arrays (chunk tokens, start, TP group)."""
-        w = self.w["l3_prefill_fwd"]
         n_req = len(tokens)
         if n_req <= self.PREFILL_ROWS_IN_PYTHON:
-            per_group, attn = self._prefill_rows(tokens.tolist(), start.tolist(), group.tolist())
-            P = int(max(per_group)) if n_req else 0
-        else:
-            per_group = np.bincount(group, weights=tokens, minlength=self.G)
-            P = int(per_group.max()) if n_req else 0
-            attn = self._prefill_attention(tokens, start, group)
+            return self._prefill_from_rows(tokens.tolist(), start.tolist(), group.tolist())
+        per_group = np.bincount(group, weights=tokens, minlength=self.G)
+        return self._prefill_total(int(per_group.max()), n_req, self._prefill_attention(tokens, start, group))
+
+    def _prefill_from_rows(self, tokens: list, start: list, group: list) -> tuple[float, dict]:
+        per_group, attn = self._prefill_rows(tokens, start, group)
+        return self._prefill_total(int(max(per_group)) if tokens else 0, len(tokens), attn)
+
+    def _prefill_total(self, P: int, n_req: int, attn: float) -> tuple[float, dict]:
+        """The dispatch's time from its busiest group's tokens `P`, its request count and its
+        attention time."""
+        w = self.w["l3_prefill_fwd"]
         P = -(-P // self.tp) * self.tp
         L = P // self.tp
         # dense, MoE and comm depend only on the shape (MoE routing is drawn on a bucket's first
@@ -414,7 +422,7 @@ class CostModel:
     # a packed prefill of a few requests is priced faster in Python (per-row values memoised by
     # (tokens, start)) than by ~15 numpy calls; both paths give the same bits (bincount adds its
     # weights in input order, as the loop does)
-    PREFILL_ROWS_IN_PYTHON = 32
+    PREFILL_ROWS_IN_PYTHON = 128
 
     def _prefill_attention(self, tokens: np.ndarray, start: np.ndarray, group: np.ndarray) -> float:
         if not len(tokens):
@@ -446,13 +454,15 @@ class CostModel:
         return per, max(max(x / self.bw, y / self.tp / self.f16) for x, y in zip(b, f))
 
     def seed(self, rows: int) -> tuple[float, dict]:
-        """One bootstrap drafter wave (a seed row per group, its tail context of `rows` rows)."""
-        w = self.w["seed"]
-        dense = self._dense(w, rows, self.tp)
-        moe = self.moe_time(self.R * rows, "draft", "seed")
-        comm = self._comm(rows, self.m.dspark_num_layers)
-        parts = {"dense": dense, "moe": moe, "comm": comm, "overhead": self.device.dispatch_overhead}
-        return self.cal.seed * sum(parts.values()), parts
+        """One bootstrap drafter wave (a seed row per group, its tail context of `rows` rows): set
+        by `rows` alone, so priced once per value (MoE routing drawn at its first use, as before)."""
+        got = self._seed.get(rows)
+        if got is None:
+            w = self.w["seed"]
+            parts = {"dense": self._dense(w, rows, self.tp), "moe": self.moe_time(self.R * rows, "draft", "seed"),
+                     "comm": self._comm(rows, self.m.dspark_num_layers), "overhead": self.device.dispatch_overhead}
+            got = self._seed[rows] = (sum(parts.values()), parts)
+        return self.cal.seed * got[0], dict(got[1])
 
     def with_calibration(self, cal: Calibration) -> "CostModel":
         out = CostModel.__new__(CostModel)

@@ -147,7 +147,9 @@ class CostModelExecutor:
             res.dispatches.append(t)
             for it in batch.items:
                 if it.terminal:
-                    st = self.state.setdefault(it.request_id, _ReqState(it.prompt_len))
+                    st = self.state.get(it.request_id)
+                    if st is None:
+                        st = self.state[it.request_id] = _ReqState(it.prompt_len)
                     st.committed = it.prompt_len
                     res.tokens[it.request_id] = self._tokens(st, 1)
         for wave in plan.seed_waves:
@@ -158,30 +160,36 @@ class CostModelExecutor:
 
     def _decode(self, plan: StepPlan, res: StepResult) -> None:
         k = self.dep.k
+        state = self.state
         ctxs, order = [], []
         for items in plan.decode_groups:
             c = []
             for it in items:
-                st = self.state.get(it.request_id) or self.state.setdefault(it.request_id, _ReqState(0))
+                st = state.get(it.request_id)
+                if st is None:
+                    st = state[it.request_id] = _ReqState(0)
                 c.append(st.committed + 1)
                 order.append((it, st))
             ctxs.append(c)
         timing = decode_timing(self.cost, plan.decode_groups, ctxs, k)
         n = len(order)
         if k:
-            fits = np.fromiter(((len(it.pending_drafts) > 0 and st.committed + C.DECODE_SEQ <= self.max_pos)
-                                for it, st in order), dtype=bool, count=n)
+            ceiling = self.max_pos - C.DECODE_SEQ
+            fits = np.fromiter(((len(it.pending_drafts) > 0 and st.committed <= ceiling) for it, st in order),
+                               dtype=bool, count=n)
             counts = self.acceptance.counts(n, fits, self.rng)
         else:
             fits = np.zeros(n, dtype=bool)
             counts = np.ones(n, dtype=np.int64)
-        pool = self.rng.integers(2, self.vocab, int(counts.sum())).tolist()
+        cl = counts.tolist()
+        pool = self.rng.integers(2, self.vocab, sum(cl)).tolist()
         at = 0
-        for (it, st), cnt, f in zip(order, counts.tolist(), fits.tolist()):
+        tokens, accepted, drafts = res.tokens, res.accepted, res.drafts
+        for (it, st), cnt, f in zip(order, cl, fits.tolist()):
             rid = it.request_id
-            res.tokens[rid] = self._tokens(st, cnt, pool[at:at + cnt])
+            tokens[rid] = self._tokens(st, cnt, pool[at:at + cnt])
             at += cnt
-            res.accepted[rid] = cnt
-            res.drafts[rid] = k if f else 0
+            accepted[rid] = cnt
+            drafts[rid] = k if f else 0
             st.committed += cnt
         res.dispatches.append(timing)

@@ -77,6 +77,26 @@ class SchedulerConfig:
             raise ConfigError("livelock_steps", self.livelock_steps, "None (derived) or >= 1 steps")
 
 
+def _neg_arrival(r: Request) -> float:
+    return -r.arrival
+
+
+def _first_other(order: list[Request], req: Request) -> Request | None:
+    """The first running request of `order` other than `req`; requests no longer running (preempted
+    or finished in this pass) are dropped from `order` for good."""
+    running = Status.RUNNING
+    i = 0
+    while i < len(order):
+        r = order[i]
+        if r.status is not running:
+            del order[i]
+        elif r is req:
+            i += 1
+        else:
+            return r
+    return None
+
+
 class Scheduled:
     """One request in a step command (`ScheduledRequest` plus what advance/update need)."""
 
@@ -100,6 +120,7 @@ class StepCommand:
     new_requests: tuple[Request, ...]
     finished_ids: tuple[str, ...]
     error: str | None = None         # a worker-side failure this command will raise (lease exhaustion)
+    dispatches: list[PrefillBatch] | None = None   # the packed-prefill split (None: the worker splits)
 
     @property
     def decode_only(self) -> bool:
@@ -135,6 +156,9 @@ class Scheduler:
         self._step = 0
         self._pass = 0
         self._noise = (noise_token,) * cfg.k
+        # the prompts of admitted, unfinished requests as ints (a preempted one prefills again; a
+        # scheduler that replaces a prompt array at preemption gets the new one converted)
+        self._prompt_tokens: dict[str, tuple] = {}
         self.max_hit_offset = max(1, cfg.replay_tokens)
         self._progress_step = 0             # the last step whose result kept a token or finished a request
         self._thrash: list[tuple[str, str, int]] = []   # (victim, by, partition) since then
@@ -199,35 +223,40 @@ class Scheduler:
         finished_ids, self._finished_ids = self._finished_ids, []     # preemptions below queue here
 
         # phase 1: running requests, over the list as it stood (a victim later in it is skipped)
+        victims = None                   # the pass's victim order, built at its first preemption
+        ensure = self.kv.ensure
+        running, k = Status.RUNNING, cfg.k
         for req in list(self.running):
-            if req.terminal_prefill_in_flight or req.status is not Status.RUNNING:
+            if req.terminal_prefill_in_flight or req.status is not running:
                 continue
             computed = req.num_computed
-            prefill = computed < req.prompt_len
-            num_new = min(req.prompt_len + len(req.outputs) + req.num_placeholders - computed, budget,
-                          max_seq - computed)
+            plen = req.prompt_len
+            prefill = computed < plen
+            num_new = min(plen + len(req.outputs) + req.num_placeholders - computed, budget, max_seq - computed)
             if prefill and num_new > chunk:
                 num_new = chunk
             if num_new <= 0:
                 continue
-            spec = 0 if prefill else max(0, min(cfg.k, max_seq - computed - num_new))
+            spec = 0 if prefill else max(0, min(k, max_seq - computed - num_new))
             cost = num_new + spec
             if cost > budget:
                 continue
+            rid = req.request_id
             try:
-                self.kv.ensure(req.request_id, computed + cost)
+                ensure(rid, computed + cost)
             except KVCacheCapacityError:
-                victim = self._victim(req)
+                if victims is None:
+                    victims = self._victim_order()
+                victim = self._victim(req, victims)
                 if victim is None:
                     continue
                 budget += self._preempt(victim, req, out)
                 try:
-                    self.kv.ensure(req.request_id, computed + cost)
+                    ensure(rid, computed + cost)
                 except KVCacheCapacityError:
                     continue
-            out[req.request_id] = Scheduled(req, num_new, spec, req.num_computed, prefill,
-                                            (not prefill) or req.num_computed + num_new >= req.prompt_len,
-                                            req.incarnation)
+            out[rid] = Scheduled(req, num_new, spec, computed, prefill, (not prefill) or computed + num_new >= plen,
+                                 req.incarnation)
             budget -= cost
 
         # phase 2: waiting requests, FIFO, head-of-line blocking; a request preempted in this pass
@@ -288,20 +317,23 @@ class Scheduler:
             finished_ids = []
         return self._command(out, tuple(new_reqs), tuple(finished_ids))
 
-    def _victim(self, req: Request) -> Request | None:
+    def _victim_order(self) -> tuple[list[Request], dict]:
+        """The running requests by latest arrival first, the first in running order first among
+        equal arrivals (a stable sort), overall and per partition: phase 1 preempts many times per
+        pass over one running list that only loses requests, so the order is sorted once."""
+        order = sorted(self.running, key=_neg_arrival)
+        by_part: dict = {}
+        for r in order:
+            by_part.setdefault(r.partition, []).append(r)
+        return order, by_part
+
+    def _victim(self, req: Request, order: tuple[list[Request], dict] | None = None) -> Request | None:
         """Latest arrival among the other running requests, same partition first; `max` keeps the
-        first in running order on equal arrival times, as upstream's does."""
-        best = same = None
-        part = req.partition
-        running = Status.RUNNING
-        for r in self.running:                  # strict `>`: the first of equal arrivals stays
-            if r is req or r.status is not running:
-                continue
-            if best is None or r.arrival > best.arrival:
-                best = r
-            if r.partition == part and (same is None or r.arrival > same.arrival):
-                same = r
-        return same or best
+        first in running order on equal arrival times, as upstream's does.  `order`: this pass's
+        `_victim_order` (requests that stopped running since are dropped from it here)."""
+        every, by_part = order if order is not None else self._victim_order()
+        same = by_part.get(req.partition)
+        return (_first_other(same, req) if same else None) or _first_other(every, req)
 
     def _preempt(self, victim: Request, by: Request, out: dict) -> int:
         """Free the victim's pages (an in-flight step keeps its pins), reset it to computed 0 and
@@ -338,73 +370,85 @@ class Scheduler:
     def _command(self, out: dict[str, Scheduled], new_reqs, finished_ids) -> StepCommand:
         self._step += 1
         k = self.cfg.k
+        kv = self.kv
+        names = kv.names
+        prompts = self._prompt_tokens
         pre, dec = [], []
         for s in out.values():
             req = s.req
-            s.pin = self.kv.pin(req.request_id)
-            blocks = dict(zip(self.kv.names, s.pin.tables))
+            rid = req.request_id
+            s.pin = pin = kv.pin(rid)
+            blocks = dict(zip(names, pin.tables))
             if s.prefill:
-                pre.append(PrefillItem(req.request_id, tuple(req.prompt[s.start:s.start + s.num_new].tolist()),
-                                       s.start, req.prompt_len, blocks, req.partition))
+                got = prompts.get(rid)
+                if got is None or got[0] is not req.prompt:   # the prompt as ints, once per prompt array
+                    got = prompts[rid] = (req.prompt, tuple(req.prompt.tolist()))
+                toks = got[1]
+                pre.append(PrefillItem(rid, toks[s.start:s.start + s.num_new], s.start, req.prompt_len, blocks,
+                                       req.partition, req.lease, req.generation))
             else:
                 # pending drafts whenever K > 0: the runner falls back on its own committed count
                 # (`committed_count + 7 < max_position`), which the scheduler's async anchor overstates
                 last = PLACEHOLDER_TOKEN if req.num_placeholders else req.outputs[-1]
-                dec.append(DecodeItem(req.request_id, last, s.start + s.num_new - 1, blocks, req.partition,
+                dec.append(DecodeItem(rid, last, s.start + s.num_new - 1, blocks, req.partition,
                                       self._noise, req.lease, req.generation))
         error = None
         taken: list = []
-        dispatches = None
-        if (self.leases is not None or self.log is not None) and pre:
+        dispatches = []
+        if pre:
             try:
                 dispatches = split_prefill(pre, self.cfg.prefill_batch, self.cfg.prefill_requests_per_partition)
-            except ValueError:
-                dispatches = None                 # the step fails in the worker anyway
+            except ValueError as e:
+                error = str(e)                    # no dispatch: the worker fails the step with it
         if self.leases is not None and out:
             for rid in finished_ids:
                 self.leases.release(rid)          # the worker frees finished leases before new reservations
-            pre, error, taken = self._reserve_leases(pre, dispatches)
+            pre, dispatches, lease_error, taken = self._reserve_leases(pre, dispatches)
+            error = lease_error or error
         cmd = StepCommand(self._step, list(out.values()), PrefillBatch(tuple(pre)),
-                          DecodeBatch(tuple(dec), k), new_reqs, finished_ids, error)
+                          DecodeBatch(tuple(dec), k), new_reqs, finished_ids, error, dispatches)
         if self.log is not None:
-            waves = dispatch_waves(dispatches) if k and dispatches is not None else []
+            waves = dispatch_waves(dispatches) if k else []
             self.log.command(cmd, taken, waves)
         return cmd
 
-    def _reserve_leases(self, pre: list[PrefillItem], dispatches) -> tuple[list[PrefillItem], str | None, list]:
+    def _reserve_leases(self, pre: list[PrefillItem], dispatches):
         """A request's first prefill chunk takes a drafter lease in dispatch order (the runner's
-        tail capture runs dispatch by dispatch), not in scheduled order."""
-        order = pre if dispatches is None else [it for batch in dispatches for it in batch.items]
+        tail capture runs dispatch by dispatch), not in scheduled order.  Returns the items and
+        dispatches with the new leases, the first exhaustion error and the leases taken."""
+        order = [it for batch in dispatches for it in batch.items] if dispatches else pre
         error = None
-        leased, taken = {}, []
+        taken = []
+        leased = {}
         for it in order:
-            req = self.requests[it.request_id]
-            if req.lease is None:
+            if it.lease is None:
+                req = self.requests[it.request_id]
                 try:
                     req.lease, req.generation = self.leases.reserve(req.request_id, req.partition)
                 except LeasesExhausted as e:
                     error = error or str(e)
                     continue
                 taken.append((req.request_id, req.lease, req.generation))
-            leased[it.request_id] = (req.lease, req.generation)
-        out = []
-        for it in pre:
-            got = leased.get(it.request_id)
-            out.append(it if got is None else PrefillItem(it.request_id, it.chunk_tokens, it.num_computed,
-                                                          it.prompt_len, it.block_ids, it.partition, *got))
-        return out, error, taken
+                leased[id(it)] = PrefillItem(it.request_id, it.chunk_tokens, it.num_computed, it.prompt_len,
+                                             it.block_ids, it.partition, req.lease, req.generation)
+        if leased:
+            pre = [leased.get(id(it), it) for it in pre]
+            if dispatches:
+                dispatches = [PrefillBatch(tuple(leased.get(id(it), it) for it in b.items)) for b in dispatches]
+        return pre, dispatches, error, taken
 
     # ---- async accounting ----------------------------------------------------------------------
     def advance_after_schedule(self, cmd: StepCommand) -> None:
         k = self.cfg.k
         for s in cmd.scheduled:
             req = s.req
-            req.num_computed += s.num_new
             if s.samples:
+                req.num_computed += s.num_new + s.spec
                 req.num_placeholders += 1 + s.spec
-                req.num_computed += s.spec
                 if s.prefill and k > 0:
                     req.terminal_prefill_in_flight = True
+            else:
+                req.num_computed += s.num_new
 
     def update_from_output(self, cmd: StepCommand, tokens: dict[str, list[int]]) -> list[tuple[Request, int]]:
         """Apply one step's accepted tokens; returns (request, tokens appended) for stop checks.
@@ -415,17 +459,19 @@ class Scheduler:
         log = self.log
         if log is not None:
             log.begin_apply(cmd.step_id)
+        publish, unpin = self.kv.publish, self.kv.unpin
+        finished = Status.FINISHED
         for s in cmd.scheduled:
             req = s.req
             rid = req.request_id
-            if req.finished or req.incarnation != s.incarnation:
+            if req.status is finished or req.incarnation != s.incarnation:
                 if log is not None:
                     log.discarded(req)
                 req.discarded_tokens += len(tokens.get(rid, ()))
-                self.kv.unpin(rid, s.pin)         # a stale result: its snapshot goes now
+                unpin(rid, s.pin)                 # a stale result: its snapshot goes now
                 continue
-            self.kv.publish(rid, s.pin, s.start + s.num_new, req.hashes)
-            self.kv.unpin(rid, s.pin)
+            publish(rid, s.pin, s.start + s.num_new, req.hashes)
+            unpin(rid, s.pin)
             if not s.samples:
                 continue
             req.terminal_prefill_in_flight = False
@@ -448,7 +494,7 @@ class Scheduler:
                         done = True
                         break
             touched.append((req, retained))
-            if req.finished:
+            if req.status is finished:
                 continue
             req.num_placeholders -= 1 + s.spec
             req.num_computed += (retained - 1) - s.spec
@@ -513,6 +559,7 @@ class Scheduler:
     def _retire(self, req: Request) -> None:
         """Free a finished request's pages and queue its id for the worker."""
         self.kv.release(req.request_id)
+        self._prompt_tokens.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

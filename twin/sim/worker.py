@@ -44,24 +44,23 @@ def split_prefill(items, max_batch: int, per_partition: int,
                   tokens_per_partition: int = C.PREFILL_TOKENS_PER_GROUP) -> list[PrefillBatch]:
     """`_partitioned_prefill_chunks`: greedy first-fit in order; a request that does not fit the
     current dispatch is deferred to the next dispatch of the same step."""
-    pending = list(items)
-    for it in pending:
-        if it.num_tokens > tokens_per_partition:
-            raise ValueError(prefill_chunk_error(it.request_id, it.num_tokens, tokens_per_partition))
+    pending = [(it, len(it.chunk_tokens)) for it in items]
+    for it, n in pending:
+        if n > tokens_per_partition:
+            raise ValueError(prefill_chunk_error(it.request_id, n, tokens_per_partition))
     out = []
     while pending:
         cur, deferred = [], []
         reqs: dict[int, int] = {}
         toks: dict[int, int] = {}
-        for it in pending:
+        for it, n in pending:
             p = it.partition
-            if (len(cur) < max_batch and reqs.get(p, 0) < per_partition
-                    and toks.get(p, 0) + it.num_tokens <= tokens_per_partition):
+            if len(cur) < max_batch and reqs.get(p, 0) < per_partition and toks.get(p, 0) + n <= tokens_per_partition:
                 cur.append(it)
                 reqs[p] = reqs.get(p, 0) + 1
-                toks[p] = toks.get(p, 0) + it.num_tokens
+                toks[p] = toks.get(p, 0) + n
             else:
-                deferred.append(it)
+                deferred.append((it, n))
         out.append(PrefillBatch(tuple(cur)))
         pending = deferred
     return out
@@ -93,15 +92,18 @@ def decode_groups(items, partitions: int, k: int) -> tuple[tuple[tuple[DecodeIte
 
 
 def plan(cmd, dep) -> StepPlan:
-    """Split a `StepCommand` the way the worker and runner do."""
+    """Split a `StepCommand` the way the worker and runner do (the scheduler's command carries its
+    packed-prefill split, made once with the leases; a command without one is split here)."""
     error = cmd.error
     pre = cmd.prefill.items
-    dispatches: list[PrefillBatch] = []
-    if pre:
-        try:
-            dispatches = split_prefill(pre, dep.prefill_batch, dep.prefill_requests_per_partition)
-        except ValueError as e:
-            error = error or str(e)
+    dispatches = getattr(cmd, "dispatches", None)
+    if dispatches is None:
+        dispatches = []
+        if pre:
+            try:
+                dispatches = split_prefill(pre, dep.prefill_batch, dep.prefill_requests_per_partition)
+            except ValueError as e:
+                error = error or str(e)
     waves = dispatch_waves(dispatches) if dep.k else []
     groups, derr = decode_groups(cmd.decode.items, dep.partitions, dep.k)
     return StepPlan(cmd.step_id, tuple(dispatches), tuple(waves), cmd.decode if cmd.decode.items else None,
