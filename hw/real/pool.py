@@ -69,9 +69,19 @@ def lowest_priority() -> str:
         return "nice 19"
 
 
+def checker_process() -> None:
+    """A local checker process's settings: the lowest CPU priority, and glibc's freed heap kept for
+    reuse as the CLI's own process does (`golden.heap`: golden's temporaries otherwise arrive as
+    fresh pages, a spawned process inheriting nothing of its parent's)."""
+    from golden.heap import retain_heap
+
+    lowest_priority()
+    retain_heap()
+
+
 class LocalWorkers:
     """n checker processes on this machine, each one thread at the lowest CPU priority
-    (`lowest_priority`): a check never takes a core from the device side, whose own threads the
+    (`checker_process`): a check never takes a core from the device side, whose own threads the
     entry point sets (the CLI and the benchmark: one torch and one OpenBLAS thread on cpu), so
     device and checkers never oversubscribe the cores; a checker starved of CPU shows as a full
     backlog, which the backlog policy then handles (and reports)."""
@@ -86,7 +96,7 @@ class LocalWorkers:
 
         self.n = n
         self.ex = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
-                                      initializer=lowest_priority)
+                                      initializer=checker_process)
 
     def start(self, fn, *args):
         return self.ex.submit(in_worker, fn, *args)
