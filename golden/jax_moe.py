@@ -23,8 +23,9 @@ def moe_sublayer(x_hc, layer, w, experts, input_ids, *, cfg, nm, taps=None, scra
     adopted where it differs within the score bound (jax_resync.adopt_routes; masks: adopted,
     refused, reordered rows)."""
     box, seen = [scratch], _Seen(taps)
-    top_k = top_k_desc
-    if ref is not None:
+    if ref is None:
+        top_k = top_k_desc
+    else:
         def top_k(biased, k):
             own = top_k_desc(biased, k)
             delta = route_bounds(seen.x_mixed, ref[0], w["norm_w"], w["gate_w"], cfg=cfg, nm=nm)

@@ -8,7 +8,6 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hw.real.faults import RealFault  # noqa: E402
 from twin.functional.parity import build_lockstep, check, run_case  # noqa: E402
 
 N = 4
