@@ -42,7 +42,7 @@ from twin.abi.errors import AbiError
 from .kernels.rmsnorm import rms_scale
 
 # max over l of d/dl sqrt(softplus(l)) = sigmoid(l) / (2 sqrt(softplus(l))), reached at l ~ 0.92
-# (tests/golden/test_jax_resync.py evaluates it on a fine grid)
+# (tests/golden_jax/test_jax_resync.py evaluates it on a fine grid)
 SCORE_SLOPE = 0.3191
 COSINE_MIN, REL_L2_MAX = 0.99, 0.10          # kernel-math §2, full forward: every logit row
 ROUTE_STAGES = ("ffn_x_mixed", "moe_indices")    # what the reference's taps hold to re-sync routing

@@ -27,3 +27,27 @@ def ray_cluster():
                    log_to_driver=False)
     yield ctx.address_info["address"]
     ray.shutdown()
+
+
+# golden's synthetic checkpoints, shared by the NumPy golden tests (tests/golden) and the JAX path's
+# (tests/golden_jax): built once per process, weights generated on first use
+@pytest.fixture(scope="session")
+def tiny_ckpt():
+    from golden.checkpoint import SyntheticCheckpoint
+    from twin.abi.presets import TINY
+    return SyntheticCheckpoint(TINY, seed=0)
+
+
+@pytest.fixture(scope="session")
+def small_ckpt():
+    from golden.checkpoint import SyntheticCheckpoint
+    from twin.abi.presets import SMALL
+    return SyntheticCheckpoint(SMALL, seed=0)
+
+
+@pytest.fixture(scope="session")
+def flash_ckpt():
+    """FLASH-shaped weights, generated per (layer, expert) on first use and shared by the tests."""
+    from golden.checkpoint import SyntheticCheckpoint
+    from twin.abi.presets import FLASH
+    return SyntheticCheckpoint(FLASH, seed=0, cache_layers=2, cache_experts=64)
