@@ -126,6 +126,11 @@ class RealFault:
     _pools: list = field(default_factory=list, repr=False)
     _now: bool = field(default=False, repr=False)      # fired in the dispatch armed last
 
+    def spec(self) -> dict:
+        """What configures the fault, as run.json, summary.json and records/config.json hold it."""
+        return {"kind": self.kind, "at": self.at, "layer": self.layer, "seed": self.seed,
+                "persistent": self.persistent}
+
     def __post_init__(self):
         if self.kind not in REAL_KINDS:
             raise AbiError("kind", self.kind, f"one of {REAL_KINDS}", where="hw.real fault")

@@ -557,7 +557,7 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
         dev = Side(f"torch:{device}", cfg, ck, dk, TorchNumerics(golden_mode, device=device), ctx)
         backend = SelfCheckBackend(dev, device, fault)
     config = {**(config or {}), "preset": cfg.name, "seed": seed, "k": dep.k, "golden_mode": golden_mode,
-              "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer}}
+              "fault": None if fault is None else fault.spec()}
     plan, auto = None, None
     if coverage is not None:
         from .coverage import AUTO, CALIBRATION, CoveragePlan

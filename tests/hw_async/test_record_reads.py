@@ -75,11 +75,11 @@ def test_a_rebuilt_run_keeps_a_persistent_fault_persistent(tmp_path):
     user's) fails on the same dispatches as the live run, not only where the fault first fired."""
     pytest.importorskip("torch")
     from hw.real.faults import RealFault
-    from hw.real.records import read_config
+    from hw.real.records import FAULT_KEYS, read_config
     from twin.functional.parity import build_lockstep, rebuild
 
     def verdicts(run):
-        run.run(6)
+        run.run(6)                      # writes the summary and run.json too
         return [e["verdict"] for e in run.entries]
 
     live = build_lockstep(max_new=8, mode="continuous", run_dir=tmp_path,
@@ -87,7 +87,10 @@ def test_a_rebuilt_run_keeps_a_persistent_fault_persistent(tmp_path):
     got = verdicts(live)
     assert got.count("fail") >= 2 and got[:3] == ["pass"] * 3       # first fires at 3 (a prefill), again at 5
     b = read_config(tmp_path)
-    assert b["fault"] == {"kind": "weight", "at": 1, "layer": 0, "seed": 1, "persistent": True}
+    spec = {"kind": "weight", "at": 1, "layer": 0, "seed": 1, "persistent": True}
+    assert b["fault"] == spec and set(spec) == set(FAULT_KEYS)
+    for name in ("summary.json", "run.json"):
+        assert json.loads((tmp_path / name).read_text())["config"]["fault"] == spec, name   # persistence too
     again = rebuild(b, record=False, run_dir=None)
     assert again.checker.fault.persistent and verdicts(again) == got
 

@@ -257,8 +257,7 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                   "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "ep": ep,
                   "carry": carry, "requests": request_rows(requests), "coverage": coverage,
                   "coverage_seed": coverage_seed,
-                  "fault": None if fault is None else {"kind": fault.kind, "at": fault.at, "layer": fault.layer,
-                                                      "seed": fault.seed, "persistent": fault.persistent}}
+                  "fault": None if fault is None else fault.spec()}
     checker = build_checker(LoweringContext(dep, admitted), backend=backend, device=device, mode=mode, seed=seed,
                             golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
                             record=record, build=build_args, steps=steps,
