@@ -18,7 +18,10 @@ All runs serve the same seeded workload through the simulator's scheduler (`twin
 
 The asynchronous device side captures each record and a thread of its own hashes and writes it
 (`hw.real.records.RecordThread`): `record_s` is the device side's time capturing (and waiting on a
-full record queue, `record_waited_s`), `record_thread_s` the writer thread's.  Its checkers are one
+full record queue, `record_waited_s`), `record_thread_s` the writer thread's (`record_thread_cpu_s`
+its CPU).  `device_thread_cpu_s` is the device thread's CPU over the run (device-only's is its
+`cpu_s`) and `device_thread_sleeps` its voluntary context switches: each wait for the GIL, the
+record queue or the backlog is one, so a device side that shares the GIL badly shows there.  Its checkers are one
 thread each at the lowest CPU priority (`hw.real.pool.lowest_priority`); the device side is one torch
 and one OpenBLAS thread (`threads`).  `load_average` is the machine's (1, 5, 15 minutes) at the start
 and the end: other processes' load falls on the asynchronous run's second core first.
@@ -76,16 +79,25 @@ def lockstep(preset: str, n: int, seed: int, coverage: int | None = None) -> tup
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _thread_usage() -> tuple[float, int | None]:
+    """This thread's CPU seconds and, where the OS counts them, its voluntary context switches (each
+    wait for the GIL, a full record queue or a full backlog is one)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return time.thread_time(), None if who is None else resource.getrusage(who).ru_nvcsw
+
+
 def checked_async(preset: str, n: int, seed: int, *, every: int, workers: int, backlog: int,
                   policy: str, coverage: int | None = None) -> tuple[tuple[float, float], dict, dict]:
     tmp = tempfile.mkdtemp(prefix="lockstep-bench-")
     try:
         run = _build(preset, n, seed, run_dir=tmp, coverage=coverage)
         k0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        d0 = _thread_usage()
         t0, c0 = time.perf_counter(), time.process_time()
         s = run.run_async(n, workers=workers, backlog=backlog, policy=policy, every=every)
         wall = time.perf_counter() - t0
         cpu = time.process_time() - c0
+        d1 = _thread_usage()
         # the checker processes' CPU (start-up included), counted once the pool has shut them down
         k1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         pool = run.checker.pool
@@ -95,7 +107,10 @@ def checked_async(preset: str, n: int, seed: int, *, every: int, workers: int, b
                                 "drain_s": round(pool.drain_s, 4),
                                 "record_s": round(pool.record_s, 4),
                                 "record_waited_s": round(pool.writer.waited_s, 4),
-                                "record_thread_s": round(pool.writer.busy_s, 4)}
+                                "record_thread_s": round(pool.writer.busy_s, 4),
+                                "record_thread_cpu_s": round(pool.writer.cpu_s, 4),
+                                "device_thread_cpu_s": round(d1[0] - d0[0], 4),
+                                "device_thread_sleeps": None if d0[1] is None else d1[1] - d0[1]}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
