@@ -18,7 +18,12 @@ All runs serve the same seeded workload through the simulator's scheduler (`twin
 
 The asynchronous device side captures each record and a thread of its own hashes and writes it
 (`hw.real.records.RecordThread`): `record_s` is the device side's time capturing (and waiting on a
-full record queue, `record_waited_s`), `record_thread_s` the writer thread's.  Its checkers are one
+full record queue, `record_waited_s`), `record_thread_s` the writer thread's (`record_thread_cpu_s`
+its CPU).  The device thread's wall time splits into `device_thread_cpu_s` (its CPU; device-only's
+is its `cpu_s`), `device_thread_preempted_s` (runnable, waiting for a core other jobs held) and
+`device_thread_blocked_s` (asleep: on the backlog, the record queue, the drain, or the GIL and any
+other lock, `device_thread_gil_s`, the rest once the first three are taken out), so a device side
+slowed by the GIL shows apart from one slowed by a loaded machine.  Its checkers are one
 thread each at the lowest CPU priority (`hw.real.pool.lowest_priority`); the device side is one torch
 and one OpenBLAS thread (`threads`).  `load_average` is the machine's (1, 5, 15 minutes) at the start
 and the end: other processes' load falls on the asynchronous run's second core first.
@@ -76,26 +81,57 @@ def lockstep(preset: str, n: int, seed: int, coverage: int | None = None) -> tup
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _thread_usage() -> tuple[float, float | None]:
+    """This thread's CPU seconds and, where the kernel keeps scheduler statistics, its seconds spent
+    runnable but waiting for a core (`/proc/thread-self/schedstat`)."""
+    try:
+        with open("/proc/thread-self/schedstat") as fh:
+            queued = int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        queued = None
+    return time.thread_time(), queued
+
+
+def _blocked(wall: float, d0, d1) -> dict:
+    """The device thread's wall time that was neither its CPU nor a wait for a core: asleep, on the
+    backlog (`device_waited_s`), the record queue (`record_waited_s`), the drain (`drain_s`) or the
+    GIL (the rest)."""
+    if d0[1] is None or d1[1] is None:
+        return {"device_thread_preempted_s": None, "device_thread_blocked_s": None}
+    queued = d1[1] - d0[1]
+    return {"device_thread_preempted_s": round(queued, 4),
+            "device_thread_blocked_s": round(wall - (d1[0] - d0[0]) - queued, 4)}
+
+
 def checked_async(preset: str, n: int, seed: int, *, every: int, workers: int, backlog: int,
                   policy: str, coverage: int | None = None) -> tuple[tuple[float, float], dict, dict]:
     tmp = tempfile.mkdtemp(prefix="lockstep-bench-")
     try:
         run = _build(preset, n, seed, run_dir=tmp, coverage=coverage)
         k0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        d0 = _thread_usage()
         t0, c0 = time.perf_counter(), time.process_time()
         s = run.run_async(n, workers=workers, backlog=backlog, policy=policy, every=every)
         wall = time.perf_counter() - t0
         cpu = time.process_time() - c0
+        d1 = _thread_usage()
         # the checker processes' CPU (start-up included), counted once the pool has shut them down
         k1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         pool = run.checker.pool
-        return (wall, cpu), s, {"checker_cpu_s": round(k1.ru_utime + k1.ru_stime - k0.ru_utime - k0.ru_stime, 4),
-                                "device_side_s": round(wall - pool.drain_s, 4),
-                                "device_waited_s": round(pool.waited_s, 4),
-                                "drain_s": round(pool.drain_s, 4),
-                                "record_s": round(pool.record_s, 4),
-                                "record_waited_s": round(pool.writer.waited_s, 4),
-                                "record_thread_s": round(pool.writer.busy_s, 4)}
+        timing = {"checker_cpu_s": round(k1.ru_utime + k1.ru_stime - k0.ru_utime - k0.ru_stime, 4),
+                  "device_side_s": round(wall - pool.drain_s, 4),
+                  "device_waited_s": round(pool.waited_s, 4),
+                  "drain_s": round(pool.drain_s, 4),
+                  "record_s": round(pool.record_s, 4),
+                  "record_waited_s": round(pool.writer.waited_s, 4),
+                  "record_thread_s": round(pool.writer.busy_s, 4),
+                  "record_thread_cpu_s": round(pool.writer.cpu_s, 4),
+                  "device_thread_cpu_s": round(d1[0] - d0[0], 4),
+                  **_blocked(wall, d0, d1)}
+        if timing["device_thread_blocked_s"] is not None:
+            timing["device_thread_gil_s"] = round(timing["device_thread_blocked_s"] - timing["device_waited_s"]
+                                                  - timing["record_waited_s"] - timing["drain_s"], 4)
+        return (wall, cpu), s, timing
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -2,8 +2,9 @@
 
 Layout of a record store:
 
-    packs/00000012.bin        the raw bytes of the blobs first stored by dispatch 12, one array per
-                              content hash (dtype, shape and bytes hashed); a blob is stored once
+    packs/00000012.<digest>.bin  the raw bytes of the blobs first stored by dispatch 12, one array per
+                              content hash (dtype, shape and bytes hashed); a blob is stored once;
+                              the digest names the pack's contents, so a name never changes its bytes
     index.jsonl               hash -> (pack, byte offset, dtype, shape)
     initial.json              the pools before the first dispatch (hashes)
     manifest.jsonl            one line per dispatch: index, program, meta, name -> hash maps for its
@@ -20,6 +21,7 @@ not change, repeated tables) are stored once.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -103,26 +105,34 @@ class RecordStore:
         array can change in place between two puts, and a memo by object identity would then answer
         with a stale hash (pools are stored as row deltas, so a memo would save ~0.1% of a run).  A new
         blob's bytes go to the open pack at once, so what happens to `a` afterwards does not matter and
-        nothing is copied."""
+        nothing is copied.  The writer reads the index file once per pack (the first new blob's put):
+        it is the store's one writer, so what it appended since is in its own index already."""
         a = np.asarray(a)
         h = content_hash(a)
-        if h not in self._pending and h not in self.index:
-            if self._pack is None:
-                fd, tmp = tempfile.mkstemp(prefix="pending.", suffix=".tmp", dir=self.root / "packs")
-                self._pack, self._pack_tmp, self._pack_off = open(fd, "wb"), tmp, 0
-            a = np.ascontiguousarray(a)
-            if a.size:
-                self._pack.write(a.view(np.uint8).reshape(-1).data)
-            self._pending[h] = [self._pack_off, a.dtype.name, list(a.shape)]
-            self._pack_off += a.nbytes
+        if h in self._pending or h in self._index:
+            return h
+        if self._pack is None:
+            if h in self.index:
+                return h
+            fd, tmp = tempfile.mkstemp(prefix="pending.", suffix=".tmp", dir=self.root / "packs")
+            self._pack, self._pack_tmp, self._pack_off = open(fd, "wb"), tmp, 0
+        a = np.ascontiguousarray(a)
+        if a.size:
+            self._pack.write(a.view(np.uint8).reshape(-1).data)
+        self._pending[h] = [self._pack_off, _dtype_name(a.dtype), list(a.shape)]
+        self._pack_off += a.nbytes
         return h
 
     def flush_pack(self, name: str) -> None:
-        """The pending blobs' pack, complete, under its name; then their index line (a killed writer
-        leaves at most an unindexed pack)."""
+        """The pending blobs' pack, complete, as `<name>.<digest>.bin`, then their index line (a killed
+        writer leaves at most an unindexed pack).  The digest is of the pack's index entries (each blob's
+        hash, offset, dtype and shape), so a pack name always means the same bytes: a dispatch redone
+        on resume with other new blobs writes another pack, and the index lines of the first still
+        point at theirs."""
         if not self._pending:
             return
-        pack = f"{name}.bin"
+        digest = hashlib.sha256(json.dumps(self._pending, sort_keys=True).encode()).hexdigest()[:16]
+        pack = f"{name}.{digest}.bin"
         self._pack.close()
         os.replace(self._pack_tmp, self.root / "packs" / pack)
         self._pack = None
@@ -294,10 +304,21 @@ class _Tail:
 
 
 def changed_rows(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """The rows (the last axis a row) whose bytes differ.  Compared a machine word at a time where a
+    row's bytes divide into words: a row differs in a byte exactly when it differs in the word that
+    holds it, and the compare's temporary is a word's fraction of the pool."""
     b = np.ascontiguousarray(before).reshape(-1, before.shape[-1])
     a = np.ascontiguousarray(after).reshape(-1, after.shape[-1])
-    return np.flatnonzero((a.view(np.uint8).reshape(a.shape[0], -1) != b.view(np.uint8).reshape(b.shape[0], -1))
-                          .any(-1)).astype(np.int64)
+    width = a.shape[1] * a.itemsize
+    word = next(w for w in (8, 4, 2, 1) if width % w == 0)
+    av = a.view(np.uint8).reshape(a.shape[0], -1).view(f"u{word}")
+    bv = b.view(np.uint8).reshape(b.shape[0], -1).view(f"u{word}")
+    return np.flatnonzero((av != bv).any(-1)).astype(np.int64)
+
+
+@functools.cache
+def _dtype_name(dt: np.dtype) -> str:
+    return dt.name
 
 
 def _json_default(o):

@@ -230,7 +230,8 @@ class RecordThread:
 
         self.recorder, self.written, self.error = recorder, 0, None
         self.waited_s = 0.0             # the device side blocked on a full queue
-        self.busy_s = 0.0               # this thread's time writing
+        self.busy_s = 0.0               # this thread's time writing (wall)
+        self.cpu_s = 0.0                # ... and its CPU time in it (the rest: waits for the GIL or a core)
         self.q = queue.Queue(maxsize=depth)
         self.cv = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="record-writer", daemon=True)
@@ -240,7 +241,7 @@ class RecordThread:
         import time
 
         while (c := self.q.get()) is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 self.recorder.write(c)
             except BaseException as e:          # noqa: BLE001 - raised again on the device side
@@ -249,6 +250,7 @@ class RecordThread:
                     self.cv.notify_all()
                 return
             self.busy_s += time.perf_counter() - t0
+            self.cpu_s += time.thread_time() - c0
             with self.cv:
                 self.written += 1
                 self.cv.notify_all()

@@ -45,6 +45,12 @@ def test_the_sampled_async_benchmark_checks_every_dispatchs_planned_sites():
     assert a["submitted"] == 8 and a["checked"] + a["skipped"] == 8 and a["backlog_high_water"] <= 2
     assert sum(c["checked"] for c in a["sites"].values()) > 0
     assert 0 <= a["record_s"] <= a["device_side_s"] <= d["wall_s"]["lockstep"] and a["checker_cpu_s"] > 0
+    # the writer's CPU is within its wall time; the device thread's CPU within the process's
+    assert 0 < a["record_thread_cpu_s"] <= a["record_thread_s"] + 0.01
+    assert 0 < a["device_thread_cpu_s"] <= d["cpu_s"]["lockstep"] + 0.01
+    if a["device_thread_preempted_s"] is not None:
+        # the device thread's sleeps hold at least its measured waits (their own few CPU instants aside)
+        assert a["device_thread_preempted_s"] >= 0 and a["device_thread_gil_s"] >= -0.25
 
 
 def test_the_benchmark_refuses_check_every_with_coverage():
