@@ -27,6 +27,7 @@ import json
 import mmap
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -330,4 +331,6 @@ def _json_default(o):
         return o.tolist()
     if isinstance(o, tuple):
         return list(o)
+    if isinstance(o, Mapping):          # a step item's block tables (a view, not a dict)
+        return dict(o)
     raise TypeError(type(o).__name__)

@@ -35,10 +35,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or with `command` only that one's flags (the others are
+    listed, their modules not imported: each imports what its own run needs)."""
     p = Parser(prog="dspark-twin", description="Digital twin of DeepSeek-V4-Flash DSpark serving")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in COMMANDS.items():
+        if command is not None and name != command:
+            sub.add_parser(name, help=help_)
+            continue
         try:
             mod = importlib.import_module(f"twin.commands.{name}")
         except ModuleNotFoundError as e:
@@ -53,14 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def chosen(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (its first word, the parser's only positional), if it is one."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(chosen(argv)).parse_args(argv)
     except KeyboardInterrupt:
         print("dspark-twin: interrupted (Ctrl-C) before the command started", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:          # building the parser failed: a bug
-        return internal("dspark-twin", e, "--debug" in (sys.argv[1:] if argv is None else argv))
+        return internal("dspark-twin", e, "--debug" in argv)
     return run(args)
 
 

@@ -82,6 +82,40 @@ def test_moe_is_the_slowest_ep_rank():
     assert m.moe_time(64, "target") < full
 
 
+def _moe_layer_by_layer(m: CostModel, tokens: int, key: str, program: str | None, rng) -> float:
+    """The MoE rule read literally: layer after layer, one routing draw per drawn layer."""
+    w = m.w[program or m.decode_program]
+    n_layers, E = w["moe_layers"][key], DEP.model.n_routed_experts
+    pairs = -(-tokens // m.moe_bucket) * m.moe_bucket * DEP.model.num_experts_per_tok
+    total = 0.0
+    for layer in range(n_layers):
+        if m.routing.policy == "balanced" and layer >= DEP.model.num_hash_layers:
+            per = np.full(E, pairs / E)
+        else:
+            per = rng.multinomial(pairs, m._probs(layer)).astype(float)
+        by_rank = per.reshape(m.R, -1)
+        t = np.maximum((by_rank > 0).sum(axis=1) * w["expert_bytes"][key] / m.bw,
+                       by_rank.sum(axis=1) * m.expert_flops / m.f8)
+        total += float(t.max())
+    return total
+
+
+@pytest.mark.parametrize("policy", ["random", "balanced", "skewed"])
+def test_moe_draws_every_layer_at_once_as_layer_by_layer(policy):
+    # one multinomial call over the layers is the per-layer stream: same bits, same draws left;
+    # a repeated bucket draws nothing
+    m = cm(routing=Routing(policy), seed=5)
+    rng = np.random.default_rng(5)
+    first: dict = {}
+    for tokens, key, program in ((64, "target", None), (700, "target", "l3_prefill_fwd"), (3000, "draft", "seed"),
+                                 (900, "draft", None), (40, "target", None), (5000, "target", None)):
+        bucket = (key, -(-tokens // m.moe_bucket), program)
+        if bucket not in first:
+            first[bucket] = _moe_layer_by_layer(m, tokens, key, program, rng)
+        assert m.moe_time(tokens, key, program) == first[bucket], (tokens, key, program)
+    assert len(first) == 5 and m._rng.random() == rng.random()
+
+
 def test_trace_routing_and_calibration_from_a_profile(tmp_path):
     E = DEP.model.n_routed_experts
     hot = [[1000.0 if e < 16 else 1.0 for e in range(E)]] * 43        # all load on rank 0's experts

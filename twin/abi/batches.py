@@ -12,8 +12,9 @@ types let the simulator, golden and hw share them without importing each other (
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,33 @@ PLACEHOLDER_TOKEN = -1      # async decode: last token not yet known at schedule
 BlockIds = Mapping[str, tuple[int, ...]]   # family name -> local block ids in table-slot order
 
 
-@dataclass(frozen=True)
+class BlockTables(Mapping):
+    """A `BlockIds` over one snapshot's tables as the page manager holds them (one tuple per
+    family, in `index` order): a read-only view, so a step's items share the tables uncopied."""
+
+    __slots__ = ("_index", "_tables")
+
+    def __init__(self, index: dict[str, int], tables: tuple[tuple[int, ...], ...]):
+        self._index, self._tables = index, tables
+
+    def __getitem__(self, family: str) -> tuple[int, ...]:
+        return self._tables[self._index[family]]
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+# The items are frozen; their __init__ writes the fields through the instance dict in one call
+# (a scheduler builds one per running request per step, and a frozen dataclass's generated
+# __init__ pays one object.__setattr__ per field).  The field list is the dataclass's, checked
+# against these signatures by tests/abi/test_batches.py.
+@dataclass(frozen=True, init=False)
 class PrefillItem:
     """One request's chunk in a packed prefill (`PrefillRequest`)."""
 
@@ -35,6 +62,12 @@ class PrefillItem:
     lease: int | None = None          # K=7: the drafter lease reserved at the first chunk
     generation: int | None = None
 
+    def __init__(self, request_id: str, chunk_tokens: tuple[int, ...], num_computed: int, prompt_len: int,
+                 block_ids: BlockIds, partition: int, lease: int | None = None, generation: int | None = None):
+        self.__dict__.update(request_id=request_id, chunk_tokens=chunk_tokens, num_computed=num_computed,
+                             prompt_len=prompt_len, block_ids=block_ids, partition=partition, lease=lease,
+                             generation=generation)
+
     @property
     def num_tokens(self) -> int:
         return len(self.chunk_tokens)
@@ -45,8 +78,8 @@ class PrefillItem:
 
     @property
     def terminal(self) -> bool:
-        """Only the chunk that completes the prompt samples a token."""
-        return self.end >= self.prompt_len
+        """Only the chunk that completes the prompt (`end` reaches it) samples a token."""
+        return self.num_computed + len(self.chunk_tokens) >= self.prompt_len
 
 
 @dataclass(frozen=True)
@@ -60,7 +93,7 @@ class PrefillBatch:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class DecodeItem:
     """One request's verify window (`DecodeRequest` plus the drafter state the runner keeps)."""
 
@@ -72,6 +105,11 @@ class DecodeItem:
     pending_drafts: tuple[int, ...] = ()   # 7 drafts when speculative, () otherwise
     lease: int | None = None
     generation: int | None = None
+
+    def __init__(self, request_id: str, last_token: int, anchor: int, block_ids: BlockIds, partition: int,
+                 pending_drafts: tuple[int, ...] = (), lease: int | None = None, generation: int | None = None):
+        self.__dict__.update(request_id=request_id, last_token=last_token, anchor=anchor, block_ids=block_ids,
+                             partition=partition, pending_drafts=pending_drafts, lease=lease, generation=generation)
 
     @property
     def speculative_width(self) -> int:

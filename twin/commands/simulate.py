@@ -240,12 +240,12 @@ def run(args) -> int:
     out = out_dir(args.out, "--out")
     con = Console(stderr=True)
     if args.json or not con.is_terminal:      # a progress bar is for a person watching a terminal
-        res = simulate(cfg)
+        res = simulate(cfg, slots=slots)
     else:
         with Progress(TextColumn("[bold]simulating[/bold]"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
                       TextColumn("t={task.fields[t]:.1f}s simulated"), console=con, transient=True) as prog:
             task = prog.add_task("sim", total=len(reqs), t=0.0)
-            res = simulate(cfg, lambda t, done, total: prog.update(task, completed=done, t=t))
+            res = simulate(cfg, lambda t, done, total: prog.update(task, completed=done, t=t), slots=slots)
     s = res.summary                            # what the run was given, in the summary `write` puts out
     s["workload"] = workload
     s["deployment"] = {"preset": dep.model.name, "ep": dep.topology.ep, "k": dep.k,

@@ -281,16 +281,17 @@ class CostModel:
             ebytes = w["expert_bytes"][key]
             pairs = bucket * self.m.num_experts_per_tok
             E, R = self.m.n_routed_experts, self.R
+            # balanced routing draws only the hash-routed layers; the others split the pairs evenly
+            drawn = min(n_layers, self.m.num_hash_layers) if self.routing.policy == "balanced" else n_layers
+            per = np.full((n_layers, E), pairs / E)
+            if drawn:       # one call draws layer after layer: the stream of one draw per layer
+                per[:drawn] = self._rng.multinomial(pairs, np.array([self._probs(i) for i in range(drawn)]))
+            by_rank = per.reshape(n_layers, R, E // R)
+            distinct = (by_rank > 0).sum(axis=2)
+            t = np.maximum(distinct * ebytes / self.bw, by_rank.sum(axis=2) * self.expert_flops / self.f8)
             total = 0.0
-            for layer in range(n_layers):
-                if self.routing.policy == "balanced" and layer >= self.m.num_hash_layers:
-                    per = np.full(E, pairs / E)
-                else:
-                    per = self._rng.multinomial(pairs, self._probs(layer)).astype(float)
-                by_rank = per.reshape(R, E // R)
-                distinct = (by_rank > 0).sum(axis=1)
-                t = np.maximum(distinct * ebytes / self.bw, by_rank.sum(axis=1) * self.expert_flops / self.f8)
-                total += float(t.max())
+            for slowest in t.max(axis=1).tolist():    # summed in layer order
+                total += slowest
             self._moe_cache[ck] = total
         return self._moe_cache[ck]
 

@@ -175,19 +175,22 @@ class CostModelExecutor:
         n = len(order)
         if k:
             ceiling = self.max_pos - C.DECODE_SEQ
-            fits = np.fromiter(((len(it.pending_drafts) > 0 and st.committed <= ceiling) for it, st in order),
-                               dtype=bool, count=n)
-            counts = self.acceptance.counts(n, fits, self.rng)
+            fit = [bool(it.pending_drafts) and st.committed <= ceiling for it, st in order]
+            counts = self.acceptance.counts(n, np.array(fit, dtype=bool), self.rng)
         else:
-            fits = np.zeros(n, dtype=bool)
+            fit = [False] * n
             counts = np.ones(n, dtype=np.int64)
         cl = counts.tolist()
         pool = self.rng.integers(2, self.vocab, sum(cl)).tolist()
         at = 0
         tokens, accepted, drafts = res.tokens, res.accepted, res.drafts
-        for (it, st), cnt, f in zip(order, cl, fits.tolist()):
+        for (it, st), cnt, f in zip(order, cl, fit):
             rid = it.request_id
-            tokens[rid] = self._tokens(st, cnt, pool[at:at + cnt])
+            if st.script:
+                tokens[rid] = self._tokens(st, cnt, pool[at:at + cnt])
+            else:                                 # nothing planted: the drawn tokens as they are
+                tokens[rid] = pool[at:at + cnt]
+                st.emitted += cnt
             at += cnt
             accepted[rid] = cnt
             drafts[rid] = k if f else 0

@@ -136,16 +136,15 @@ def plots(out: Path, req_df, steps, occ, acc: dict, *, capacity: dict[str, int] 
     """latency_cdf.png (TTFT, TPOT, ITL, E2EL with p50/p90/p99 and SLO markers), occupancy.png
     (live requests per group against the slots, used pages per family against its capacity),
     acceptance.png.  capacity: pages per family over all partitions; itl: gaps in seconds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure     # the object API: no pyplot, no global backend state
 
     files = []
     slo = slo or {}
     done = req_df[req_df["completed"]]
     series = {"ttft": done["ttft"].dropna().to_numpy(), "tpot": done["tpot"].dropna().to_numpy(),
               "itl": np.asarray(itl if itl is not None else [], dtype=float), "e2el": done["e2el"].dropna().to_numpy()}
-    fig, ax = plt.subplots(1, 4, figsize=(16, 3.9))
+    fig = Figure(figsize=(16, 3.9))
+    ax = fig.subplots(1, 4)
     for a, (key, x) in zip(ax, series.items()):
         x = np.sort(x * 1e3)
         if len(x):
@@ -165,15 +164,14 @@ def plots(out: Path, req_df, steps, occ, acc: dict, *, capacity: dict[str, int] 
         a.set_ylim(0, 1.02)
         a.grid(alpha=0.3)
     fig.suptitle(f"latency CDFs: {len(done)} completed of {len(req_df)} requests", fontsize=11)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.04, right=0.97, bottom=0.14, top=0.84, wspace=0.3)
     _savefig(fig, out / "latency_cdf.png")
-    plt.close(fig)
     files.append("latency_cdf.png")
 
     fams = list(capacity) if capacity else sorted(occ["family"].unique()) if len(occ) else []
     ncol = 4
     nrow = 1 + (len(fams) + ncol - 1) // ncol if fams else 1
-    fig = plt.figure(figsize=(16, 2.9 * nrow))
+    fig = Figure(figsize=(16, 2.9 * nrow))
     gs = fig.add_gridspec(nrow, ncol)
     a = fig.add_subplot(gs[0, :])
     live = [c for c in steps.columns if c.startswith("live_p")]
@@ -209,13 +207,15 @@ def plots(out: Path, req_df, steps, occ, acc: dict, *, capacity: dict[str, int] 
         a.tick_params(labelsize=7)
         a.grid(alpha=0.3)
     fig.suptitle("occupancy: live requests and KV pages per cache family against their limits", fontsize=11)
-    fig.tight_layout()
+    # fixed margins (the layout engines draw the figure once more to measure it)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.5 / (2.9 * nrow), top=1 - 0.75 / (2.9 * nrow),
+                        wspace=0.28, hspace=0.5)
     _savefig(fig, out / "occupancy.png")
-    plt.close(fig)
     files.append("occupancy.png")
 
     if acc.get("acceptance_per_position"):
-        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        fig = Figure(figsize=(6.5, 3.8))
+        ax = fig.subplots()
         pp = acc["acceptance_per_position"]
         ax.bar(range(1, len(pp) + 1), pp)
         for i, v in enumerate(pp, 1):
@@ -225,9 +225,8 @@ def plots(out: Path, req_df, steps, occ, acc: dict, *, capacity: dict[str, int] 
         ax.set_ylim(0, 1.08)
         ax.set_title(f"acceptance per position: mean accepted length {acc['mean_accepted_length']:.2f} "
                      f"over {acc['verifies']} verifies", fontsize=10)
-        fig.tight_layout()
+        fig.subplots_adjust(left=0.11, right=0.98, bottom=0.13, top=0.9)
         _savefig(fig, out / "acceptance.png")
-        plt.close(fig)
         files.append("acceptance.png")
     return files
 
@@ -237,5 +236,6 @@ def _savefig(fig, path: Path) -> None:
         fig.savefig(tmp, dpi=110)
 
 
-def write_json(path: Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+def write_json(path: Path, obj, *, indent: int | None = 2) -> None:
+    """indent None: one line, by json's C encoder (an indented dump runs in Python: for large files)."""
+    write_text(path, json.dumps(obj, indent=indent, default=lambda o: o.item() if hasattr(o, "item") else str(o)))

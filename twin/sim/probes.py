@@ -96,12 +96,10 @@ class Recorder(SchedulerProbe):
             d["chunks"] += 1
         if res.accepted:
             drafts = res.drafts
-            h = self.accept_hist
-            for rid, c in res.accepted.items():
-                if drafts.get(rid):
-                    h[c] += 1
-                else:
-                    self.fallbacks += 1
+            verified = [c for rid, c in res.accepted.items() if drafts.get(rid)]
+            self.fallbacks += len(res.accepted) - len(verified)
+            if verified:                          # one histogram update per step
+                self.accept_hist += np.bincount(verified, minlength=len(self.accept_hist))
 
     def host(self, lane: str, step: int, start: float, end: float):
         self.host_lanes.append((lane, step, start, end))

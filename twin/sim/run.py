@@ -127,7 +127,7 @@ class SimResult:
         files.append("vllm_result.json")
         if trace:
             metrics.write_json(out / "trace.json", perfetto_trace(self.recorder, self.steps, self.requests,
-                                                                  family_capacity(self.scheduler.kv)))
+                                                                  family_capacity(self.scheduler.kv)), indent=None)
             files.append("trace.json")
         if plots:
             files += metrics.plots(out, self.requests, self.steps, self.occupancy, self.summary["acceptance"],
@@ -167,11 +167,13 @@ def budget_source(cfg: SimConfig) -> str:
     return "total_kv_pages" if cfg.total_kv_pages is not None else "account"
 
 
-def build(cfg: SimConfig, env: simpy.Environment | None = None):
-    """The wired objects of a run (for tests and notebooks that drive them directly)."""
+def build(cfg: SimConfig, env: simpy.Environment | None = None, *, slots: int | None = None):
+    """The wired objects of a run (for tests and notebooks that drive them directly).  slots:
+    `startup_slots(cfg, device)` when the caller has already asked it."""
     dep = cfg.dep
     device = cfg.device or DeviceLimits.load()
-    slots = startup_slots(cfg, device)
+    if slots is None:
+        slots = startup_slots(cfg, device)
     env = env or simpy.Environment()
     kv = KvCacheManager.from_deployment(dep, slots)
     scfg = SchedulerConfig.from_deployment(dep, async_depth=cfg.async_depth, stop_check=cfg.stop_check,
@@ -191,8 +193,8 @@ def build(cfg: SimConfig, env: simpy.Environment | None = None):
 
 
 def simulate(cfg: SimConfig, progress: Callable[[float, int, int], None] | None = None,
-             progress_every: float = 1.0) -> SimResult:
-    env, eng, sched, rec, slots = build(cfg)
+             progress_every: float = 1.0, *, slots: int | None = None) -> SimResult:
+    env, eng, sched, rec, slots = build(cfg, slots=slots)
     eng.submit(cfg.requests)
     total = len(cfg.requests)
     if progress:

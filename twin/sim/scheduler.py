@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from twin.abi.batches import (PLACEHOLDER_TOKEN, DecodeBatch, DecodeItem, Finish, PrefillBatch, PrefillItem, Request,
-                              Status)
+from twin.abi.batches import (PLACEHOLDER_TOKEN, BlockTables, DecodeBatch, DecodeItem, Finish, PrefillBatch,
+                              PrefillItem, Request, Status)
 from twin.abi.errors import ConfigError
 
 from .kvcache import KVCacheCapacityError, KvCacheManager, Pin
@@ -159,6 +159,7 @@ class Scheduler:
         # the prompts of admitted, unfinished requests as ints (a preempted one prefills again; a
         # scheduler that replaces a prompt array at preemption gets the new one converted)
         self._prompt_tokens: dict[str, tuple] = {}
+        self._family_index: dict[str, int] | None = None    # family name -> its slot in a pin's tables
         self.max_hit_offset = max(1, cfg.replay_tokens)
         self._progress_step = 0             # the last step whose result kept a token or finished a request
         self._thrash: list[tuple[str, str, int]] = []   # (victim, by, partition) since then
@@ -371,14 +372,17 @@ class Scheduler:
         self._step += 1
         k = self.cfg.k
         kv = self.kv
-        names = kv.names
+        index = self._family_index
+        if index is None:
+            index = self._family_index = {name: f for f, name in enumerate(kv.names)}
         prompts = self._prompt_tokens
+        noise = self._noise
         pre, dec = [], []
         for s in out.values():
             req = s.req
             rid = req.request_id
             s.pin = pin = kv.pin(rid)
-            blocks = dict(zip(names, pin.tables))
+            blocks = BlockTables(index, pin.tables)
             if s.prefill:
                 got = prompts.get(rid)
                 if got is None or got[0] is not req.prompt:   # the prompt as ints, once per prompt array
@@ -391,7 +395,7 @@ class Scheduler:
                 # (`committed_count + 7 < max_position`), which the scheduler's async anchor overstates
                 last = PLACEHOLDER_TOKEN if req.num_placeholders else req.outputs[-1]
                 dec.append(DecodeItem(rid, last, s.start + s.num_new - 1, blocks, req.partition,
-                                      self._noise, req.lease, req.generation))
+                                      noise, req.lease, req.generation))
         error = None
         taken: list = []
         dispatches = []

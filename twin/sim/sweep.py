@@ -118,9 +118,7 @@ def row(pid: str, settings: dict, slo: dict, point_dir: Path) -> dict:
 def plots(out: Path, table: pd.DataFrame, grid: dict) -> list[str]:
     """Throughput against latency, and SLO attainment, one series per combination of the other
     grid settings (markers distinguish them)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure     # the object API: no pyplot, no global backend state
 
     keys = list(grid["grid"])
     x_key = next((k for k in keys if k in ("request-rate", "rate", "max-concurrency")), keys[0])
@@ -128,7 +126,8 @@ def plots(out: Path, table: pd.DataFrame, grid: dict) -> list[str]:
     groups = list(table.groupby(others, sort=True)) if others else [((), table)]
     markers = "osD^v<>pP*Xh"
     files = []
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig = Figure(figsize=(12, 4.2))
+    ax = fig.subplots(1, 2)
     for i, (vals, df) in enumerate(groups):
         vals = vals if isinstance(vals, tuple) else (vals,)
         label = ", ".join(f"{k}={v}" for k, v in zip(others, vals)) or "all points"
@@ -149,10 +148,10 @@ def plots(out: Path, table: pd.DataFrame, grid: dict) -> list[str]:
     fig.tight_layout()
     with atomic_path(out / "throughput_latency.png") as tmp:
         fig.savefig(tmp, dpi=110)
-    plt.close(fig)
     files.append("throughput_latency.png")
     if "slo_attainment" in table:
-        fig, a = plt.subplots(figsize=(6.5, 4.2))
+        fig = Figure(figsize=(6.5, 4.2))
+        a = fig.subplots()
         for i, (vals, df) in enumerate(groups):
             vals = vals if isinstance(vals, tuple) else (vals,)
             label = ", ".join(f"{k}={v}" for k, v in zip(others, vals)) or "all points"
@@ -167,6 +166,5 @@ def plots(out: Path, table: pd.DataFrame, grid: dict) -> list[str]:
         fig.tight_layout()
         with atomic_path(out / "slo_attainment.png") as tmp:
             fig.savefig(tmp, dpi=110)
-        plt.close(fig)
         files.append("slo_attainment.png")
     return files
