@@ -740,7 +740,15 @@ class KvCacheManager:
                 if freed:
                     self._freed(cur, p, freed)
                 cur, r, freed = f, self.ref[f][p], []
-            _unref(r, bs, self.names[f], p, freed)
+            for b in bs:
+                if b is None:
+                    continue
+                x = r[b] - 1
+                r[b] = x
+                if not x:
+                    freed.append(b)
+                elif x < 0:
+                    raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
         if freed:
             self._freed(cur, p, freed)
         st.clear()
@@ -772,10 +780,19 @@ class KvCacheManager:
                     if b is not None:
                         r[b] += 1
                 continue
+            # the slots the pin does not store yet, as runs of consecutive pages (a run's pages
+            # release in slot order, as single slots would: runs are disjoint and sorted by slot)
+            s0 = None
             for s, b in enumerate(t):
                 if b is not None and s not in h:
-                    pin.stored.append((f, s, (b,)))
                     r[b] += 1
+                    if s0 is None:
+                        s0 = s
+                elif s0 is not None:
+                    pin.stored.append((f, s0, t[s0:s]))
+                    s0 = None
+            if s0 is not None:
+                pin.stored.append((f, s0, t[s0:]))
         return moved
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
