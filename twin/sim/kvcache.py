@@ -485,14 +485,29 @@ class KvCacheManager:
         return p
 
     def _choose_partition(self, o: _Owned, tokens: int, work: list[int]) -> int:
+        """`_fits` in each partition, round-robin from the last choice, for a request that holds
+        nothing yet: its need in a family (`_need`) is then the same in every partition, so it is
+        computed once and only the free counts differ."""
+        needs = []
+        for f in work:
+            if not self._rolling[f] and -(-tokens // self._page_tokens[f]) > self._maxb[f]:
+                needs.append((f, None))     # past the table capacity: `_need` raises where reached
+            else:
+                needs.append((f, self._need(o, f, tokens)))
+        free, load = self.free, self.load
         best, best_load, last = None, None, None
         for i in range(self.partitions):
             p = (self._next_partition + i) % self.partitions
-            ok, need, free = self._fits(o, p, tokens, work)
-            if not ok:
-                last = last or (p, need, free)
-            elif best is None or self.load[p] < best_load:
-                best, best_load = p, self.load[p]
+            for f, need in needs:
+                if need is None:
+                    self._need(o, f, tokens)
+                n = free[f][p].n
+                if n < need:
+                    last = last or (p, {self.names[f]: need}, {self.names[f]: n})
+                    break
+            else:
+                if best is None or load[p] < best_load:
+                    best, best_load = p, load[p]
         if best is None:
             raise KVCacheCapacityError(*last)
         self._next_partition = (best + 1) % self.partitions
@@ -541,13 +556,17 @@ class KvCacheManager:
         s0 = start % maxb
         end = s0 + n
         pins = o.pins
-        if len(pins) == 1 and end <= maxb and pins[0].tables[f] is t and len(free) >= n:
-            # the async steady state (a few pages, the one in-flight step pins the whole table):
-            # every page moves from the owner to the pin, ref counts unchanged, all detaches
-            pins[0].stored.append((f, s0, t[s0:end]))
-            new = self._take_n(f, p, n)             # logs the taken pages
-            self.stats["detaches"] += n * self._mult[f]
-            return t[:s0] + tuple(new) + t[end:]
+        if len(pins) == 1 and end <= maxb and len(free) >= n:
+            pt = pins[0].tables[f]
+            if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
+                # the async steady state (the one in-flight step pins every rewritten slot): every
+                # page moves from the owner to the pin, ref counts unchanged, all detaches
+                pins[0].stored.append((f, s0, t[s0:end]))
+                new = self._take_n(f, p, n)             # logs the taken pages
+                if pt is not t and self.log is not None:
+                    self.log.free(f, p, ())             # a rewrite of a changed table logs its frees, none here
+                self.stats["detaches"] += n * self._mult[f]
+                return t[:s0] + tuple(new) + t[end:]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
         old = t[s0:end] if end <= maxb else t[s0:] + t[:end - maxb]
         # per page, how many in-flight pins hold it; a pin taken since the table last changed
