@@ -236,6 +236,8 @@ class KvCacheManager:
     it under every name (tables, ref counts, free queues, statistics and page moves as if kept
     apart).  False keeps one pool per family (the plain form, for the equality test)."""
 
+    _pin_fast = True        # False: every ring rewrite by the general rule (for the equality test)
+
     def __init__(self, families: tuple[FamilySpec, ...], partitions: int, *, prefix_caching: bool = True,
                  share_identical: bool = True):
         self.families = families
@@ -556,7 +558,7 @@ class KvCacheManager:
         s0 = start % maxb
         end = s0 + n
         pins = o.pins
-        if len(pins) == 1 and end <= maxb and len(free) >= n:
+        if len(pins) == 1 and end <= maxb and len(free) >= n and self._pin_fast:
             pt = pins[0].tables[f]
             if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
                 # the async steady state (the one in-flight step pins every rewritten slot): every
