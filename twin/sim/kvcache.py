@@ -419,12 +419,12 @@ class KvCacheManager:
             # cheap upper bound first: each new logical page needs at most one free page
             target = -(-tokens // pt[f])
             bound = target - logical[f] + (len(tables[f]) if holes else 0)
-            if len(free[f][p]) < bound:
+            if free[f][p].n < bound:
                 need = self._need(o, f, tokens)
-                if need > len(free[f][p]):
+                if need > free[f][p].n:
                     # the first short family is the answer (the scheduler only needs "no"; a full
                     # per-family account would cost as much as the check itself)
-                    return False, {self.names[f]: need}, {self.names[f]: len(free[f][p])}
+                    return False, {self.names[f]: need}, {self.names[f]: free[f][p].n}
             if not rolling[f] and target > maxb[f]:
                 self._need(o, f, tokens)            # raises past the full-history table capacity
         return True, {}, {}
@@ -444,7 +444,7 @@ class KvCacheManager:
                 target = -(-tokens // pt)
                 if target > lg[f]:
                     work.append(f)
-                    if len(free[f][p]) < target - lg[f] or (target > maxb[f] and not rolling[f]):
+                    if free[f][p].n < target - lg[f] or (target > maxb[f] and not rolling[f]):
                         slow = True
             if not work:
                 return p
@@ -558,7 +558,7 @@ class KvCacheManager:
         s0 = start % maxb
         end = s0 + n
         pins = o.pins
-        if len(pins) == 1 and end <= maxb and len(free) >= n and self._pin_fast:
+        if len(pins) == 1 and end <= maxb and free.n >= n and self._pin_fast:
             pt = pins[0].tables[f]
             if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
                 # the async steady state (the one in-flight step pins every rewritten slot): every
@@ -590,7 +590,7 @@ class KvCacheManager:
             else:
                 stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
-        short = len(free) < n                 # the dry path below sets the new pages' owners itself
+        short = free.n < n                 # the dry path below sets the new pages' owners itself
         if not short:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
             # cannot be among them: popping first is the same order as interleaving
@@ -824,20 +824,20 @@ class KvCacheManager:
             return
         p = pin.partition
         complete = True
-        for f in self._canon:
-            fam = self.families[f]
-            hs = hashes[fam.page_tokens]
-            done = min(confirmed // fam.page_tokens, len(hs))
+        rolling = self._rolling
+        for f, pt in self._canon_pt:
+            hs = hashes[pt]
+            done = min(confirmed // pt, len(hs))
             t = pin.tables[f]
             start = o.cached[f]
-            if fam.rolling:
+            if rolling[f]:
                 start = max(start, done - len(t))
             complete &= done >= len(hs)
             if done <= start:
                 continue
             idx, bh = self.index[f][p], self.bhash[f][p]
             get = idx.get
-            if fam.rolling:                     # logical pages start..done-1 at ring slots i % L
+            if rolling[f]:                      # logical pages start..done-1 at ring slots i % L
                 L = len(t)
                 a, n = start % L, done - start
                 pages = zip(t[a:a + n] if a + n <= L else t[a:] + t[:a + n - L], hs[start:done])
