@@ -590,7 +590,7 @@ class KvCacheManager:
             else:
                 stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
-        short = free.n < n                 # the dry path below sets the new pages' owners itself
+        short = free.n < n                    # the dry path below sets the new pages' owners itself
         if not short:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
             # cannot be among them: popping first is the same order as interleaving
@@ -761,15 +761,7 @@ class KvCacheManager:
                 if freed:
                     self._freed(cur, p, freed)
                 cur, r, freed = f, self.ref[f][p], []
-            for b in bs:
-                if b is None:
-                    continue
-                x = r[b] - 1
-                r[b] = x
-                if not x:
-                    freed.append(b)
-                elif x < 0:
-                    raise AssertionError(f"{self.names[f]} p{p} block {b}: negative ref count")
+            _unref(r, bs, self.names[f], p, freed)
         if freed:
             self._freed(cur, p, freed)
         st.clear()
