@@ -236,6 +236,8 @@ class KvCacheManager:
     it under every name (tables, ref counts, free queues, statistics and page moves as if kept
     apart).  False keeps one pool per family (the plain form, for the equality test)."""
 
+    _pin_fast = True        # False: every ring rewrite by the general rule (for the equality test)
+
     def __init__(self, families: tuple[FamilySpec, ...], partitions: int, *, prefix_caching: bool = True,
                  share_identical: bool = True):
         self.families = families
@@ -417,12 +419,12 @@ class KvCacheManager:
             # cheap upper bound first: each new logical page needs at most one free page
             target = -(-tokens // pt[f])
             bound = target - logical[f] + (len(tables[f]) if holes else 0)
-            if len(free[f][p]) < bound:
+            if free[f][p].n < bound:
                 need = self._need(o, f, tokens)
-                if need > len(free[f][p]):
+                if need > free[f][p].n:
                     # the first short family is the answer (the scheduler only needs "no"; a full
                     # per-family account would cost as much as the check itself)
-                    return False, {self.names[f]: need}, {self.names[f]: len(free[f][p])}
+                    return False, {self.names[f]: need}, {self.names[f]: free[f][p].n}
             if not rolling[f] and target > maxb[f]:
                 self._need(o, f, tokens)            # raises past the full-history table capacity
         return True, {}, {}
@@ -442,7 +444,7 @@ class KvCacheManager:
                 target = -(-tokens // pt)
                 if target > lg[f]:
                     work.append(f)
-                    if len(free[f][p]) < target - lg[f] or (target > maxb[f] and not rolling[f]):
+                    if free[f][p].n < target - lg[f] or (target > maxb[f] and not rolling[f]):
                         slow = True
             if not work:
                 return p
@@ -485,14 +487,29 @@ class KvCacheManager:
         return p
 
     def _choose_partition(self, o: _Owned, tokens: int, work: list[int]) -> int:
+        """`_fits` in each partition, round-robin from the last choice, for a request that holds
+        nothing yet: its need in a family (`_need`) is then the same in every partition, so it is
+        computed once and only the free counts differ."""
+        needs = []
+        for f in work:
+            if not self._rolling[f] and -(-tokens // self._page_tokens[f]) > self._maxb[f]:
+                needs.append((f, None))     # past the table capacity: `_need` raises where reached
+            else:
+                needs.append((f, self._need(o, f, tokens)))
+        free, load = self.free, self.load
         best, best_load, last = None, None, None
         for i in range(self.partitions):
             p = (self._next_partition + i) % self.partitions
-            ok, need, free = self._fits(o, p, tokens, work)
-            if not ok:
-                last = last or (p, need, free)
-            elif best is None or self.load[p] < best_load:
-                best, best_load = p, self.load[p]
+            for f, need in needs:
+                if need is None:
+                    self._need(o, f, tokens)
+                n = free[f][p].n
+                if n < need:
+                    last = last or (p, {self.names[f]: need}, {self.names[f]: n})
+                    break
+            else:
+                if best is None or load[p] < best_load:
+                    best, best_load = p, load[p]
         if best is None:
             raise KVCacheCapacityError(*last)
         self._next_partition = (best + 1) % self.partitions
@@ -541,13 +558,17 @@ class KvCacheManager:
         s0 = start % maxb
         end = s0 + n
         pins = o.pins
-        if len(pins) == 1 and end <= maxb and pins[0].tables[f] is t and len(free) >= n:
-            # the async steady state (a few pages, the one in-flight step pins the whole table):
-            # every page moves from the owner to the pin, ref counts unchanged, all detaches
-            pins[0].stored.append((f, s0, t[s0:end]))
-            new = self._take_n(f, p, n)             # logs the taken pages
-            self.stats["detaches"] += n * self._mult[f]
-            return t[:s0] + tuple(new) + t[end:]
+        if len(pins) == 1 and end <= maxb and free.n >= n and self._pin_fast:
+            pt = pins[0].tables[f]
+            if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
+                # the async steady state (the one in-flight step pins every rewritten slot): every
+                # page moves from the owner to the pin, ref counts unchanged, all detaches
+                pins[0].stored.append((f, s0, t[s0:end]))
+                new = self._take_n(f, p, n)             # logs the taken pages
+                if pt is not t and self.log is not None:
+                    self.log.free(f, p, ())             # a rewrite of a changed table logs its frees, none here
+                self.stats["detaches"] += n * self._mult[f]
+                return t[:s0] + tuple(new) + t[end:]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
         old = t[s0:end] if end <= maxb else t[s0:] + t[:end - maxb]
         # per page, how many in-flight pins hold it; a pin taken since the table last changed
@@ -569,7 +590,7 @@ class KvCacheManager:
             else:
                 stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
-        short = len(free) < n                 # the dry path below sets the new pages' owners itself
+        short = free.n < n                    # the dry path below sets the new pages' owners itself
         if not short:
             # pops reach only pages already queued, so the pages freed below (appended at the tail)
             # cannot be among them: popping first is the same order as interleaving
@@ -772,10 +793,19 @@ class KvCacheManager:
                     if b is not None:
                         r[b] += 1
                 continue
+            # the slots the pin does not store yet, as runs of consecutive pages (a run's pages
+            # release in slot order, as single slots would: runs are disjoint and sorted by slot)
+            s0 = None
             for s, b in enumerate(t):
                 if b is not None and s not in h:
-                    pin.stored.append((f, s, (b,)))
                     r[b] += 1
+                    if s0 is None:
+                        s0 = s
+                elif s0 is not None:
+                    pin.stored.append((f, s0, t[s0:s]))
+                    s0 = None
+            if s0 is not None:
+                pin.stored.append((f, s0, t[s0:]))
         return moved
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
@@ -786,20 +816,20 @@ class KvCacheManager:
             return
         p = pin.partition
         complete = True
-        for f in self._canon:
-            fam = self.families[f]
-            hs = hashes[fam.page_tokens]
-            done = min(confirmed // fam.page_tokens, len(hs))
+        rolling = self._rolling
+        for f, pt in self._canon_pt:
+            hs = hashes[pt]
+            done = min(confirmed // pt, len(hs))
             t = pin.tables[f]
             start = o.cached[f]
-            if fam.rolling:
+            if rolling[f]:
                 start = max(start, done - len(t))
             complete &= done >= len(hs)
             if done <= start:
                 continue
             idx, bh = self.index[f][p], self.bhash[f][p]
             get = idx.get
-            if fam.rolling:                     # logical pages start..done-1 at ring slots i % L
+            if rolling[f]:                      # logical pages start..done-1 at ring slots i % L
                 L = len(t)
                 a, n = start % L, done - start
                 pages = zip(t[a:a + n] if a + n <= L else t[a:] + t[:a + n - L], hs[start:done])
