@@ -86,6 +86,25 @@ def check_choice(golden: str, cfg, programs, mode: str, *, coverage: bool, max_l
     return out
 
 
+def tally(entries) -> dict:
+    """Over a run's report entries: the dispatches whose target sites JAX checked and those NumPy
+    checked (why, counted), the sites JAX handed to NumPy, and the backends named."""
+    out = {"jax_dispatches": 0, "numpy_dispatches": 0, "numpy_why": {}, "sites_to_numpy": 0, "backends": []}
+    for e in entries:
+        ck = e.get("checker")
+        if ck is None:
+            continue
+        if ck["golden"] == "jax":
+            out["jax_dispatches"] += 1
+            out["sites_to_numpy"] += len(ck.get("numpy", ()))
+            if ck["backend"] not in out["backends"]:
+                out["backends"].append(ck["backend"])
+        else:
+            out["numpy_dispatches"] += 1
+            out["numpy_why"][ck["why"]] = out["numpy_why"].get(ck["why"], 0) + 1
+    return out
+
+
 _LAYERS: dict = {}          # (preset, seed, mode, layer, device, options) -> JaxGolden, kept per process
 # XLA options of the checker's sub-layers on top of golden.jax_path.XLA_OPTIONS (none: XLA's defaults)
 COMPILER_OPTIONS: dict = {}

@@ -474,6 +474,10 @@ class RealLockstep:
         if self.dir is not None and not self._opened:
             self._open()
         config = {**self.config, **({"serving": serving} if serving is not None else {})}
+        if "checker_golden" in config:
+            from .jax_check import tally
+
+            config["checker_golden"] = {**config["checker_golden"], "tally": tally(self.entries)}
         wall = round(time.perf_counter() - self.t0, 3)
         timing = {"wall_s_this_session": wall}
         if self.plan is not None and self.throughput["sites"] and self.throughput["device_s"] > 0:

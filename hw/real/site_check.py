@@ -212,6 +212,7 @@ def check_layer_sites(sg: SiteGolden, view: DispatchView, sites, jax=None,
     sites, is judged on NumPy (its re-syncs NumPy's), each such site listed in note["numpy"] with why."""
     par = sg.par(view.taps)
     runs: dict = {}
+    judged: dict = {}           # (group, layer, stage) -> findings the JAX run's screen already made
     out = []
     for site in sites:
         _, group, layer, stage = site
@@ -225,8 +226,10 @@ def check_layer_sites(sg: SiteGolden, view: DispatchView, sites, jax=None,
         elif rows.size:
             key = (layer, _sublayer(stage))
             if key not in runs:
-                runs[key] = _run_sublayer(sg, view, layer, key[1], par, jax, sites, note)
-            fs = _stage_findings(sg, view, layer, stage, rows, runs[key])
+                runs[key] = _run_sublayer(sg, view, layer, key[1], par, jax, sites, note, judged)
+            fs = judged.pop((group, layer, stage), None)
+            if fs is None:
+                fs = _stage_findings(sg, view, layer, stage, rows, runs[key])
             bad = [f for f in fs if not f.passed]
             if bad:
                 res["verdict"] = "fail"
@@ -236,22 +239,27 @@ def check_layer_sites(sg: SiteGolden, view: DispatchView, sites, jax=None,
     return out, par.resyncs
 
 
-def _run_sublayer(sg, view, layer, part, par, jax, sites, note) -> LayerTaps:
+def _run_sublayer(sg, view, layer, part, par, jax, sites, note, judged) -> LayerTaps:
     """Golden's taps of one sub-layer: JAX's where it takes it and passes every site of `sites` in
-    it, else NumPy's (the JAX attempt's re-syncs dropped)."""
+    it (their findings left in `judged`), else NumPy's (the JAX attempt's re-syncs dropped)."""
     if jax is None:
         return _golden_sublayer(sg, view, layer, part, par)
     mark = len(par.resyncs)
     taps, why = jax.sublayer(view, layer, part, par)
     mine = [s for s in sites if s[2] == layer and _sublayer(s[3]) == part]
+    screened = {}
     if taps is not None:
         for s in mine:
             rows = np.flatnonzero(np.asarray(view.row_group) == s[1])
-            if rows.size and not all(f.passed for f in _stage_findings(sg, view, layer, s[3], rows, taps)):
+            if not rows.size:
+                continue
+            fs = screened[(s[1], layer, s[3])] = _stage_findings(sg, view, layer, s[3], rows, taps)
+            if not all(f.passed for f in fs):
                 why = f"JAX found {s[3]} of group {s[1]} failing: NumPy judges the sub-layer"
                 taps = None
                 break
     if taps is not None:
+        judged.update(screened)
         return taps
     del par.resyncs[mark:]
     if note is not None:

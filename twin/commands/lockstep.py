@@ -241,6 +241,11 @@ def _run(args, nproc: int) -> int:
         total = sum(c["sites"] for c in cv["programs"].values())
         con.print(f"coverage: every site at least once every {cv['n']} dispatches of its program; {seen} of {total} "
                   f"sites checked so far (per site: summary.json coverage.last_checked)")
+    cg = s["config"].get("checker_golden")
+    if cg:
+        from rich.markup import escape
+
+        con.print(escape(_checker_line(cg)))
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
     sv = s["config"].get("serving")
@@ -249,6 +254,17 @@ def _run(args, nproc: int) -> int:
     extra = ")" if args.no_records else ", records/)"
     con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}", soft_wrap=True)   # a path stays whole
     return 0 if s["verdict"] == "PASS" else 1
+
+
+def _checker_line(cg: dict) -> str:
+    """The --checker-golden line: the golden of each target program (why where NumPy), what JAX
+    handed to NumPy and the backend it ran on."""
+    progs = "; ".join(f"{p} {c['golden']}" + ("" if c["golden"] == "jax" else f" ({c['why']})")
+                      for p, c in sorted(cg["programs"].items())) or "no site checks (no --coverage)"
+    t = cg["tally"]
+    line = (f"checker golden {cg['chosen']}: {progs}; {t['jax_dispatches']} dispatches' sites on JAX "
+            f"({t['sites_to_numpy']} sites judged again on NumPy), {t['numpy_dispatches']} on NumPy")
+    return line + (f"; JAX on {', '.join(t['backends'])}" if t["backends"] else "")
 
 
 def _coverage_auto(run_dir, checker) -> str | None:
