@@ -9,7 +9,7 @@ cost), and whether the two entries agree (the same verdicts per site, the same e
 checker's own note).  The head check and the record reads are the same work on both sides.
 Threads: one BLAS and one XLA thread (a checker worker's).
 
-    python benchmarks/site_check_speed.py [--preset small] [--steps 6] [--requests 2] [--reps 3]
+    python benchmarks/site_check_speed.py [--preset small] [--steps 6] [--requests 4] [--reps 3]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _compare(d, e, reps: int, check) -> dict:
     """Recorded dispatch e's target sites re-judged on NumPy and on JAX, alternating."""
     sites = [(e["program"], g, layer, stage) for g, layer, stage, _ in e["sites"]]
     i = e["index"]
-    out = {"dispatch": i, "rows": e["rows"], "sites": len(sites)}
+    out = {"dispatch": i, "requests": e["rows"], "sites": len(sites)}
     got = {}
     first, w, c = _timed(lambda: check(d, i, sites, golden="jax"))
     out["jax_first_call"] = {"wall_s": w, "cpu_s": c}
@@ -57,7 +57,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small", choices=("tiny", "small"))
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args(argv)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

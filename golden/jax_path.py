@@ -211,14 +211,16 @@ class JaxGolden:
         = attn_x_hc (no pools) -> (x_hc, LayerPools or None, taps {stage: NumPy array}), cmp_kv as
         compose taps it (the boundary tokens and their rows).  resync_from: the reference's taps of
         this layer, those of this part's ranking (INDEX_STAGE in a CSA layer's attention,
-        ROUTE_STAGES in a routed layer's MoE), adopted at near ties; `self.resyncs` says where."""
+        ROUTE_STAGES in a routed layer's MoE), adopted at near ties; `self.resyncs` says where.
+        meta's host arrays are kept from the last call on the same StepMeta (a new call, a new
+        StepMeta: one changed in place is not seen)."""
         if part not in PARTS:
             raise AbiError("part", part, f"one of {PARTS}", where="JaxGolden.sublayer")
         if layer not in self.expert_row:
             raise AbiError("layer", layer, f"a layer this JaxGolden holds {self.held}", where="JaxGolden.sublayer")
         _check_contiguous(meta)
         n_idx, n_hca = self._extents(meta, extents, "JaxGolden.sublayer")
-        bufs, spec = self._host(meta)
+        bufs, spec = self._host_kept(meta)
         refs = self._resync_refs(resync_from, meta.T, layers=[layer], kinds=("index",) if part == "attn" else ("route",))
         refs = {k: {0: v for v in d.values()} for k, d in refs.items()}     # the step's one layer: 0
         cfg, nm = self.cfg, self.nm
@@ -287,16 +289,16 @@ class JaxGolden:
                 raise AbiError("extents", tuple(extents), f"at least static_extents(meta) = {need}", where=where)
         return n_idx, n_hca
 
-    def _host(self, meta):
-        """The call's host arrays (metadata, layout, RoPE rows) as one buffer per dtype, and their spec;
-        the last call's kept (a checker's sub-layers of one dispatch, on one-layer JaxGoldens, share it)."""
-        key = (meta, self.cfg.name, self.nm.f)
-        if _HOST_LAST and _HOST_LAST[0][0] is meta and _HOST_LAST[0][1:] == key[1:]:
-            return _HOST_LAST[1]
-        _HOST_LAST[:] = [key, self._pack_host(meta)]
+    def _host_kept(self, meta):
+        """_host(meta), the last call's kept: the sub-layers of one dispatch's check (a StepMeta the
+        checker never changes), on one-layer JaxGoldens, share it."""
+        key = (meta, self.cfg.name, self.nm.mode, self.nm.f)
+        if not (_HOST_LAST and _HOST_LAST[0][0] is meta and _HOST_LAST[0][1:] == key[1:]):
+            _HOST_LAST[:] = [key, self._host(meta)]
         return _HOST_LAST[1]
 
-    def _pack_host(self, meta):
+    def _host(self, meta):
+        """The call's host arrays (metadata, layout, RoPE rows) as one buffer per dtype, and their spec."""
         host = {**{_META + k: v for k, v in meta.arrays().items()}, **layout(meta).arrays()}
         for k, (c, s) in self.rope_rows(meta.position_ids).items():
             host[f"{_ROPE}{k}:0"], host[f"{_ROPE}{k}:1"] = c, s
@@ -459,7 +461,7 @@ def stack_vectors(layers: list) -> tuple:
     return rows, stacked
 
 
-_HOST_LAST: list = []    # (the StepMeta, preset, dtype) and its packed host arrays: JaxGolden._host
+_HOST_LAST: list = []    # (the StepMeta, preset, mode, dtype) and its packed host arrays: JaxGolden._host
 _SHARED: dict = {}      # compiled sub-layers of one-layer JaxGoldens, by (preset, numerics, options, device)
 _META, _ROPE = "m:", "rope:"      # name prefixes of the packed host arrays (layout names start "g_")
 
