@@ -39,7 +39,7 @@ Compositions (`golden.compose`)
     forward(ckpt, meta, caches, cfg=, nm=, taps=) -> ForwardOut(logits, sampled, caches, x_hc, taps)
     prefill_fwd(ckpt, caches, spans, ...)   packed, chunked, against each request's resident prefix
     decode_fwd(ckpt, caches, spans, ...)    S rows per request, logits for every row
-    layer_step / attention_sublayer / moe_sublayer / final_head   the per-layer pieces
+    layer_step / attention_sublayer / moe_sublayer / moe_router / final_head   the per-layer pieces
         (ratio= overrides the layer's attention kind: DSpark draft layers are SWA with ids 40..42)
     Taps(stages=None): (layer, stage) -> array; stages attn_in, x_mixed, x_norm, q, kv, cmp_kv,
         idx_topk, attn, attn_out, attn_x_hc, ffn_x_mixed, moe_indices, moe_weights, ffn_out, x_hc;
@@ -69,7 +69,9 @@ JAX (`golden.jax_path`, `golden.jax_numerics`)
         arrays (to_numpy(tree) converts), donate=True updates them in place; taps from
         JAX_TAP_STAGES; resync_from=NumPy's taps (RESYNC_STAGES) adopts its routing and its
         indexer selections at near ties (`jg.resyncs`); .layer_step(x_hc, layer, meta, pools):
-        one held layer (layers=), .resident(pools): a layer's pools on the device
+        one held layer (layers=); .sublayer("attn" | "moe", x_hc, layer, meta, pools): one of its
+        sub-layers with every stage tapped (the site checker's); .resident(pools): a layer's pools
+        on the device
     golden.jax_resync: agreement(out, ref, resyncs) (kernel-math §2 per logit row);
         jax_admissible(cfg, program, mode, max_len=) -> (bool, why): where a checker may use JAX
 

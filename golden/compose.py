@@ -175,17 +175,26 @@ def hca_compress(x_n, pos, req, first, w, pools, m, rope, *, cfg, nm, form, sele
     return rows, cmp
 
 
-def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=None, top_k=None,
-                 stream_mix=None):
-    """One MoE sub-layer.  expert(e) -> routed weights of expert e of this layer.  A backend may
-    swap in its own routed/shared experts (`moe`, moe_experts' signature), router selection
-    (`top_k`, as `gate` takes it) and stream mix (`stream_mix`, as `hc_post` takes it)."""
+def moe_router(x_hc, layer, w, input_ids, *, cfg, nm, taps=None, top_k=None):
+    """The MoE sub-layer up to its routing: the stream mix and the router -> (x_mixed, post, comb,
+    x_i8, x_scale, expert ids, weights), tapping ffn_x_mixed, moe_indices and moe_weights (a checker
+    decides a layer's routing from it without running the experts)."""
     x_mixed, post, comb = hc_pre(x_hc, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg=cfg, nm=nm)
     _tap(taps, layer, "ffn_x_mixed", x_mixed)
     x_i8, x_scale, idx, wts = gate(x_mixed, w["norm_w"], w["gate_w"], w.get("gate_bias"), w.get("tid2eid"),
                                    input_ids, layer=layer, cfg=cfg, nm=nm, top_k=top_k)
     _tap(taps, layer, "moe_indices", idx)
     _tap(taps, layer, "moe_weights", wts)
+    return x_mixed, post, comb, x_i8, x_scale, idx, wts
+
+
+def moe_sublayer(x_hc, layer, w, expert, input_ids, *, cfg, nm, taps=None, moe=None, top_k=None,
+                 stream_mix=None):
+    """One MoE sub-layer.  expert(e) -> routed weights of expert e of this layer.  A backend may
+    swap in its own routed/shared experts (`moe`, moe_experts' signature), router selection
+    (`top_k`, as `gate` takes it) and stream mix (`stream_mix`, as `hc_post` takes it)."""
+    x_mixed, post, comb, x_i8, x_scale, idx, wts = moe_router(x_hc, layer, w, input_ids, cfg=cfg, nm=nm, taps=taps,
+                                                              top_k=top_k)
     shared = {k: w[k] for k in SHARED_NAMES}
     ffn_out = (moe or moe_experts)(x_i8, x_scale, idx, wts, expert, shared, cfg=cfg, nm=nm)
     _tap(taps, layer, "ffn_out", ffn_out)

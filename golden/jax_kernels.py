@@ -368,20 +368,26 @@ def attention_sublayer_grouped(x_hc, layer, w, pools, m, rope, g, *, cfg, nm, fo
                                index_ref=None, taps=None):
     """golden.compose.attention_sublayer with the JAX kernels above (same order and pools) ->
     (x_hc, pools, the indexer's re-sync masks or None); index_ref: a reference's indexer topk of
-    this layer (lightning_indexer_grouped's ref); taps: a compose.Taps for "idx_topk" (the
-    selection attention read)."""
+    this layer (lightning_indexer_grouped's ref); taps: a compose.Taps for its stages (compose's
+    names; cmp_kv as (the static boundary selection, its rows): the layout's sel_ok says which
+    are real boundaries; idx_topk is the selection attention read)."""
     pools = dict(pools)
+    tap = (lambda s, v: taps.put(layer, s, v)) if taps is not None else (lambda s, v: None)
     x_mixed, post, comb = hc_pre(x_hc, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg=cfg, nm=nm)
     x_n = rms_norm(x_mixed, w["attn_norm_w"], cfg=cfg, nm=nm)
+    tap("x_mixed", x_mixed)
+    tap("x_norm", x_n)
     with bf16_operands(nm):
         attn_out, pools, index = _attention_core(x_n, w, pools, m, rope, g, cfg=cfg, nm=nm, form=form, ratio=ratio,
-                                                 n_idx=n_idx, n_hca=n_hca, split=split, index_ref=index_ref)
+                                                 n_idx=n_idx, n_hca=n_hca, split=split, index_ref=index_ref, tap=tap)
+    tap("attn_out", attn_out)
     masks = None
     if index is not None:
         topk, masks = index
-        if taps is not None:
-            taps.put(layer, "idx_topk", topk)
-    return hc_post_streams(attn_out, x_hc, post, comb, cfg=cfg, nm=nm), pools, masks
+        tap("idx_topk", topk)
+    x_hc = hc_post_streams(attn_out, x_hc, post, comb, cfg=cfg, nm=nm)
+    tap("attn_x_hc", x_hc)
+    return x_hc, pools, masks
 
 
 def stream_sum(c, r):
@@ -396,21 +402,25 @@ def hc_post_streams(x, residual, post, comb, *, cfg, nm):
     return hc_post(x, residual, post, comb, cfg=cfg, nm=nm, stream_mix=stream_sum)
 
 
-def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None, index_ref=None):
+def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n_hca, split=None, index_ref=None,
+                    tap=lambda stage, value: None):
     """qkv -> compressors and indexer -> KV write -> attention -> o_proj: every GEMM here multiplies
-    BF16 values (x_n, q, P and o are BF16 rounding points; the weights and pools BF16 or INT8)."""
+    BF16 values (x_n, q, P and o are BF16 rounding points; the weights and pools BF16 or INT8);
+    tap(stage, value) sees q, kv, cmp_kv and attn."""
     cos, sin = rope["swa"] if ratio == 0 else rope["compressed"]
     pr = fused_projections(x_n, w, split, nm) if split else {}
     pj = lambda a, b: (pr[a], pr[b]) if pr else None
     # fused (device mode): wq_a and wkv live only inside w[X_PROJ]
     q, kv, qr, qr_scale = qkv_proj_rope(x_n, w.get("wq_a"), w["wq_b"], w["wq_b_scale"], w.get("wkv"), w["gamma_cq"],
                                         w["gamma_ckv"], cos, sin, cfg=cfg, nm=nm, proj=pj("wq_a", "wkv"))
+    tap("q", q)
+    tap("kv", kv)
     pos, req, first = m["position_ids"], m["req"], m["first_pos"]
     cmp, index = {}, None
     if ratio == 4:
         ok = g["g_sel_ok4"]
-        csa_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, selection=(g["g_sel4"], ok),
-                     proj=pj, pool_branch=boundary_branch(ok, nm))
+        tap("cmp_kv", csa_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm,
+                                   selection=(g["g_sel4"], ok), proj=pj, pool_branch=boundary_branch(ok, nm)))
         cap = PREFILL_SCORE_CAP if form == PREFILL else cfg.max_position_embeddings // 4
         topk, masks = lightning_indexer_grouped(x_n, qr, qr_scale, w["csa_idx_wq_b"], w["csa_idx_wq_b_scale"],
                                                 w["csa_weights_proj"], w["csa_hadamard_idx"], cos, sin,
@@ -422,12 +432,15 @@ def _attention_core(x_n, w, pools, m, rope, g, *, cfg, nm, form, ratio, n_idx, n
                    cmp_block_table=m["csa_cmp_block_table"], n_cmp=n_idx)
     elif ratio == 128:
         ok = g["g_sel_ok128"]
-        _, hca = hca_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, form=form,
-                              selection=(g["g_sel128"], ok), proj=pj, pool_branch=boundary_branch(ok, nm), n_max=n_hca)
+        rows, hca = hca_compress(x_n, pos, req, first, w, pools, m, rope, cfg=cfg, nm=nm, form=form,
+                                 selection=(g["g_sel128"], ok), proj=pj, pool_branch=boundary_branch(ok, nm),
+                                 n_max=n_hca)
+        tap("cmp_kv", rows)
         if n_hca:
             cmp = dict(hca, n_cmp=n_hca)
     pools["kv_cache"] = nm.set_rows(pools["kv_cache"], m["ori_slot_mapping"], nm.store_bf16(kv))
     o = sparse_attention_grouped(q, pools["kv_cache"], w["attn_sink"], cos, sin, g, req=req, cfg=cfg, nm=nm, **cmp)
+    tap("attn", o)
     return o_proj_grouped(o, w["wo_a"], w["wo_b"], w["wo_b_scale"], cfg=cfg, nm=nm), pools, index
 
 

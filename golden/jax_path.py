@@ -28,7 +28,7 @@ import numpy as np
 
 from twin.abi.errors import AbiError
 
-from .compose import ForwardOut, Taps, _check_contiguous, rope_inputs
+from .compose import SHARED_NAMES, ForwardOut, Taps, _check_contiguous, rope_inputs
 from .jax_kernels import TRANSPOSED_KEYS, attention_sublayer_grouped, fuse_projections, head, layout
 from .jax_moe import moe_sublayer
 from .jax_numerics import Fp32Numerics
@@ -47,8 +47,13 @@ XLA_OPTIONS = {"xla_allow_excess_precision": False}
 # weights the kernels multiply as w.T (compressor projections, shared experts, LM head)
 READ_TRANSPOSED = ("csa_cmp_wkv", "csa_cmp_wgate", "csa_inner_wkv", "csa_inner_wgate", "hca_cmp_wkv", "hca_cmp_wgate",
                    "shared_w1", "shared_w3", "shared_w2", "lm_head_weight")
-# stages the jitted step can hand back (compose.Taps names; the others exist only inside XLA fusions)
-JAX_TAP_STAGES = ("attn_in", "idx_topk", "attn_x_hc", "ffn_x_mixed", "moe_indices", "moe_weights", "ffn_out", "x_hc")
+# stages forward() can hand back (compose.Taps names); sublayer() also hands back cmp_kv, whose
+# boundary rows the step holds in a static, padded selection
+JAX_TAP_STAGES = ("attn_in", "x_mixed", "x_norm", "q", "kv", "idx_topk", "attn", "attn_out", "attn_x_hc",
+                  "ffn_x_mixed", "moe_indices", "moe_weights", "ffn_out", "x_hc")
+PARTS = ("attn", "moe")         # a target layer's sub-layers (sublayer())
+# the weights of a layer's MoE sub-layer (the rest are its attention's)
+MOE_KEYS = ("hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base", "norm_w", "gate_w", "gate_bias", "tid2eid", *SHARED_NAMES)
 
 
 class JaxGolden:
@@ -158,7 +163,6 @@ class JaxGolden:
             n_idx=n_idx, n_hca=n_hca, split=self.splits[layer], index_ref=refs.get("index", {}).get(layer), taps=taps)
         if masks is not None:
             resyncs["index"][layer] = masks
-        taps.put(layer, "attn_x_hc", x_hc)
         x_hc, scratch, masks = moe_sublayer(x_hc, layer, w, experts, m["input_ids"], cfg=cfg, nm=nm, taps=taps,
                                             scratch=scratch, ref=refs.get("route", {}).get(layer),
                                             expert_layer=self.expert_row[layer])
@@ -200,6 +204,77 @@ class JaxGolden:
             x.block_until_ready()
         return x, LayerPools(p)
 
+    def sublayer(self, part: str, x_hc, layer: int, meta: StepMeta, pools=None, *, resync_from=None, extents=None):
+        """One sub-layer of target layer `layer` (one this JaxGolden holds) with every stage it
+        computes tapped: a site checker's unit, its input a device's tap.  part "attn": attention
+        from x_hc = the layer's attn_in, with the layer's pools; "moe": the MoE sub-layer from x_hc
+        = attn_x_hc (no pools) -> (x_hc, LayerPools or None, taps {stage: NumPy array}), cmp_kv as
+        compose taps it (the boundary tokens and their rows).  resync_from: the reference's taps of
+        this layer, those of this part's ranking (INDEX_STAGE in a CSA layer's attention,
+        ROUTE_STAGES in a routed layer's MoE), adopted at near ties; `self.resyncs` says where.
+        meta's host arrays are kept from the last call on the same StepMeta (a new call, a new
+        StepMeta: one changed in place is not seen)."""
+        if part not in PARTS:
+            raise AbiError("part", part, f"one of {PARTS}", where="JaxGolden.sublayer")
+        if layer not in self.expert_row:
+            raise AbiError("layer", layer, f"a layer this JaxGolden holds {self.held}", where="JaxGolden.sublayer")
+        _check_contiguous(meta)
+        n_idx, n_hca = self._extents(meta, extents, "JaxGolden.sublayer")
+        bufs, spec = self._host_kept(meta)
+        refs = self._resync_refs(resync_from, meta.T, layers=[layer], kinds=("index",) if part == "attn" else ("route",))
+        refs = {k: {0: v for v in d.values()} for k, d in refs.items()}     # the step's one layer: 0
+        cfg, nm = self.cfg, self.nm
+        # a JaxGolden of one layer shares its compiled sub-layers with every other one of the same
+        # preset, numerics and device whose layer has the same structure (the weights are arguments)
+        fns, key = self._fns, ("sub", part, layer, meta.form, n_idx, n_hca, spec, bool(refs))
+        if len(self.held) == 1:
+            # attention's structure is its ratio (and fused projections), the MoE's its routing kind
+            sig = ((cfg.compress_ratios[layer], self.splits[layer]) if part == "attn"
+                   else layer < cfg.num_hash_layers)
+            fns = _SHARED.setdefault((cfg.name, nm.mode, nm.verify_bf16, tuple(sorted(self.compiler_options.items())),
+                                      self.device), {})
+            key = ("sub", part, sig, meta.form, n_idx, n_hca, spec, bool(refs))
+        if key not in fns:
+            n_win_tiles, rows = win_tiles(spec), self._rows
+
+            def step(own, stacked, experts, pools, bufs, x_hc, refs):
+                m, g, rope = _unpack(bufs, spec)
+                g["n_win_tiles"] = n_win_tiles
+                w = _abi_layout(dict(own, **{k: stacked[k][rows[k][layer]] for k in stacked
+                                             if layer in rows.get(k, ())}))
+                taps = Taps()
+                masks = {"route": {}, "index": {}}
+                if part == "attn":
+                    x_hc, pools, mk = attention_sublayer_grouped(
+                        x_hc, layer, w, pools, m, rope, g, cfg=cfg, nm=nm, form=meta.form,
+                        ratio=cfg.compress_ratios[layer], n_idx=n_idx, n_hca=n_hca, split=self.splits[layer],
+                        index_ref=refs.get("index", {}).get(0), taps=taps)
+                    kind = "index"
+                else:
+                    x_hc, _, mk = moe_sublayer(x_hc, layer, w, experts, m["input_ids"], cfg=cfg, nm=nm, taps=taps,
+                                               ref=refs.get("route", {}).get(0),
+                                               expert_layer=self.expert_row[layer])
+                    kind = "route"
+                if mk is not None:
+                    masks[kind][0] = mk
+                return x_hc, pools, {s: v for (_, s), v in taps.items()}, masks
+            fns[key] = jax.jit(step, compiler_options=self.compiler_options)
+        with jax.enable_x64(True), jax.default_device(self.device):
+            p = {} if part == "moe" else pools.raw if isinstance(pools, LayerPools) else _to_bits(pools, False)
+            x = jnp.asarray(x_hc, self.nm.f)
+            # only the part's own weights: a sub-layer's program is then the same for every layer of its structure
+            part_of = lambda d: {k: v for k, v in d.items() if (k in MOE_KEYS) == (part == "moe")}
+            x, p, taps, masks = fns[key](part_of(self._own[layer]), part_of(self._stacked), self.experts, p,
+                                               jax.device_put(bufs, self.device), x, jax.device_put(refs, self.device))
+            relabel = lambda d: {layer: v for v in d.values()}      # the shared step knows no layer
+            self.resyncs = Resyncs.from_masks(relabel(masks["route"]), relabel(masks["index"])) if refs else None
+            x.block_until_ready()
+        taps = to_numpy(taps)
+        if "cmp_kv" in taps:
+            ok = layout(meta).sel_ok[cfg.compress_ratios[layer]]
+            taps["cmp_kv"] = tuple(np.asarray(v)[ok] for v in taps["cmp_kv"])
+        return x, (None if part == "moe" else LayerPools(p)), taps
+
     def resident(self, pools) -> "LayerPools":
         """A layer's pools (NumPy, ABI dtypes) copied onto this JaxGolden's device once, as
         layer_step and forward take them back (a checker holding a layer's state between checks)."""
@@ -213,6 +288,14 @@ class JaxGolden:
             if n_idx < need[0] or n_hca < need[1]:
                 raise AbiError("extents", tuple(extents), f"at least static_extents(meta) = {need}", where=where)
         return n_idx, n_hca
+
+    def _host_kept(self, meta):
+        """_host(meta), the last call's kept: the sub-layers of one dispatch's check (a StepMeta the
+        checker never changes), on one-layer JaxGoldens, share it."""
+        key = (meta, self.cfg.name, self.nm.mode, self.nm.f)
+        if not (_HOST_LAST and _HOST_LAST[0][0] is meta and _HOST_LAST[0][1:] == key[1:]):
+            _HOST_LAST[:] = [key, self._host(meta)]
+        return _HOST_LAST[1]
 
     def _host(self, meta):
         """The call's host arrays (metadata, layout, RoPE rows) as one buffer per dtype, and their spec."""
@@ -280,15 +363,16 @@ class JaxGolden:
         return ForwardOut(logits, sampled, [LayerPools(p) for p in out], x_hc, got, meta)
 
 
-    def _resync_refs(self, taps, T: int, layers=None) -> dict:
+    def _resync_refs(self, taps, T: int, layers=None, kinds=("route", "index")) -> dict:
         """{"route": layer -> (the reference's router input, its expert ids) for every routed layer,
-        "index": layer -> its indexer topk for every CSA layer} of `layers` (default all)."""
+        "index": layer -> its indexer topk for every CSA layer} of `layers` (default all), of the
+        rankings `kinds`; {} where none applies."""
         if taps is None:
             return {}
         cfg, refs = self.cfg, {"route": {}, "index": {}}
         K, IK = cfg.num_experts_per_tok, cfg.index_topk
         layers = range(cfg.num_hidden_layers) if layers is None else layers
-        for layer in (l for l in layers if l >= cfg.num_hash_layers):
+        for layer in (l for l in layers if l >= cfg.num_hash_layers and "route" in kinds):
             x, idx = (taps.get((layer, s)) for s in ROUTE_STAGES)
             if x is None or idx is None:
                 raise AbiError("resync_from", f"layer {layer}", f"taps holding {ROUTE_STAGES} of every routed layer",
@@ -299,7 +383,7 @@ class JaxGolden:
                                f"[{T}, {cfg.hidden_size}] router inputs and [{T}, {K}] expert ids",
                                where="JaxGolden.forward")
             refs["route"][layer] = (x.astype(np.dtype(self.nm.f)), idx.astype(np.int32))
-        for layer in (l for l in layers if cfg.compress_ratios[l] == 4):
+        for layer in (l for l in layers if cfg.compress_ratios[l] == 4 and "index" in kinds):
             topk = taps.get((layer, INDEX_STAGE))
             if topk is None or np.shape(topk) != (T, IK):
                 got = "missing" if topk is None else np.shape(topk)
@@ -377,6 +461,8 @@ def stack_vectors(layers: list) -> tuple:
     return rows, stacked
 
 
+_HOST_LAST: list = []    # (the StepMeta, preset, mode, dtype) and its packed host arrays: JaxGolden._host
+_SHARED: dict = {}      # compiled sub-layers of one-layer JaxGoldens, by (preset, numerics, options, device)
 _META, _ROPE = "m:", "rope:"      # name prefixes of the packed host arrays (layout names start "g_")
 
 

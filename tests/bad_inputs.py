@@ -437,6 +437,13 @@ def _rows():
         "run_dir='{d}/nope-run'", "a real-golden run directory with records/config.json")
     add("lockstep --replay with --backlog", ["lockstep", "--replay", "{d}/run-keys", "--backlog", "4"], "--backlog",
         "--backlog=4", "no value with --replay")
+    # the site checks' golden
+    add("lockstep --checker-golden word", LS + ["--checker-golden", "fast"], "--checker-golden",
+        ["--checker-golden", "'fast'"], "choose from 'numpy', 'jax', 'auto'")
+    add("lockstep --checker-golden jax without --coverage", LS + ["--checker-golden", "jax"], "--checker-golden",
+        "--checker-golden='jax'", "numpy or auto without --coverage")
+    add("lockstep --checker-golden jax at K=7", LS + ["--coverage", "2", "--checker-golden", "jax"], "--checker-golden",
+        "--checker-golden='jax'", "numpy or auto for this run (l3_decode_fwd_dspark: the JAX path runs only")
     # the parity run's workload and page budget (simulate's options)
     LW = ["lockstep", "--steps", "2", "--no-records", "--run-dir", "{d}/ls-wl"]
     add("lockstep --workload missing", LW + ["--workload", "{d}/nope.json"], "--workload",

@@ -30,6 +30,8 @@ Public API:
                                                                   checks; the N a checker keeps up at
     check_recorded, SiteGolden, DispatchView   hw.real.site_check one layer's stages from the device's recorded
                                                                   state (the sampled lockstep's unit of work)
+    JaxSites, check_choice, jax_device, GOLDENS hw.real.jax_check the site checks' golden: NumPy, or the JAX
+                                                                  path where admissible; its backend
     DistPar                                    hw.real.dist_par   golden.ranks' par as processes, one per rank
     rank_forward, spawn_local                  hw.real.ranks      the target forward over real collectives,
                                                                   checked on rank 0 (torchrun -m hw.real.ranks)
@@ -52,6 +54,7 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "pool": ("CheckPool", "LocalWorkers", "RayWorkers", "fan_out", "POLICIES"),
     "coverage": ("CoveragePlan", "choose_n"),
     "site_check": ("check_recorded", "SiteGolden", "DispatchView"),
+    "jax_check": ("JaxSites", "check_choice", "jax_device", "GOLDENS"),
     "dist_par": ("DistPar",),
     "ranks": ("rank_forward", "spawn_local"),
 })

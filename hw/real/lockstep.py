@@ -71,7 +71,7 @@ class RealLockstep:
     def __init__(self, backend, device, golden, *, policy: Policy | None = None, mode: str = "strict",
                  fault=None, run_dir=None, config: dict | None = None, carry: str = "device",
                  record: bool = True, build: dict | None = None, steps: int | None = None, plan=None,
-                 auto: int | None = None):
+                 auto: int | None = None, checker_golden: str = "numpy"):
         if mode not in MODES:
             raise AbiError("mode", mode, f"one of {MODES}", where="hw.real lockstep")
         if carry not in CARRY:
@@ -93,6 +93,15 @@ class RealLockstep:
         # both sides compose golden's kernels, whose compressors run serving's eager-publish contract
         self.config = {**(config or {}), "golden": "real", "mode": mode, "carry": carry, "device": backend.name,
                        "golden_side": golden.name, "compressor_contract": EAGER_PUBLISH}
+        # the golden of the site checks (hw.real.jax_check): the run's choice per target program
+        from .coverage import TARGET_PROGRAMS
+        from .jax_check import check_choice
+
+        self.checker_golden = checker_golden
+        programs = [] if plan is None else [p for p in plan.sites if p in TARGET_PROGRAMS]
+        choice = check_choice(checker_golden, golden.g.cfg, programs, golden.g.nm.mode, coverage=plan is not None)
+        if checker_golden != "numpy":
+            self.config["checker_golden"] = {"chosen": checker_golden, "programs": choice}
         if plan is not None:
             from .site_check import SiteGolden
 
@@ -100,7 +109,7 @@ class RealLockstep:
             if self.auto is not None:
                 self.config["coverage"]["auto"] = {"calibration_dispatches": auto, "chosen_at": None}
             self.site_golden = SiteGolden(golden.g.cfg, golden.g.ckpt, golden.g.nm, self.policy, INDEX_TIE_TOL,
-                                          golden.g.dckpt)
+                                          golden.g.dckpt, golden=checker_golden)
         self.entries: list[dict] = []
         # records need a run directory and the arguments that rebuild this run offline
         self.build = build
@@ -465,6 +474,10 @@ class RealLockstep:
         if self.dir is not None and not self._opened:
             self._open()
         config = {**self.config, **({"serving": serving} if serving is not None else {})}
+        if "checker_golden" in config:
+            from .jax_check import tally
+
+            config["checker_golden"] = {**config["checker_golden"], "tally": tally(self.entries)}
         wall = round(time.perf_counter() - self.t0, 3)
         timing = {"wall_s_this_session": wall}
         if self.plan is not None and self.throughput["sites"] and self.throughput["device_s"] > 0:
@@ -515,12 +528,13 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
                   fault=None, policy: Policy | None = None, run_dir=None, carry: str = "device",
                   record: bool = True, build: dict | None = None, steps: int | None = None,
                   config: dict | None = None, nproc: int = 1, coverage: int | str | None = None,
-                  coverage_seed: int = 0) -> RealLockstep:
+                  coverage_seed: int = 0, checker_golden: str = "numpy") -> RealLockstep:
     """The checker of a parity run on `ctx` (a `twin.abi.lowering.LoweringContext` of a small
     preset's deployment): golden's side in `golden_mode` numerics and the device, both on the
     synthetic checkpoint of `seed`.  backend "selfcheck": `SelfCheckBackend` (the same compositions
     with `TorchNumerics(golden_mode, device)`); "torch": the independent `hw.torchdev.TorchBackend`
-    behind `TorchLockstepDevice` (K=0 and K=7, no device faults), split over `nproc` processes."""
+    behind `TorchLockstepDevice` (K=0 and K=7, no device faults), split over `nproc` processes.
+    checker_golden: the site checks' golden (`hw.real.jax_check`)."""
     from golden.checkpoint import SyntheticCheckpoint
     from golden.dspark.weights import DrafterCheckpoint
 
@@ -566,4 +580,5 @@ def build_checker(ctx, *, backend: str = "selfcheck", device: str = "cpu", mode:
             coverage, auto = 1, CALIBRATION
         plan = CoveragePlan.for_deployment(dep, coverage, coverage_seed)
     return RealLockstep(backend, dev, gold, policy=policy, mode=mode, fault=fault, run_dir=run_dir, config=config,
-                        carry=carry, record=record, build=build, steps=steps, plan=plan, auto=auto)
+                        carry=carry, record=record, build=build, steps=steps, plan=plan, auto=auto,
+                        checker_golden=checker_golden)

@@ -42,6 +42,7 @@ from golden.dspark.state import DeviceState, SlotRef, accept, prepare
 from golden.numerics import numerics
 from golden.paged import DECODE, PREFILL, StepMeta
 from golden.ties import INDEX_TIE_TOL
+from twin.abi.errors import AbiError
 
 from ..compare import Finding, compare_pool, compare_tensor
 from ..localize import compose_kind
@@ -80,14 +81,32 @@ class DispatchView:
 
 
 class SiteGolden:
-    """Golden's weights, numerics and the tie margins a site check uses."""
+    """Golden's weights, numerics and the tie margins a site check uses; golden: which golden runs a
+    target layer's sub-layers (`hw.real.jax_check`: numpy, jax or auto)."""
 
     def __init__(self, cfg, ckpt, nm="device", policy: Policy | None = None, index_tie_tol: float = INDEX_TIE_TOL,
-                 dckpt=None):
+                 dckpt=None, golden: str = "numpy"):
+        from .jax_check import GOLDENS
+
+        if golden not in GOLDENS:
+            raise AbiError("checker_golden", golden, f"one of {', '.join(GOLDENS)}", where="site check")
         self.cfg, self.ckpt, self.nm = cfg, ckpt, numerics(nm, cfg=cfg)
         self.policy = policy or Policy()
         self.index_tie_tol = index_tie_tol
         self.dckpt = dckpt                  # the drafter's checkpoint (None at K = 0)
+        self.golden = golden
+        self._jax = None
+
+    def jax_for(self, program: str):
+        """-> (the JAX path's sites checker for `program`, or None, why)."""
+        from .jax_check import JaxSites, admitted
+
+        ok, why = admitted(self.golden, self.cfg, program, self.nm.mode, self.index_tie_tol)
+        if not ok:
+            return None, why
+        if self._jax is None:
+            self._jax = JaxSites(self)
+        return self._jax, why
 
     def par(self, dtaps) -> TapPar:
         par = TapPar()
@@ -184,12 +203,16 @@ def _stage_findings(sg: SiteGolden, view: DispatchView, layer: int, stage: str, 
     return out
 
 
-def check_layer_sites(sg: SiteGolden, view: DispatchView, sites) -> tuple[list[dict], list[dict]]:
+def check_layer_sites(sg: SiteGolden, view: DispatchView, sites, jax=None,
+                      note: dict | None = None) -> tuple[list[dict], list[dict]]:
     """Per target site (program, group, layer, stage): {"site", "verdict", "rows"} and, failing, the
     finding and the first divergent stage of its sub-layer ("first_divergence"); with the re-syncs
-    (near-tie routes and indexer rows the golden adopted)."""
+    (near-tie routes and indexer rows the golden adopted).  jax: a `hw.real.jax_check.JaxSites`
+    that runs the sub-layers first; a sub-layer it cannot take, or finds failing at any of the
+    sites, is judged on NumPy (its re-syncs NumPy's), each such site listed in note["numpy"] with why."""
     par = sg.par(view.taps)
     runs: dict = {}
+    judged: dict = {}           # (group, layer, stage) -> findings the JAX run's screen already made
     out = []
     for site in sites:
         _, group, layer, stage = site
@@ -203,8 +226,10 @@ def check_layer_sites(sg: SiteGolden, view: DispatchView, sites) -> tuple[list[d
         elif rows.size:
             key = (layer, _sublayer(stage))
             if key not in runs:
-                runs[key] = _golden_sublayer(sg, view, layer, key[1], par)
-            fs = _stage_findings(sg, view, layer, stage, rows, runs[key])
+                runs[key] = _run_sublayer(sg, view, layer, key[1], par, jax, sites, note, judged)
+            fs = judged.pop((group, layer, stage), None)
+            if fs is None:
+                fs = _stage_findings(sg, view, layer, stage, rows, runs[key])
             bad = [f for f in fs if not f.passed]
             if bad:
                 res["verdict"] = "fail"
@@ -212,6 +237,34 @@ def check_layer_sites(sg: SiteGolden, view: DispatchView, sites) -> tuple[list[d
                 res["first_divergence"] = _localize_in_sublayer(sg, view, layer, stage, rows, runs[key])
         out.append(res)
     return out, par.resyncs
+
+
+def _run_sublayer(sg, view, layer, part, par, jax, sites, note, judged) -> LayerTaps:
+    """Golden's taps of one sub-layer: JAX's where it takes it and passes every site of `sites` in
+    it (their findings left in `judged`), else NumPy's (the JAX attempt's re-syncs dropped)."""
+    if jax is None:
+        return _golden_sublayer(sg, view, layer, part, par)
+    mark = len(par.resyncs)
+    taps, why = jax.sublayer(view, layer, part, par)
+    mine = [s for s in sites if s[2] == layer and _sublayer(s[3]) == part]
+    screened = {}
+    if taps is not None:
+        for s in mine:
+            rows = np.flatnonzero(np.asarray(view.row_group) == s[1])
+            if not rows.size:
+                continue
+            fs = screened[(s[1], layer, s[3])] = _stage_findings(sg, view, layer, s[3], rows, taps)
+            if not all(f.passed for f in fs):
+                why = f"JAX found {s[3]} of group {s[1]} failing: NumPy judges the sub-layer"
+                taps = None
+                break
+    if taps is not None:
+        judged.update(screened)
+        return taps
+    del par.resyncs[mark:]
+    if note is not None:
+        note.setdefault("numpy", []).extend([s[1], s[2], s[3], why] for s in mine)
+    return _golden_sublayer(sg, view, layer, part, par)
 
 
 def _localize_in_sublayer(sg, view, layer, stage, rows, gtaps) -> dict:
@@ -357,11 +410,20 @@ def unwritten_findings(view: DispatchView) -> list[Finding]:
     return out
 
 
-def check_view(sg: SiteGolden, view: DispatchView, sites) -> dict:
+def check_view(sg: SiteGolden, view: DispatchView, sites, numpy_only: bool = False) -> dict:
     """The head check, the target `sites` and (planned) the drafter site of one dispatch:
-    {"head": [findings], "sites": [...], "drafter": [findings], "resyncs": [...]} (plain data)."""
+    {"head": [findings], "sites": [...], "drafter": [findings], "resyncs": [...]} (plain data) and,
+    under a checker golden other than numpy, "checker": which golden checked the target sites
+    (`hw.real.jax_check`).  numpy_only: every sub-layer on NumPy whatever sg.golden says."""
     target = [tuple(s) for s in sites if s[2] != "drafter"]
-    res, resyncs = check_layer_sites(sg, view, target) if view.meta is not None else ([], [])
+    note: dict = {}
+    jax = None
+    if sg.golden != "numpy":
+        jax, why = (None, "numpy_only") if numpy_only else sg.jax_for(view.program)
+        note.update(golden="jax" if jax is not None else "numpy", why=why)
+        if jax is not None:
+            note["backend"] = jax.backend
+    res, resyncs = check_layer_sites(sg, view, target, jax, note) if view.meta is not None else ([], [])
     drafter = []
     for s in sites:
         if s[2] == "drafter":
@@ -370,7 +432,10 @@ def check_view(sg: SiteGolden, view: DispatchView, sites) -> dict:
             resyncs = resyncs + more
             res.append({"site": list(s), "rows": 0, "verdict": "fail" if any(not f.passed for f in fs) else "pass"})
     every = head_findings(sg, view) + unwritten_findings(view)
-    return {"head": [f.to_dict() for f in every], "sites": res, "drafter": drafter, "resyncs": resyncs}
+    out = {"head": [f.to_dict() for f in every], "sites": res, "drafter": drafter, "resyncs": resyncs}
+    if note:
+        out["checker"] = note
+    return out
 
 
 # ---- from records ----------------------------------------------------------------------------------
@@ -436,9 +501,10 @@ _GOLDEN: dict = {}
 _READER: dict = {}
 
 
-def recorded_golden(run_dir, policy=None) -> tuple[SiteGolden, dict]:
+def recorded_golden(run_dir, policy=None, golden: str = "numpy") -> tuple[SiteGolden, dict]:
     """The golden of a recorded run (its config's preset, seed and numerics) under the tolerance
-    policy `policy` (a `Policy`, or the JSON file of one; default the built-in one); cached per process."""
+    policy `policy` (a `Policy`, or the JSON file of one; default the built-in one), its sub-layers
+    on `golden` (`hw.real.jax_check`); cached per process."""
     import json
 
     from golden.checkpoint import SyntheticCheckpoint
@@ -447,7 +513,7 @@ def recorded_golden(run_dir, policy=None) -> tuple[SiteGolden, dict]:
     from .records import read_config
 
     pkey = json.dumps(policy.to_dict(), sort_keys=True) if isinstance(policy, Policy) else policy
-    key = (str(Path(run_dir).resolve()), pkey)
+    key = (str(Path(run_dir).resolve()), pkey, golden)
     if key not in _GOLDEN:
         b = read_config(run_dir)
         cfg = get_preset(b["preset"])
@@ -455,7 +521,7 @@ def recorded_golden(run_dir, policy=None) -> tuple[SiteGolden, dict]:
         from golden.dspark.weights import DrafterCheckpoint
 
         _GOLDEN[key] = (SiteGolden(cfg, SyntheticCheckpoint(cfg, b["seed"]), b["golden_mode"], pol,
-                                   dckpt=DrafterCheckpoint(cfg) if b["k"] else None), b)
+                                   dckpt=DrafterCheckpoint(cfg) if b["k"] else None, golden=golden), b)
     return _GOLDEN[key]
 
 
@@ -487,18 +553,17 @@ def _state_before(reader: dict, recs, index: int) -> dict:
     return state
 
 
-def recorded_view(run_dir: str, index: int, policy=None) -> tuple[SiteGolden, dict, DispatchView]:
-    """The golden, the record (program, kind, rows, nth: the program's dispatches before it) and the
-    view of recorded dispatch `index` of the run in `run_dir`, from its records alone."""
+def recorded_view(run_dir: str, index: int, policy=None, golden: str = "numpy") -> tuple[SiteGolden, dict, DispatchView]:
+    """The golden (its sub-layers on `golden`), the record (program, kind, rows, nth: the program's
+    dispatches before it) and the view of recorded dispatch `index` of the run in `run_dir`, from
+    its records alone."""
     from .records import apply_deltas, outputs_step
 
-    sg, _ = recorded_golden(run_dir, policy)
+    sg, _ = recorded_golden(run_dir, policy, golden)
     reader = _reader(run_dir)
     store = reader["store"]
     recs = store.records()
     if not 0 <= int(index) < len(recs):
-        from twin.abi.errors import AbiError
-
         raise AbiError("index", index, f"a recorded dispatch 0..{len(recs) - 1}", where=f"site check {run_dir}")
     rec = recs[index]
     state = _state_before(reader, recs, int(index))
@@ -520,12 +585,12 @@ def recorded_view(run_dir: str, index: int, policy=None) -> tuple[SiteGolden, di
     return sg, about, view_from_step(rec.program, step, layers(state), layers(after), st, draft)
 
 
-def check_recorded(run_dir: str, index: int, sites, policy=None) -> dict:
+def check_recorded(run_dir: str, index: int, sites, policy=None, golden: str = "numpy") -> dict:
     """Check `sites` (lists or tuples (program, group, layer, stage)) of recorded dispatch `index` of
     the run in `run_dir` from its records alone (a run recorded with coverage keeps what this reads),
     under the tolerance policy `policy` (a `Policy` or the lockstep's --policy file; default the
-    built-in one)."""
-    sg, about, view = recorded_view(run_dir, index, policy)
+    built-in one), the sub-layers on `golden` (`hw.real.jax_check`)."""
+    sg, about, view = recorded_view(run_dir, index, policy, golden)
     return {"index": int(index), "program": about["program"], **check_view(sg, view, sites)}
 
 
@@ -544,12 +609,15 @@ def sampled_entry(sg: SiteGolden, view: DispatchView, about: dict, sites, every)
              "verdict": "fail" if failed else "pass", "findings": findings, "first_divergence": None,
              "resyncs": res["resyncs"], "coverage": {"nth": about["nth"], "sites": len(sites)},
              "sites": [[s[1], s[2], s[3], ran[tuple(s)]] for s in sites]}
+    if "checker" in res:
+        entry["checker"] = res["checker"]
     if failed:
         cfg = sg.cfg
         order = {(layer, st): (layer, i) for layer in range(cfg.num_hidden_layers)
                  for i, st in enumerate(layer_stages(cfg, layer))}
         target = sorted((s for s in every if s[2] != "drafter"), key=lambda s: order[(s[2], s[3])])
-        full = check_view(sg, view, target)["sites"] if target and view.meta is not None else []
+        # localized on NumPy: a failing dispatch's first divergence is the reference's
+        full = check_view(sg, view, target, numpy_only=True)["sites"] if target and view.meta is not None else []
         bad = [r for r in full if r["verdict"] == "fail"]
         entry["localized_over"] = len(full)
         if bad:

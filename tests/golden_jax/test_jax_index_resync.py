@@ -16,7 +16,7 @@ from golden.jax_resync import RESYNC_STAGES, agreement, jax_admissible
 from golden.kernels.indexer import lightning_indexer
 from golden.numerics import FP32_NEG_INF
 from golden.ties import INDEX_TIE_TOL
-from index_resync_lib import OPT0, session
+from jax_decode import OPT0, session
 from twin.abi.presets import TINY
 
 

@@ -8,7 +8,7 @@ from golden.checkpoint import SyntheticCheckpoint
 from golden.compose import Taps, forward
 from golden.jax_path import JaxGolden
 from golden.jax_resync import RESYNC_STAGES, agreement, jax_admissible
-from index_resync_lib import OPT0, session
+from jax_decode import OPT0, session
 from twin.abi.presets import SMALL
 
 

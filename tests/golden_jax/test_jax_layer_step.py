@@ -11,7 +11,7 @@ from golden.checkpoint import SyntheticCheckpoint
 from golden.compose import Taps, forward
 from golden.jax_path import JaxGolden
 from golden.jax_resync import COSINE_MIN, REL_L2_MAX, RESYNC_STAGES
-from index_resync_lib import OPT0, session
+from jax_decode import OPT0, session
 from twin.abi.errors import AbiError
 from twin.abi.presets import TINY
 

@@ -5,16 +5,14 @@ the admissibility rule follows the agreement criterion."""
 import numpy as np
 import pytest
 
-from golden.compose import Session, Taps, forward
+from golden.compose import Taps, forward
 from golden.jax_path import JaxGolden
 from golden.jax_resync import (JAX_PROGRAMS, RESYNC_STAGES, SCORE_SLOPE, agreement, jax_admissible)
-from golden.paged import DECODE, Span, lower
+from jax_decode import OPT0, session
 from jax_parity_lib import gate_scores
-from twin.abi import constants as C
 from twin.abi.errors import AbiError
 from twin.abi.presets import FLASH, SMALL, TINY
 
-OPT0 = {"xla_backend_optimization_level": 0}        # compile time over step speed
 
 
 def test_score_slope_bounds_the_router_score_derivative():
@@ -26,10 +24,7 @@ def test_score_slope_bounds_the_router_score_derivative():
 
 
 def _decode(ckpt, cfg, requests=16, prefix=160):
-    s = Session(ckpt, cfg, "device", requests, prefix + C.DECODE_SEQ)
-    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (requests, prefix + C.DECODE_SEQ))
-    s.run({r: ids[r, :prefix] for r in range(requests)})
-    meta = lower(cfg, [Span(r, prefix, tuple(ids[r, prefix:]), s.blocks[r]) for r in range(requests)], form=DECODE)
+    s, meta = session(ckpt, cfg, requests, prefix)
     ref = forward(ckpt, meta, s.caches, cfg=cfg, nm=s.nm, taps=Taps(RESYNC_STAGES))
     return s, meta, ref
 

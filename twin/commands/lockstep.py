@@ -22,6 +22,7 @@ from twin.abi.errors import AbiError
 from ._common import add_budget_args, budget_from_args, flag_names, integer, out_dir, seed
 
 POLICIES = ("throttle", "skip-oldest")        # hw.real.pool.POLICIES (not imported: the CLI loads lazily)
+CHECKER_GOLDENS = ("numpy", "jax", "auto")    # hw.real.jax_check.GOLDENS
 
 
 # the defaults of the flags that set up the run, which a replay has no use for (its records set the run)
@@ -70,6 +71,11 @@ def add_arguments(p) -> None:
                         f"the first {CALIBRATION} dispatches check every site and measure the checker's and the "
                         "device's rates, then N is the smallest at which the checker keeps up, fixed for the run "
                         "(default: every dispatch checked in full)")
+    p.add_argument("--checker-golden", choices=CHECKER_GOLDENS, default="numpy",
+                   help="with --coverage: the golden of the site checks: numpy (default), jax (the JAX path, on "
+                        "an accelerator where JAX has one; refused for a run holding a program it is not "
+                        "admissible for) or auto (JAX where admissible, NumPy elsewhere, the reason reported); "
+                        "a sub-layer JAX finds failing is judged again on NumPy")
     p.add_argument("--replay", nargs="?", const=True, default=False, metavar="RUN_DIR",
                    help="no device: re-judge the records in RUN_DIR (default --run-dir) against the golden "
                         "offline and compare with its report")
@@ -235,6 +241,11 @@ def _run(args, nproc: int) -> int:
         total = sum(c["sites"] for c in cv["programs"].values())
         con.print(f"coverage: every site at least once every {cv['n']} dispatches of its program; {seen} of {total} "
                   f"sites checked so far (per site: summary.json coverage.last_checked)")
+    cg = s["config"].get("checker_golden")
+    if cg:
+        from rich.markup import escape
+
+        con.print(escape(_checker_line(cg)))
     rs = ", ".join(f"{k} {v}" for k, v in s["resyncs"].items()) or "none"
     con.print(f"re-syncs: {rs}")
     sv = s["config"].get("serving")
@@ -243,6 +254,17 @@ def _run(args, nproc: int) -> int:
     extra = ")" if args.no_records else ", records/)"
     con.print(f"report: {run_dir / 'summary.md'} (also .html, report.jsonl{extra}", soft_wrap=True)   # a path stays whole
     return 0 if s["verdict"] == "PASS" else 1
+
+
+def _checker_line(cg: dict) -> str:
+    """The --checker-golden line: the golden of each target program (why where NumPy), what JAX
+    handed to NumPy and the backend it ran on."""
+    progs = "; ".join(f"{p} {c['golden']}" + ("" if c["golden"] == "jax" else f" ({c['why']})")
+                      for p, c in sorted(cg["programs"].items())) or "no site checks (no --coverage)"
+    t = cg["tally"]
+    line = (f"checker golden {cg['chosen']}: {progs}; {t['jax_dispatches']} dispatches' sites on JAX "
+            f"({t['sites_to_numpy']} sites judged again on NumPy), {t['numpy_dispatches']} on NumPy")
+    return line + (f"; JAX on {', '.join(t['backends'])}" if t["backends"] else "")
 
 
 def _coverage_auto(run_dir, checker) -> str | None:
@@ -355,10 +377,12 @@ def _parity(args, run_dir, resumed: bool, fault, policy, nproc: int = 1):
                                   seed=args.seed, k=args.k, requests=requests, slots=args.slots,
                                   total_kv_pages=pages, fault=fault, policy=policy, run_dir=run_dir,
                                   record=not args.no_records, nproc=nproc,
-                                  coverage=args.coverage)
+                                  coverage=args.coverage, checker_golden=args.checker_golden)
     except AbiError as e:
         if e.name == "coverage":
             raise AbiError("--coverage", args.coverage, e.allowed, e.where) from None
+        if e.name == "checker_golden":
+            raise AbiError("--checker-golden", args.checker_golden, e.allowed, e.where) from None
         if e.name != "fault":
             raise
         raise AbiError("--inject", args.inject, e.allowed, e.where) from None
@@ -387,8 +411,9 @@ def _replay(args, run_dir, con, policy) -> int:
     from hw.run_format import check_run_dir
 
     check_run_dir(run_dir)
+    replay = _flag_named(replay, "checker_golden", "--checker-golden", args.checker_golden)
     if args.ray is None:
-        entries = replay(run_dir, policy=policy)
+        entries = replay(run_dir, policy=policy, checker_golden=args.checker_golden)
     else:
         from hw.real.pool import RayWorkers
 
@@ -398,7 +423,7 @@ def _replay(args, run_dir, con, policy) -> int:
         read_config(run_dir)                 # a run directory that is not one is refused before Ray starts
         ray, started = connect("--ray", args.ray)
         try:
-            entries = replay(run_dir, policy=policy, workers=RayWorkers())
+            entries = replay(run_dir, policy=policy, workers=RayWorkers(), checker_golden=args.checker_golden)
         finally:
             if started:
                 ray.shutdown()
@@ -415,3 +440,15 @@ def _replay(args, run_dir, con, policy) -> int:
                                                                          f" (of its {len(report)} lines)")
               + (f"; differ at {differ[:8]}" if differ else ""))
     return 1 if differ or not report or (complete and len(entries) != len(report)) else 0
+
+
+def _flag_named(fn, name: str, flag: str, value):
+    """fn, its AbiError under argument `name` reported under the CLI's `flag`."""
+    def call(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except AbiError as e:
+            if e.name != name:
+                raise
+            raise AbiError(flag, value, e.allowed, e.where) from None
+    return call

@@ -17,6 +17,8 @@ twin is the composition layer); hw and twin.sim never import each other.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,7 +139,8 @@ class ParityRun:
 
         w = LocalWorkers(workers) if isinstance(workers, int) else workers
         writer = RecordThread(c.recorder, backlog)
-        pool = CheckPool(check, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
+        unit = check if c.checker_golden == "numpy" else functools.partial(check, golden=c.checker_golden)
+        pool = CheckPool(unit, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
                          check_policy=c.policy, write=lambda e: c.report.append(e), writer=writer)
         c.pool, c.steps, c.progress = pool, steps, progress
         try:
@@ -212,7 +215,7 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                    max_model_len: int = 512, max_num_seqs: int | None = None, max_num_batched_tokens: int = 256,
                    ep: int = 8, fault=None, policy=None, run_dir=None, carry: str = "device", record: bool = True,
                    steps: int | None = None, nproc: int = 1, coverage: int | str | None = None,
-                   coverage_seed: int = 0) -> ParityRun:
+                   coverage_seed: int = 0, checker_golden: str = "numpy") -> ParityRun:
     """A parity run on a small preset's deployment (TP4, EP8 by default: two cache partitions).
 
     requests: `twin.abi.batches.Request`s (a workload spec's or a trace's), default `seeded_requests`.
@@ -224,7 +227,9 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
     full; N samples (`hw.real.coverage`: every site at least once every N dispatches of its program,
     the permutation of `coverage_seed`; N = 1 checks every site, each from the device's state); "auto"
     checks every site on the first `hw.real.coverage.CALIBRATION` dispatches, then fixes N from the
-    checker's and the device's measured rates (`RealLockstep.choose_coverage`)."""
+    checker's and the device's measured rates (`RealLockstep.choose_coverage`).  checker_golden: the
+    site checks' golden, numpy, jax or auto (`hw.real.jax_check`); a checker-side choice, so not
+    among the arguments that rebuild the run."""
     from hw.real.lockstep import BACKENDS, build_checker
 
     cfg = get_preset(preset)
@@ -262,7 +267,7 @@ def build_lockstep(*, preset: str = "tiny", backend: str = "selfcheck", device: 
                             golden_mode=golden_mode, fault=fault, policy=policy, run_dir=run_dir, carry=carry,
                             record=record, build=build_args, steps=steps,
                             config={"requests": len(requests), "slots_per_partition": admitted}, nproc=nproc,
-                            coverage=coverage, coverage_seed=coverage_seed)
+                            coverage=coverage, coverage_seed=coverage_seed, checker_golden=checker_golden)
     run = ParityRun(sim, checker, admitted)
 
     def factory(cost, slots_):
@@ -365,12 +370,12 @@ def single_dispatch_case(kind: str, *, at: int, layer: int, n: int, plan_seeds, 
             "frequency": sum(caught) / len(caught), "plan_probability": float(sum(probs) / len(probs))}
 
 
-def replay_records(run_dir, *, policy=None, workers=None) -> list[dict]:
+def replay_records(run_dir, *, policy=None, workers=None, checker_golden: str = "numpy") -> list[dict]:
     """Re-judge a recorded run offline: its scheduler re-driven with the recorded device outputs and
     state (no device), golden live on every record (`check_dispatches`), the same checks; returns the
     report entries (one per record).  workers (a `hw.real.pool.RayWorkers` or `LocalWorkers`): the
     records' checks fanned out over them in contiguous chunks (`hw.real.pool.fan_out`), the same
-    entries."""
+    entries.  checker_golden: the site checks' golden (`hw.real.jax_check`)."""
     from pathlib import Path
 
     from hw.records import RecordStore
@@ -379,14 +384,15 @@ def replay_records(run_dir, *, policy=None, workers=None) -> list[dict]:
     run_dir = Path(run_dir)
     read_config(run_dir)
     n = len(RecordStore(run_dir / "records").records())
+    unit = functools.partial(check_dispatches, checker_golden=checker_golden)
     if workers is None:
-        return check_dispatches(run_dir, range(n), policy) if n else []
+        return unit(run_dir, range(n), policy) if n else []
     from hw.real.pool import fan_out
 
-    return fan_out(check_dispatches, run_dir, n, workers, policy)
+    return fan_out(unit, run_dir, n, workers, policy)
 
 
-def check_dispatches(run_dir, indices, policy=None) -> list[dict]:
+def check_dispatches(run_dir, indices, policy=None, checker_golden: str = "numpy") -> list[dict]:
     """The report entries of the recorded dispatches `indices` of `run_dir`, each checked on its own
     (`hw.real.replay.Seek`): golden's state and bookkeeping before dispatch i are the records', so an
     entry is the same whichever other dispatches are checked with it, in one call or on another worker.
@@ -397,7 +403,7 @@ def check_dispatches(run_dir, indices, policy=None) -> list[dict]:
     from hw.real.replay import Seek
 
     run_dir = Path(run_dir)
-    lr = rebuild(read_config(run_dir), policy=policy, record=False, fault=None)
+    lr = rebuild(read_config(run_dir), policy=policy, record=False, fault=None, checker_golden=checker_golden)
     if lr.checker.auto is not None:
         from hw.real.lockstep import read_coverage_choice
 
@@ -413,19 +419,20 @@ def check_dispatches(run_dir, indices, policy=None) -> list[dict]:
     return list(lr.entries)
 
 
-def check(run_dir, index: int, sites=None, policy=None) -> dict:
+def check(run_dir, index: int, sites=None, policy=None, golden: str = "numpy") -> dict:
     """The checker's unit of work: recorded dispatch `index` of `run_dir` re-judged from the records
     alone (paths and ints in, a JSON-able report entry out, so it runs in a worker process or a Ray
     task).  sites: None checks the whole dispatch (re-driving the scheduler to it); a sampled run's
     sites of the dispatch (program, group, layer, stage) check those and the head from the device's
-    recorded state (`hw.real.site_check`), the drafter site's too."""
+    recorded state (`hw.real.site_check`), the drafter site's too, their sub-layers on `golden`
+    (`hw.real.jax_check`)."""
     if sites is None:
-        return check_dispatches(run_dir, [index], policy=policy)[0]
+        return check_dispatches(run_dir, [index], policy=policy, checker_golden=golden)[0]
     from hw.real.site_check import recorded_view, sampled_entry
 
     sites = [tuple(s) for s in sites]
     plan = recorded_plan(run_dir)
-    sg, about, view = recorded_view(str(run_dir), index, policy)
+    sg, about, view = recorded_view(str(run_dir), index, policy, golden)
     wrong = [s for s in sites if s not in plan.sites.get(about["program"], ())]
     if wrong:
         raise AbiError("sites", wrong[:4], f"sites of dispatch {index}'s program {about['program']} in the run's "

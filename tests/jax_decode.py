@@ -1,4 +1,5 @@
-"""Shared by the indexer re-sync tests: a decode step of distinct requests over a resident prefix."""
+"""Shared by the JAX tests (tests/golden and tests/golden_jax): a decode step of distinct requests over
+a resident prefix, and the compile option the tests trade step speed for."""
 import numpy as np
 
 from golden.compose import Session
