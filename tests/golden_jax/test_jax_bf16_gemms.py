@@ -19,9 +19,9 @@ from golden.jax_path import JaxGolden
 from golden.kernels.o_proj import o_proj, pack_groups
 from golden.numerics import Numerics
 from golden.paged import DECODE, Span, lower
+from jax_decode import OPT0
 from twin.abi.presets import TINY
 
-OPT0 = {"xla_backend_optimization_level": 0}
 
 
 def _bf16_values(rng, shape, scale=1.0):

@@ -12,9 +12,9 @@ from golden.jax_path import READ_TRANSPOSED, JaxGolden
 from golden.numerics import BF16
 from golden.paged import DECODE, Span, lower
 from golden_testlib import rel
+from jax_decode import OPT0
 from twin.abi.presets import TINY
 
-OPT0 = {"xla_backend_optimization_level": 0}
 
 
 def test_jax_compressor_pools_only_with_a_real_boundary_exact(tiny_ckpt):

@@ -21,13 +21,13 @@ from golden.kernels.sparse_attention import TILE, sparse_attention
 from golden.numerics import BF16, Numerics
 from golden.paged import DECODE, PREFILL, Span, assign_blocks, lower, window_indices
 from golden_testlib import rel
+from jax_decode import OPT0
 from jax_parity_lib import assert_fp32_parity
 from twin.abi.errors import AbiError
 from twin.abi.presets import TINY
 
 
 TAPS = ("ffn_x_mixed", "moe_indices")
-OPT0 = {"xla_backend_optimization_level": 0}        # compile time over step speed
 
 
 def _decode_case(ckpt, mode):

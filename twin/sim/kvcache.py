@@ -753,7 +753,6 @@ class KvCacheManager:
         if len(st) > 1:
             st.sort(key=_RUN_KEY)
         p = pin.partition
-        log = self.log
         cur = -1
         r = freed = None
         for f, _, bs in st:

@@ -1,4 +1,4 @@
-"""Shared by the JAX tests (tests/golden and tests/golden_jax): a decode step of distinct requests over
+"""Shared by the JAX-path tests: a decode step of distinct requests over
 a resident prefix, and the compile option the tests trade step speed for."""
 import numpy as np
 
