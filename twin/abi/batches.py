@@ -78,8 +78,8 @@ class PrefillItem:
 
     @property
     def terminal(self) -> bool:
-        """Only the chunk that completes the prompt (`end` reaches it) samples a token."""
-        return self.num_computed + len(self.chunk_tokens) >= self.prompt_len
+        """Only the chunk that completes the prompt samples a token."""
+        return self.end >= self.prompt_len
 
 
 @dataclass(frozen=True)

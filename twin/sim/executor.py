@@ -186,11 +186,7 @@ class CostModelExecutor:
         tokens, accepted, drafts = res.tokens, res.accepted, res.drafts
         for (it, st), cnt, f in zip(order, cl, fit):
             rid = it.request_id
-            if st.script:
-                tokens[rid] = self._tokens(st, cnt, pool[at:at + cnt])
-            else:                                 # nothing planted: the drawn tokens as they are
-                tokens[rid] = pool[at:at + cnt]
-                st.emitted += cnt
+            tokens[rid] = self._tokens(st, cnt, pool[at:at + cnt])
             at += cnt
             accepted[rid] = cnt
             drafts[rid] = k if f else 0

@@ -159,7 +159,7 @@ class Scheduler:
         # the prompts of admitted, unfinished requests as ints (a preempted one prefills again; a
         # scheduler that replaces a prompt array at preemption gets the new one converted)
         self._prompt_tokens: dict[str, tuple] = {}
-        self._family_index: dict[str, int] | None = None    # family name -> its slot in a pin's tables
+        self._family_index = {name: f for f, name in enumerate(kv.names)}   # family -> its slot in a pin's tables
         self.max_hit_offset = max(1, cfg.replay_tokens)
         self._progress_step = 0             # the last step whose result kept a token or finished a request
         self._thrash: list[tuple[str, str, int]] = []   # (victim, by, partition) since then
@@ -373,8 +373,6 @@ class Scheduler:
         k = self.cfg.k
         kv = self.kv
         index = self._family_index
-        if index is None:
-            index = self._family_index = {name: f for f, name in enumerate(kv.names)}
         prompts = self._prompt_tokens
         noise = self._noise
         pre, dec = [], []
