@@ -387,34 +387,6 @@ static PyObject *Pool_release(Pool *p, PyObject *args)
     return freed;
 }
 
-static PyObject *Pool_release_runs(Pool *p, PyObject *args)
-{
-    PyObject *runs;
-    int want;
-    if (!PyArg_ParseTuple(args, "Op", &runs, &want))
-        return NULL;
-    PyObject *fast = PySequence_Fast(runs, "runs: a sequence of page sequences");
-    if (fast == NULL)
-        return NULL;
-    PyObject *freed = want ? PyList_New(0) : NULL;
-    if (want && freed == NULL) {
-        Py_DECREF(fast);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (unref_seq(p, PySequence_Fast_GET_ITEM(fast, i), freed) < 0) {
-            Py_DECREF(fast);
-            Py_XDECREF(freed);
-            return NULL;
-        }
-    }
-    Py_DECREF(fast);
-    if (freed == NULL)
-        Py_RETURN_NONE;
-    return freed;
-}
-
 static PyObject *Pool_hold(Pool *p, PyObject *args)
 {
     PyObject *seq;
@@ -786,8 +758,6 @@ static PyMethodDef Pool_methods[] = {
     {"release", (PyCFunction)Pool_release, METH_VARARGS,
      "release(pages, want): one reference fewer on each page (None skipped); the unreferenced ones join the "
      "free-queue tail in order, hashes kept, and are returned as a list when `want`."},
-    {"release_runs", (PyCFunction)Pool_release_runs, METH_VARARGS,
-     "release_runs(runs, want): `release` over each page sequence of `runs`, in order."},
     {"hold", (PyCFunction)Pool_hold, METH_VARARGS,
      "hold(pages, want): one reference more on each page (None skipped); an unreferenced page is pulled out "
      "of the free queue (returned in order as a list when `want`)."},
@@ -844,11 +814,91 @@ static PyTypeObject PoolType = {
     .tp_as_buffer = &Pool_as_buffer,
 };
 
+static PyTypeObject PoolType;
+
+static PyObject *release_runs(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *pools, *runs;
+    int want;
+    if (!PyArg_ParseTuple(args, "OOp", &pools, &runs, &want))
+        return NULL;
+    PyObject *fp = PySequence_Fast(pools, "pools: a sequence of Pool");
+    if (fp == NULL)
+        return NULL;
+    PyObject *fr = PySequence_Fast(runs, "runs: a sequence of (family, first slot, pages)");
+    if (fr == NULL) {
+        Py_DECREF(fp);
+        return NULL;
+    }
+    PyObject *out = want ? PyList_New(0) : NULL, *freed = NULL;
+    Py_ssize_t np = PySequence_Fast_GET_SIZE(fp), nr = PySequence_Fast_GET_SIZE(fr);
+    long cur = -1;
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        PyObject *run = PySequence_Fast_GET_ITEM(fr, i);
+        if (!PyTuple_Check(run) || PyTuple_GET_SIZE(run) != 3) {
+            PyErr_SetString(PyExc_TypeError, "runs: each a (family, first slot, pages) tuple");
+            goto fail;
+        }
+        long f = PyLong_AsLong(PyTuple_GET_ITEM(run, 0));
+        if (f == -1 && PyErr_Occurred())
+            goto fail;
+        if (f < 0 || f >= np || !PyObject_TypeCheck(PySequence_Fast_GET_ITEM(fp, f), &PoolType)) {
+            PyErr_Format(PyExc_IndexError, "runs: family %ld has no pool", f);
+            goto fail;
+        }
+        if (want && f != cur) {
+            if (freed != NULL && PyList_GET_SIZE(freed) > 0) {
+                PyObject *pair = Py_BuildValue("(lO)", cur, freed);
+                if (pair == NULL || PyList_Append(out, pair) < 0) {
+                    Py_XDECREF(pair);
+                    goto fail;
+                }
+                Py_DECREF(pair);
+            }
+            Py_XDECREF(freed);
+            if ((freed = PyList_New(0)) == NULL)
+                goto fail;
+        }
+        cur = f;
+        if (unref_seq((Pool *)PySequence_Fast_GET_ITEM(fp, f), PyTuple_GET_ITEM(run, 2), freed) < 0)
+            goto fail;
+    }
+    if (want && freed != NULL && PyList_GET_SIZE(freed) > 0) {
+        PyObject *pair = Py_BuildValue("(lO)", cur, freed);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            goto fail;
+        }
+        Py_DECREF(pair);
+    }
+    Py_XDECREF(freed);
+    Py_DECREF(fp);
+    Py_DECREF(fr);
+    if (!want)
+        Py_RETURN_NONE;
+    return out;
+fail:
+    Py_XDECREF(freed);
+    Py_XDECREF(out);
+    Py_DECREF(fp);
+    Py_DECREF(fr);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"release_runs", release_runs, METH_VARARGS,
+     "release_runs(pools, runs, want): for each (family, first slot, pages) run in order, `Pool.release` "
+     "of its pages in `pools[family]`; when `want`, the freed pages as [(family, [pages])], one entry per "
+     "stretch of runs of one family that freed any."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef pages_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_pages",
     .m_doc = "The grouped prefix cache's page pools (see twin/sim/kvcache.py).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__pages(void)

@@ -29,7 +29,7 @@ import numpy as np
 from twin.abi.caches import page_alignment
 
 try:
-    from ._pages import Pool
+    from ._pages import Pool, release_runs
 except ImportError as e:            # the package was copied or installed without its build step
     raise ImportError(f"twin.sim._pages is not built ({e}): run `pip install -e .` or `python setup.py "
                       "build_ext --inplace` in the checkout (needs a C compiler and the Python headers)") from None
@@ -225,6 +225,7 @@ class KvCacheManager:
         for i in range(nf):                 # a mirrored family shows its canonical family's pool
             self.free[i] = self.free[of[i]]
         self.ref = [[memoryview(pool) for pool in pools] for pools in self.free]
+        self._pools = [[self.free[f][p] for f in range(nf)] for p in range(partitions)]     # by partition
         self.index = [[_Index(pool) for pool in pools] for pools in self.free]
         self.reqs: dict[str, _Owned] = {}
         self.orphans: set[Pin] = set()      # pins of released requests, held until their step settles
@@ -452,7 +453,7 @@ class KvCacheManager:
         lg = o.logical
         if not self._rolling[f]:
             if len(t) < target:
-                o.tables[f] = t = t + tuple(self._take_n(f, p, target - len(t)))
+                o.tables[f] = t = t + self._take_n(f, p, target - len(t))
                 for g in self.twins[f]:
                     o.tables[g] = t
             if target > lg[f]:
@@ -467,7 +468,7 @@ class KvCacheManager:
                     t[s] = self._take(f, p)
             t = tuple(t)
         if len(t) < size:
-            t = t + tuple(self._take_n(f, p, size - len(t)))
+            t = t + self._take_n(f, p, size - len(t))
         if target > lg[f]:
             if target > maxb:
                 t = self._wrap(o, f, p, t, max(lg[f], maxb), target, maxb)
@@ -488,17 +489,28 @@ class KvCacheManager:
         s0 = start % maxb
         end = s0 + n
         pins = o.pins
-        if len(pins) == 1 and end <= maxb and free.n >= n and self._pin_fast:
+        if len(pins) == 1 and free.n >= n and self._pin_fast:
+            # the async steady state (the one in-flight step pins every rewritten slot): every
+            # page moves from the owner to the pin, ref counts unchanged, all detaches
             pt = pins[0].tables[f]
-            if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
-                # the async steady state (the one in-flight step pins every rewritten slot): every
-                # page moves from the owner to the pin, ref counts unchanged, all detaches
-                pins[0].stored.append((f, s0, t[s0:end]))
-                new = self._take_n(f, p, n)             # logs the taken pages
-                if pt is not t and self.log is not None:
-                    self.log.free(f, p, ())             # a rewrite of a changed table logs its frees, none here
-                self._detaches += n * self._mult[f]
-                return t[:s0] + new + t[end:]
+            if end <= maxb:
+                if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
+                    pins[0].stored.append((f, s0, t[s0:end]))
+                    new = self._take_n(f, p, n)         # logs the taken pages
+                    if pt is not t and self.log is not None:
+                        self.log.free(f, p, ())         # a rewrite of a changed table logs its frees, none here
+                    self._detaches += n * self._mult[f]
+                    return t[:s0] + new + t[end:]
+            else:
+                e = end - maxb                          # the rewrite runs past the ring's end
+                if pt is t or (len(pt) == maxb and pt[s0:] == t[s0:] and pt[:e] == t[:e]):
+                    pins[0].stored += ((f, s0, t[s0:]), (f, 0, t[:e]))
+                    new = self._take_n(f, p, n)
+                    if self.log is not None:
+                        self.log.free(f, p, ())         # a wrapped rewrite logs its frees, none here
+                    self._detaches += n * self._mult[f]
+                    k = maxb - s0
+                    return new[k:] + t[e:s0] + new[:k]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
         old = t[s0:end] if end <= maxb else t[s0:] + t[:end - maxb]
         # per page, how many in-flight pins hold it; a pin taken since the table last changed
@@ -627,18 +639,11 @@ class KvCacheManager:
             return
         if len(st) > 1:
             st.sort(key=_RUN_KEY)
-        p = pin.partition
         log = self.log
-        i, n = 0, len(st)
-        while i < n:                            # runs sorted by family: one pool call per family
-            f = st[i][0]
-            j = i + 1
-            while j < n and st[j][0] == f:
-                j += 1
-            freed = self.free[f][p].release_runs([bs for _, _, bs in st[i:j]], log is not None)
-            if freed:
-                log.free(f, p, freed)
-            i = j
+        freed = release_runs(self._pools[pin.partition], st, log is not None)
+        if freed:
+            for f, bs in freed:
+                log.free(f, pin.partition, bs)
         st.clear()
 
     def _store_pin(self, pin: Pin, owner: list | None = None) -> set:
