@@ -104,6 +104,16 @@ class Model:
             elif owner != b:
                 self._clear(b)
 
+    def fresh(self, table, s0, m, ring, pinned):
+        need = 0
+        for i in range(m):
+            s = (s0 + i) % ring
+            if s >= len(table) or table[s] is None:
+                continue
+            b = table[s]
+            need += self.ref[b] > 1 or any(s < len(pt) and pt[s] == b for pt in pinned)
+        return need
+
     def hits(self, hashes, limit):
         i = 0
         while i < min(limit, len(hashes)) and int(hashes[i]) in self.index:
@@ -130,7 +140,7 @@ def test_pool_moves_pages_as_the_rules_say(size, data):
                         dtype=np.uint64)
     for _ in range(data.draw(st.integers(1, 40))):
         owned = [b for b in range(size) if m.ref[b] > 0]
-        op = data.draw(st.sampled_from(["take", "release", "hold", "rewrite", "publish", "query"]))
+        op = data.draw(st.sampled_from(["take", "release", "hold", "rewrite", "publish", "fresh", "query"]))
         if op == "take":
             n = data.draw(st.integers(0, len(m.free)))
             assert pool.take(n) == m.take(n)
@@ -162,6 +172,13 @@ def test_pool_moves_pages_as_the_rules_say(size, data):
             h0 = data.draw(st.integers(0, len(hs) - n))
             pool.publish(table, a, n, ring, hs, h0)
             m.publish(table, a, n, ring, hs, h0)
+        elif op == "fresh" and owned:
+            slots = st.sampled_from(owned + [None])
+            table = tuple(data.draw(st.lists(slots, min_size=1, max_size=8)))
+            pinned = [tuple(data.draw(st.lists(slots, max_size=8))) for _ in range(data.draw(st.integers(0, 2)))]
+            ring = data.draw(st.integers(len(table), len(table) + 2))
+            s0, k = data.draw(st.integers(0, ring - 1)), data.draw(st.integers(0, ring))
+            assert pool.fresh(table, s0, k, ring, pinned) == m.fresh(table, s0, k, ring, pinned)
         elif op == "query":
             hs = universe[data.draw(st.lists(st.integers(0, len(universe) - 1), max_size=6))]
             limit = data.draw(st.integers(0, 8))

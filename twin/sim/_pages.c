@@ -550,6 +550,62 @@ done:
     return out;
 }
 
+static PyObject *Pool_fresh(Pool *p, PyObject *args)
+{
+    PyObject *table, *pins;
+    Py_ssize_t s0, m, ring;
+    if (!PyArg_ParseTuple(args, "OnnnO", &table, &s0, &m, &ring, &pins))
+        return NULL;
+    PyObject *ft = PySequence_Fast(table, "table: a sequence");
+    if (ft == NULL)
+        return NULL;
+    PyObject *fp = PySequence_Fast(pins, "pinned tables: a sequence");
+    if (fp == NULL) {
+        Py_DECREF(ft);
+        return NULL;
+    }
+    Py_ssize_t lt = PySequence_Fast_GET_SIZE(ft), np = PySequence_Fast_GET_SIZE(fp), need = 0;
+    PyObject **tv = PySequence_Fast_ITEMS(ft), *out = NULL;
+    if (ring <= 0 || s0 < 0 || m < 0) {
+        PyErr_Format(PyExc_ValueError, "%U: ring slots %zd+%zd of a ring of %zd", p->label, s0, m, ring);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        Py_ssize_t s = (s0 + i) % ring;
+        if (s >= lt)
+            continue;
+        int32_t b = get_page(p, tv[s]);
+        if (b == -2)
+            continue;
+        if (b < 0)
+            goto done;
+        if (p->ref[b] > 1) {
+            need++;
+            continue;
+        }
+        for (Py_ssize_t k = 0; k < np; k++) {
+            PyObject *pt = PySequence_Fast_GET_ITEM(fp, k);
+            if (!PyTuple_Check(pt)) {
+                PyErr_SetString(PyExc_TypeError, "pinned tables: tuples of page ids");
+                goto done;
+            }
+            if (s < PyTuple_GET_SIZE(pt)) {
+                PyObject *x = PyTuple_GET_ITEM(pt, s);
+                if (x != Py_None && (x == tv[s] || PyLong_AsLong(x) == b)) {
+                    need++;
+                    break;
+                }
+            }
+        }
+    }
+    if (!PyErr_Occurred())
+        out = PyLong_FromSsize_t(need);
+done:
+    Py_DECREF(ft);
+    Py_DECREF(fp);
+    return out;
+}
+
 static PyObject *Pool_hits(Pool *p, PyObject *args)
 {
     PyObject *hashes;
@@ -768,6 +824,9 @@ static PyMethodDef Pool_methods[] = {
     {"publish", (PyCFunction)Pool_publish, METH_VARARGS,
      "publish(table, a, n, ring, hashes, h0): hash table slots a..a+n-1 (mod `ring` when > 0) with hashes "
      "h0..h0+n-1: a page caches a hash that has no live owner; a duplicate of a live owner loses its hash."},
+    {"fresh", (PyCFunction)Pool_fresh, METH_VARARGS,
+     "fresh(table, s0, m, ring, pinned): of ring slots s0..s0+m-1 (mod `ring`) that the table has, how many "
+     "hold a page that is shared (more than one reference) or held by one of the `pinned` tables in that slot."},
     {"hits", (PyCFunction)Pool_hits, METH_VARARGS,
      "hits(hashes, limit): how many leading hashes (at most `limit`) have a live owner."},
     {"owners", (PyCFunction)Pool_owners, METH_VARARGS,

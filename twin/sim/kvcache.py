@@ -325,21 +325,7 @@ class KvCacheManager:
                         return need + max(0, min(s0 + m, L) - s0)
                     return need + max(0, L - s0) + min(s0 + m - maxb, L)
                 return need + sum(1 for i in range(m) if (s0 + i) % maxb < L and t[(s0 + i) % maxb] is not None)
-            slots = [(s0 + i) % maxb for i in range(m)]
-            r = self.ref[f][o.partition]
-            for s in slots:
-                if s >= L:
-                    continue
-                b = t[s]
-                if b is None:
-                    continue
-                if r[b] > 1:
-                    need += 1
-                    continue
-                for pt in pts:
-                    if s < len(pt) and pt[s] == b:
-                        need += 1
-                        break
+            need += self.free[f][o.partition].fresh(t, s0, m, maxb, pts)
         return need
 
     def _fits(self, o: _Owned, p: int, tokens: int, work: list[int]) -> tuple[bool, dict, dict]:
