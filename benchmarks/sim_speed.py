@@ -14,12 +14,12 @@ every import) that generates the workload, runs `simulate` once and reports:
 - the run's outcome (steps, completed, failed, preemptions), so both sides are seen to run the
   same simulation.
 
-Sizes 1,000 and 10,000 requests (`--quick`: 100 and 1,000), the working tree and the `twin`
-package as committed at `--baseline` (default 73a22e8; `git archive` into a scratch directory)
-in alternating rounds (`--repeat`, best of the rounds per side), then the working tree again at
-the small size with the decision log on, for its cost, and the baseline's too: `same_as_baseline`
-says whether the two decision logs (every decision, page ids included) are byte-identical.
-`cpu_ratio` is the 1,000 -> 10,000 CPU growth (linear: 10).
+Sizes 1,000 and 10,000 requests (`--quick`: 100 and 1,000), the working tree and the `twin` package
+as committed at `--baseline` (default 73a22e8; `git archive` into a scratch directory, its compiled
+part, if it has one, built there) in alternating rounds (`--repeat`, best of the rounds per side),
+then the working tree again at the small size with the decision log on, for its cost, and the
+baseline's too: `same_as_baseline` says whether the two decision logs (every decision, page ids
+included) are byte-identical. `cpu_ratio` is the 1,000 -> 10,000 CPU growth (linear: 10).
 
     python benchmarks/sim_speed.py [--quick] [--baseline REF | --no-baseline] [--repeat N]
 """
@@ -124,6 +124,12 @@ def side(runs: dict[int, list[dict]], small: int, big: int) -> dict:
 def _extract(ref: str, into: str) -> None:
     arch = subprocess.run(["git", "-C", ROOT, "archive", ref, "twin"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", into], input=arch, check=True)
+    setup = subprocess.run(["git", "-C", ROOT, "show", f"{ref}:setup.py"], capture_output=True)
+    if setup.returncode == 0:               # the commit has a compiled part: build it in place there
+        with open(os.path.join(into, "setup.py"), "wb") as f:
+            f.write(setup.stdout)
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=into, check=True,
+                       capture_output=True)
 
 
 def main() -> None:
@@ -146,7 +152,10 @@ def main() -> None:
         if not args.no_baseline:
             try:
                 _extract(args.baseline, tmp)
-            except subprocess.CalledProcessError:
+            except subprocess.CalledProcessError as e:
+                if e.cmd[0] == sys.executable:
+                    ap.error(f"--baseline {args.baseline}: its compiled part does not build here "
+                             f"({e.stderr.decode(errors='replace').strip().splitlines()[-1:]})")
                 ap.error(f"--baseline {args.baseline}: not a commit of this repository")
             sides["baseline"] = tmp
         runs = {s: {small: [], big: []} for s in sides}

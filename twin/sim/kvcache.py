@@ -6,6 +6,10 @@ allocation pops the head) and a `hash -> block` index.  Requests own one table p
 rolling families are rings of `max_blocks_per_seq` slots whose write slot is detached when
 shared and rotated through the free queue when solely owned (serving-contract.md §3).
 
+A pool's pages (ref counts, hashes, free queue, hash index) live in a compiled `Pool`
+(`twin/sim/_pages.c`), which moves a whole run of pages per call; this module decides which pages
+move and in which order, and keeps the per-request tables.
+
 Async block-table pins (§3.5) are kept implicit: a pin of a page the request still owns costs
 nothing; only when the owner drops a pinned page (a wrap onto it, a detach, the request's
 release) does the pin become a stored reference, released with the snapshot in the snapshot's
@@ -23,6 +27,12 @@ from operator import itemgetter
 import numpy as np
 
 from twin.abi.caches import page_alignment
+
+try:
+    from ._pages import Pool, release_runs
+except ImportError as e:            # the package was copied or installed without its build step
+    raise ImportError(f"twin.sim._pages is not built ({e}): run `pip install -e .` or `python setup.py "
+                      "build_ext --inplace` in the checkout (needs a C compiler and the Python headers)") from None
 
 
 class KVCacheCapacityError(RuntimeError):
@@ -72,16 +82,21 @@ _MIX = _HASH_RNG.integers(1, 2**63, size=8192, dtype=np.uint64) | np.uint64(1)
 _CHAIN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def chained_hashes(tokens: np.ndarray, page: int) -> list[int]:
-    """One hash per full page; page i's hash depends on the fixed root and pages 0..i (a chain),
-    computed as a position-weighted polynomial so it vectorises (uint64 arithmetic wraps)."""
+def page_hashes(tokens: np.ndarray, page: int) -> np.ndarray:
+    """One hash per full page (uint64); page i's hash depends on the fixed root and pages 0..i (a
+    chain), computed as a position-weighted polynomial so it vectorises (uint64 arithmetic wraps)."""
     n = len(tokens) // page
     if n == 0:
-        return []
+        return np.zeros(0, dtype=np.uint64)
     t = tokens[: n * page].astype(np.uint64).reshape(n, page)
     content = (t * _MIX[:page]).sum(axis=1, dtype=np.uint64) + np.uint64(page)
     weights = np.cumprod(np.full(n, _CHAIN, dtype=np.uint64), dtype=np.uint64)
-    return np.cumsum(content * weights, dtype=np.uint64).tolist()
+    return np.cumsum(content * weights, dtype=np.uint64)
+
+
+def chained_hashes(tokens: np.ndarray, page: int) -> list[int]:
+    """`page_hashes` as Python ints."""
+    return page_hashes(tokens, page).tolist()
 
 
 class _Owned:
@@ -150,83 +165,30 @@ class PageLog:
         return out
 
 
-class FreeQueue:
-    """One pool's free pages in eviction order: freed pages append at the tail, takes pop the head,
-    a prefix hit pulls a page out from anywhere.  A list with a moving head, so a take of n pages
-    is one slice; a page pulled out leaves a hole (-1) that takes skip.  Past the head each free
-    page appears once (a taken page is behind the head, a pulled one is a hole), so a pull finds
-    its page by a search from the head (pulls are rare: prefix hits on pages nobody holds)."""
+class _Index:
+    """A pool's `hash -> page` index seen as a mapping (for checks and tests; the manager asks the
+    pool directly)."""
 
-    __slots__ = ("q", "head", "n", "holes")
+    __slots__ = ("pool",)
 
-    def __init__(self, size: int):
-        self.q = list(range(size))
-        self.head = self.holes = 0
-        self.n = size
+    def __init__(self, pool: Pool):
+        self.pool = pool
+
+    def get(self, h, default=None):
+        b = self.pool.owner(h)
+        return default if b is None else b
+
+    def __getitem__(self, h) -> int:
+        b = self.pool.owner(h)
+        if b is None:
+            raise KeyError(h)
+        return b
+
+    def __delitem__(self, h) -> None:
+        self.pool.unindex(h)
 
     def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self):
-        return (b for b in self.q[self.head:] if b >= 0)
-
-    def __contains__(self, b: int) -> bool:
-        return b >= 0 and b in self.q[self.head:]
-
-    def take(self, k: int) -> list[int]:
-        """The first `k` queued pages, in order (the caller has checked `k <= len(self)`)."""
-        q, h = self.q, self.head
-        if self.holes:
-            out = []
-            while len(out) < k:
-                b = q[h]
-                h += 1
-                if b < 0:
-                    self.holes -= 1
-                else:
-                    out.append(b)
-        else:
-            out = q[h:h + k]
-            h += k
-        self.n -= k
-        if h > 1024 and 2 * h > len(q):           # drop the taken prefix now and then
-            del q[:h]
-            h = 0
-        self.head = h
-        return out
-
-    def push(self, blocks: list[int]) -> None:
-        self.q.extend(blocks)
-        self.n += len(blocks)
-
-    def remove(self, b: int) -> None:
-        self.q[self.q.index(b, self.head)] = -1
-        self.holes += 1
-        self.n -= 1
-
-
-def _unref(ref: list, blocks, name: str, p: int, freed: list) -> None:
-    """One reference fewer on each block of one pool (None: no page); the pages left unreferenced
-    are appended to `freed` in order."""
-    for b in blocks:
-        if b is None:
-            continue
-        x = ref[b] - 1
-        ref[b] = x
-        if x == 0:
-            freed.append(b)
-        elif x < 0:
-            raise AssertionError(f"{name} p{p} block {b}: negative ref count")
-
-
-def _decref(ref: list, free: FreeQueue, blocks, name: str, p: int) -> list[int]:
-    """`_unref`, then the pages left unreferenced join the free queue's tail in order (their hashes
-    kept) and are returned."""
-    freed = []
-    _unref(ref, blocks, name, p, freed)
-    if freed:
-        free.push(freed)
-    return freed
+        return self.pool.index_size()
 
 
 class KvCacheManager:
@@ -256,15 +218,15 @@ class KvCacheManager:
         self._canon = [i for i in range(nf) if of[i] == i]
         self.twins = {i: tuple(j for j in range(nf) if of[j] == i and j != i) for i in self._canon}
         self._mult = [1 + len(self.twins.get(i, ())) for i in range(nf)]
-        self.ref = [[[0] * f.blocks_per_partition for _ in range(partitions)] for f in families]
-        self.bhash = [[[None] * f.blocks_per_partition for _ in range(partitions)] for f in families]
-        self.index: list[list[dict]] = [[{} for _ in range(partitions)] for _ in families]
-        self.free: list[list[FreeQueue]] = [[FreeQueue(f.blocks_per_partition) for _ in range(partitions)]
-                                            for f in families]
+        # `free[f][p]` is the pool itself (its length, iteration and `in` are the free queue's);
+        # `ref[f][p]` reads its reference counts, `index[f][p]` its hash index
+        self.free: list[list[Pool]] = [[Pool(f.blocks_per_partition, f"{f.name} p{p}") if of[i] == i else None
+                                        for p in range(partitions)] for i, f in enumerate(families)]
         for i in range(nf):                 # a mirrored family shows its canonical family's pool
-            c = of[i]
-            self.ref[i], self.bhash[i], self.index[i], self.free[i] = (
-                self.ref[c], self.bhash[c], self.index[c], self.free[c])
+            self.free[i] = self.free[of[i]]
+        self.ref = [[memoryview(pool) for pool in pools] for pools in self.free]
+        self._pools = [[self.free[f][p] for f in range(nf)] for p in range(partitions)]     # by partition
+        self.index = [[_Index(pool) for pool in pools] for pools in self.free]
         self.reqs: dict[str, _Owned] = {}
         self.orphans: set[Pin] = set()      # pins of released requests, held until their step settles
         self.load = [0] * partitions
@@ -272,20 +234,29 @@ class KvCacheManager:
         self._nf = nf
         self._full = [i for i in self._canon if not families[i].rolling]
         self._roll = [i for i in self._canon if families[i].rolling]
+        self._full_pt = [(i, families[i].page_tokens) for i in self._full]
         self._canon_pt = [(i, families[i].page_tokens) for i in self._canon]
         self._page_tokens = [f.page_tokens for f in families]
         self._maxb = [f.max_blocks_per_seq for f in families]
         self._rolling = [f.rolling for f in families]
-        self.stats = {"evictions": 0, "detaches": 0, "rotations": 0}
+        self._detaches = self._rotations = 0
         self.log: PageLog | None = None     # page ids moved, for the decision log (off: no cost)
 
     @classmethod
     def from_deployment(cls, dep, slots: int) -> "KvCacheManager":
         return cls(family_specs(dep, slots), dep.partitions, prefix_caching=dep.limits.enable_prefix_caching)
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """Evictions (taken pages whose cached content went), detaches (ring slots rewritten off a
+        shared or pinned page) and rotations (off a solely owned page), summed over every family."""
+        ev = sum(pool.evictions * self._mult[f] for f in self._canon for pool in self.free[f])
+        return {"evictions": ev, "detaches": self._detaches, "rotations": self._rotations}
+
     # ---- hashing ------------------------------------------------------------------------
-    def prompt_hashes(self, prompt: np.ndarray) -> dict[int, list[int]]:
-        return {p: chained_hashes(prompt, p) for p in self.page_sizes}
+    def prompt_hashes(self, prompt: np.ndarray) -> dict[int, np.ndarray]:
+        """Per page size, the prompt's chained page hashes (uint64 arrays, as the pools read them)."""
+        return {p: page_hashes(prompt, p) for p in self.page_sizes}
 
     # ---- queries ------------------------------------------------------------------------
     def num_free(self, f: int, p: int) -> int:
@@ -302,61 +273,21 @@ class KvCacheManager:
     def _take(self, f: int, p: int) -> int:
         return self._take_n(f, p, 1)[0]
 
-    def _take_n(self, f: int, p: int, n: int) -> list[int]:
-        """Pop `n` pages from the free-queue head, in order; taking a page evicts its hash."""
+    def _take_n(self, f: int, p: int, n: int) -> tuple[int, ...]:
+        """Pop `n` pages from the free-queue head, in order: each gets one owner, and taking a page
+        evicts its cached content (its hash and index entry go)."""
         out = self.free[f][p].take(n)
         if self.log is not None:
             self.log.take(f, p, out)
-        self._claim(f, p, out)
         return out
-
-    def _claim(self, f: int, p: int, taken: list[int], owned: bool = False) -> None:
-        """Pages just taken from the free queue: one owner each (unless `owned`: already set), and
-        taking a page evicts its cached content: the page's hash goes (its index entry is left
-        stale, see `_owner`)."""
-        bh = self.bhash[f][p]
-        evicted = 0
-        if owned:
-            for b in taken:
-                if bh[b] is not None:
-                    bh[b] = None
-                    evicted += 1
-        else:
-            ref = self.ref[f][p]
-            for b in taken:
-                ref[b] = 1
-                if bh[b] is not None:
-                    bh[b] = None
-                    evicted += 1
-        if evicted:
-            self.stats["evictions"] += evicted * self._mult[f]
-
-    def _owner(self, f: int, p: int, h: int) -> int | None:
-        """The page holding content `h` in pool (f, p), or None.  An index entry is live only while
-        its page still carries that hash: evicting or re-hashing a page leaves its old entry in the
-        index, stale, instead of deleting it page by page (`_prune` drops stale ones in bulk)."""
-        b = self.index[f][p].get(h)
-        return b if b is not None and self.bhash[f][p][b] == h else None
-
-    def _prune(self, f: int, p: int) -> None:
-        """Drop stale index entries once they outnumber the pool's pages (amortised O(1) per
-        publication; keeps the index within twice the pool)."""
-        idx, bh = self.index[f][p], self.bhash[f][p]
-        for h in [h for h, b in idx.items() if bh[b] != h]:
-            del idx[h]
-
-    def _freed(self, f: int, p: int, blocks: list[int]) -> None:
-        """Unreferenced pages join the free queue's tail in order, their hashes kept."""
-        self.free[f][p].push(blocks)
-        if self.log is not None:
-            self.log.free(f, p, blocks)
 
     def _decref_all(self, f: int, p: int, blocks) -> None:
         """One reference fewer on each block (None: no page); a page left unreferenced joins the
         free queue's tail with its hash kept."""
-        freed = _decref(self.ref[f][p], self.free[f][p], blocks, self.names[f], p)
-        if freed and self.log is not None:
-            self.log.free(f, p, freed)
+        log = self.log
+        freed = self.free[f][p].release(blocks, log is not None)
+        if freed:
+            log.free(f, p, freed)
 
     # ---- growth (`ensure_group_blocks`) ------------------------------------------------------
     def _work(self, o: _Owned, tokens: int) -> list[int]:
@@ -394,21 +325,7 @@ class KvCacheManager:
                         return need + max(0, min(s0 + m, L) - s0)
                     return need + max(0, L - s0) + min(s0 + m - maxb, L)
                 return need + sum(1 for i in range(m) if (s0 + i) % maxb < L and t[(s0 + i) % maxb] is not None)
-            slots = [(s0 + i) % maxb for i in range(m)]
-            r = self.ref[f][o.partition]
-            for s in slots:
-                if s >= L:
-                    continue
-                b = t[s]
-                if b is None:
-                    continue
-                if r[b] > 1:
-                    need += 1
-                    continue
-                for pt in pts:
-                    if s < len(pt) and pt[s] == b:
-                        need += 1
-                        break
+            need += self.free[f][o.partition].fresh(t, s0, m, maxb, pts)
         return need
 
     def _fits(self, o: _Owned, p: int, tokens: int, work: list[int]) -> tuple[bool, dict, dict]:
@@ -522,7 +439,7 @@ class KvCacheManager:
         lg = o.logical
         if not self._rolling[f]:
             if len(t) < target:
-                o.tables[f] = t = t + tuple(self._take_n(f, p, target - len(t)))
+                o.tables[f] = t = t + self._take_n(f, p, target - len(t))
                 for g in self.twins[f]:
                     o.tables[g] = t
             if target > lg[f]:
@@ -537,7 +454,7 @@ class KvCacheManager:
                     t[s] = self._take(f, p)
             t = tuple(t)
         if len(t) < size:
-            t = t + tuple(self._take_n(f, p, size - len(t)))
+            t = t + self._take_n(f, p, size - len(t))
         if target > lg[f]:
             if target > maxb:
                 t = self._wrap(o, f, p, t, max(lg[f], maxb), target, maxb)
@@ -551,24 +468,35 @@ class KvCacheManager:
         a shared or pinned page (no copy: the slot is overwritten), rotate a solely owned one
         through the free queue.  A slot is rewritten once per call (a page taken here is solely
         owned and unpinned)."""
-        ref, free = self.ref[f][p], self.free[f][p]
+        free = self.free[f][p]
         n = target - start
         if n > maxb:
             n = maxb
         s0 = start % maxb
         end = s0 + n
         pins = o.pins
-        if len(pins) == 1 and end <= maxb and free.n >= n and self._pin_fast:
+        if len(pins) == 1 and free.n >= n and self._pin_fast:
+            # the async steady state (the one in-flight step pins every rewritten slot): every
+            # page moves from the owner to the pin, ref counts unchanged, all detaches
             pt = pins[0].tables[f]
-            if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
-                # the async steady state (the one in-flight step pins every rewritten slot): every
-                # page moves from the owner to the pin, ref counts unchanged, all detaches
-                pins[0].stored.append((f, s0, t[s0:end]))
-                new = self._take_n(f, p, n)             # logs the taken pages
-                if pt is not t and self.log is not None:
-                    self.log.free(f, p, ())             # a rewrite of a changed table logs its frees, none here
-                self.stats["detaches"] += n * self._mult[f]
-                return t[:s0] + tuple(new) + t[end:]
+            if end <= maxb:
+                if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
+                    pins[0].stored.append((f, s0, t[s0:end]))
+                    new = self._take_n(f, p, n)         # logs the taken pages
+                    if pt is not t and self.log is not None:
+                        self.log.free(f, p, ())         # a rewrite of a changed table logs its frees, none here
+                    self._detaches += n * self._mult[f]
+                    return t[:s0] + new + t[end:]
+            else:
+                e = end - maxb                          # the rewrite runs past the ring's end
+                if pt is t or (len(pt) == maxb and pt[s0:] == t[s0:] and pt[:e] == t[:e]):
+                    pins[0].stored += ((f, s0, t[s0:]), (f, 0, t[:e]))
+                    new = self._take_n(f, p, n)
+                    if self.log is not None:
+                        self.log.free(f, p, ())         # a wrapped rewrite logs its frees, none here
+                    self._detaches += n * self._mult[f]
+                    k = maxb - s0
+                    return new[k:] + t[e:s0] + new[:k]
         slots = range(s0, end) if end <= maxb else [*range(s0, maxb), *range(end - maxb)]
         old = t[s0:end] if end <= maxb else t[s0:] + t[:end - maxb]
         # per page, how many in-flight pins hold it; a pin taken since the table last changed
@@ -590,87 +518,39 @@ class KvCacheManager:
             else:
                 stored.extend((f, s, (b,)) for s, b, h in zip(slots, old, hit) if h)
             held = hit if held is None else [x + y for x, y in zip(held, hit)]
-        short = free.n < n                    # the dry path below sets the new pages' owners itself
-        if not short:
-            # pops reach only pages already queued, so the pages freed below (appended at the tail)
-            # cannot be among them: popping first is the same order as interleaving
-            new = free.take(n)
-            freed = []
-            if held is None:
-                detaches = 0
-                for b in old:
-                    r = ref[b] - 1
-                    ref[b] = r
-                    if r:
-                        detaches += 1
-                    else:
-                        freed.append(b)
-            elif all(x == 1 for x in held):
-                detaches = n                  # each page moves from the owner to its one pin
-            else:
-                detaches = 0
-                for b, k in zip(old, held):
-                    r = ref[b]
-                    detaches += r > 1 or k > 0
-                    r += k - 1
-                    ref[b] = r
-                    if r == 0:
-                        freed.append(b)
-            if freed:
-                free.push(freed)
-            if self.log is not None:
-                self.log.take(f, p, new)
-                self.log.free(f, p, freed)
-        else:
-            # the queue may run dry: a page freed by this rewrite is taken again, in order
-            new = []
-            detaches = 0
-            for i, b in enumerate(old):
-                r = ref[b]
-                k = held[i] if held is not None else 0
-                detaches += r > 1 or k > 0
-                r += k - 1
-                ref[b] = r
-                if r == 0:
-                    free.push([b])
-                    if self.log is not None:
-                        self.log.free(f, p, (b,))
-                nb = free.take(1)[0]
-                ref[nb] = 1
-                new.append(nb)
-                if self.log is not None:
-                    self.log.take(f, p, (nb,))
-        self._claim(f, p, new, owned=short)
-        st = self.stats
+        # a new page per slot from the queue head; each old page loses the owner's reference and
+        # gains its pins' (`held`); the pool pops first unless the queue may run dry, when a page
+        # freed by this rewrite is taken again, in order
+        short = free.n < n
+        log = self.log
+        new, freed, detaches = free.rewrite(old, held, log is not None)
+        if log is not None:
+            log.take(f, p, new)
+            if freed or not short:            # the dry path logs only the frees it makes
+                log.free(f, p, freed)
         m = self._mult[f]
-        st["detaches"] += detaches * m
-        st["rotations"] += (n - detaches) * m
+        self._detaches += detaches * m
+        self._rotations += (n - detaches) * m
         if end <= maxb:
-            return t[:s0] + tuple(new) + t[end:]
+            return t[:s0] + new + t[end:]
         k = maxb - s0
-        return tuple(new[k:]) + t[end - maxb:s0] + tuple(new[:k])
+        return new[k:] + t[end - maxb:s0] + new[:k]
 
     # ---- prefix lookup and attach (`acquire_group_prefix_blocks`) -------------------------
-    def lookup(self, hashes: dict[int, list[int]], max_hit_tokens: int) -> tuple[int, int | None]:
-        """Longest aligned hit over all partitions (ties to the lowest index), as (tokens, partition)."""
+    def lookup(self, hashes: dict[int, np.ndarray], max_hit_tokens: int) -> tuple[int, int | None]:
+        """Longest aligned hit over all partitions (ties to the lowest index), as (tokens, partition):
+        in each partition the full-history families' leading cached pages bound the hit, which then
+        steps down by the alignment until every rolling family holds the tail before it."""
         if not self.prefix_caching or max_hit_tokens < self.alignment:
             return 0, None
         best, best_p = 0, None
         A = self.alignment
+        free = self.free
         for p in range(self.partitions):
             cand = max_hit_tokens // A * A
-            for f in self._full:
-                fam = self.families[f]
-                get, bh, hs = self.index[f][p].get, self.bhash[f][p], hashes[fam.page_tokens]
-                hits = 0
-                limit = cand // fam.page_tokens
-                while hits < limit:
-                    h = hs[hits]
-                    b = get(h)
-                    if b is None or bh[b] != h:
-                        break
-                    hits += 1
-                cand = min(cand, hits * fam.page_tokens) // A * A
+            for f, pt in self._full_pt:
+                hits = free[f][p].hits(hashes[pt], cand // pt)
+                cand = min(cand, hits * pt) // A * A
             while cand > best:
                 if self._rolling_valid(p, hashes, cand):
                     break
@@ -682,50 +562,43 @@ class KvCacheManager:
     def _rolling_valid(self, p: int, hashes, end: int) -> bool:
         for f in self._roll:
             fam = self.families[f]
-            hs = hashes[fam.page_tokens]
             eb = end // fam.page_tokens
-            for i in range(max(0, eb - fam.tail_pages), eb):
-                if self._owner(f, p, hs[i]) is None:
-                    return False
+            if not self.free[f][p].cached(hashes[fam.page_tokens], max(0, eb - fam.tail_pages), eb):
+                return False
         return True
 
     def attach(self, rid: str, hashes, hit: int, partition: int) -> None:
-        """Take references on the hit's pages in `partition` and pin the request there."""
+        """Take references on the hit's pages in `partition` and pin the request there (a rolling
+        family gets only the window's tail, in its ring slots)."""
         if rid in self.reqs:
             raise ValueError(f"request {rid!r} already owns blocks")
         o = self.reqs[rid] = _Owned(self._nf)
         o.partition = partition
         self.load[partition] += 1
+        log = self.log
         for f in self._canon:
             fam = self.families[f]
             hs = hashes[fam.page_tokens]
             eb = hit // fam.page_tokens
+            pool = self.free[f][partition]
             if fam.rolling:
                 size = min(eb, fam.max_blocks_per_seq)
+                lo = max(0, eb - fam.tail_pages)
                 t: list = [None] * size
-                for i in range(max(0, eb - fam.tail_pages), eb):
-                    t[i % size] = self._cached(f, partition, hs[i])
+                for i, b in zip(range(lo, eb), pool.owners(hs, lo, eb)):
+                    t[i % size] = b
+                t = tuple(t)
             else:
-                t = [self._cached(f, partition, hs[i]) for i in range(eb)]
-            for b in t:
-                if b is not None:
-                    if self.ref[f][partition][b] == 0:
-                        self.free[f][partition].remove(b)
-                        if self.log is not None:
-                            self.log.take(f, partition, (b,))
-                    self.ref[f][partition][b] += 1
-            o.tables[f] = t = tuple(t)
+                t = pool.owners(hs, 0, eb)
+            pulled = pool.hold(t, log is not None)        # an unreferenced hit leaves the free queue
+            if pulled:
+                log.take(f, partition, pulled)
+            o.tables[f] = t
             for g in self.twins[f]:
                 o.tables[g] = t
             o.holes |= None in t
             o.logical[f] = eb
             o.cached[f] = eb
-
-    def _cached(self, f: int, p: int, h: int) -> int:
-        b = self._owner(f, p, h)
-        if b is None:
-            raise KeyError(f"{self.names[f]} p{p}: no cached page for hash {h} (attach past the lookup's hit)")
-        return b
 
     # ---- pins and publication ---------------------------------------------------------------
     def pin(self, rid: str) -> Pin:
@@ -752,17 +625,11 @@ class KvCacheManager:
             return
         if len(st) > 1:
             st.sort(key=_RUN_KEY)
-        p = pin.partition
-        cur = -1
-        r = freed = None
-        for f, _, bs in st:
-            if f != cur:                        # runs sorted by family: one pool lookup per family
-                if freed:
-                    self._freed(cur, p, freed)
-                cur, r, freed = f, self.ref[f][p], []
-            _unref(r, bs, self.names[f], p, freed)
+        log = self.log
+        freed = release_runs(self._pools[pin.partition], st, log is not None)
         if freed:
-            self._freed(cur, p, freed)
+            for f, bs in freed:
+                log.free(f, pin.partition, bs)
         st.clear()
 
     def _store_pin(self, pin: Pin, owner: list | None = None) -> set:
@@ -773,49 +640,53 @@ class KvCacheManager:
         a -1 on each), and the families taken over are returned for the owner to skip."""
         p = pin.partition
         moved = set()
-        held: dict[int, set] = {}
-        for f, s0, bs in pin.stored:
-            held.setdefault(f, set()).update(range(s0, s0 + len(bs)))
+        stored = pin.stored
+        held: dict[int, list] = {}
+        for f, s0, bs in stored:
+            held.setdefault(f, []).append((s0, s0 + len(bs)))
         for f in self._canon:
             t = pin.tables[f]
             if not t:
                 continue
             h = held.get(f)
             if owner is not None and owner[f] is t and h is None:
-                pin.stored.append((f, 0, t))
+                stored.append((f, 0, t))
                 moved.add(f)
                 continue
-            r = self.ref[f][p]
+            pool = self.free[f][p]
             if h is None:
-                pin.stored.append((f, 0, t))
-                for b in t:
-                    if b is not None:
-                        r[b] += 1
+                stored.append((f, 0, t))
+                pool.hold(t, False)
                 continue
-            # the slots the pin does not store yet, as runs of consecutive pages (a run's pages
-            # release in slot order, as single slots would: runs are disjoint and sorted by slot)
-            s0 = None
-            for s, b in enumerate(t):
-                if b is not None and s not in h:
-                    r[b] += 1
-                    if s0 is None:
-                        s0 = s
-                elif s0 is not None:
-                    pin.stored.append((f, s0, t[s0:s]))
-                    s0 = None
-            if s0 is not None:
-                pin.stored.append((f, s0, t[s0:]))
+            # the slots the pin does not store yet: the gaps between its stored runs, split at
+            # empty slots (a run's pages release in slot order, as single slots would: runs are
+            # disjoint and sorted by slot)
+            a = 0
+            for lo, hi in sorted(h) + [(len(t), len(t))]:
+                while a < lo:
+                    try:
+                        e = t.index(None, a, lo)
+                    except ValueError:
+                        e = lo
+                    if e > a:
+                        run = t[a:e]
+                        pool.hold(run, False)
+                        stored.append((f, a, run))
+                    a = e + 1
+                a = max(a, hi)
         return moved
 
     def publish(self, rid: str, pin: Pin, confirmed: int, hashes) -> None:
         """`cache_group_blocks_from_snapshot`: after a confirmed step, hash the completed prompt
-        pages through the pinned tables (never the live ones)."""
+        pages through the pinned tables (never the live ones): a page caches a hash nobody holds,
+        a page duplicating a cached one loses its hash (the index keeps the first)."""
         o = self.reqs.get(rid)
         if o is None or o.published or not self.prefix_caching or hashes is None:
             return
         p = pin.partition
         complete = True
         rolling = self._rolling
+        free = self.free
         for f, pt in self._canon_pt:
             hs = hashes[pt]
             done = min(confirmed // pt, len(hs))
@@ -826,25 +697,11 @@ class KvCacheManager:
             complete &= done >= len(hs)
             if done <= start:
                 continue
-            idx, bh = self.index[f][p], self.bhash[f][p]
-            get = idx.get
             if rolling[f]:                      # logical pages start..done-1 at ring slots i % L
                 L = len(t)
-                a, n = start % L, done - start
-                pages = zip(t[a:a + n] if a + n <= L else t[a:] + t[:a + n - L], hs[start:done])
-            else:
-                pages = zip(t[start:done], hs[start:done])
-            for b, h in pages:
-                if b is None:
-                    continue
-                owner = get(h)
-                if owner is None or bh[owner] != h:     # no live owner: this block caches it
-                    bh[b] = h                           # (its old hash's entry goes stale)
-                    idx[h] = b
-                elif owner != b:          # duplicate content: keep the index, drop this block's hash
-                    bh[b] = None
-            if len(idx) > 2 * len(bh):
-                self._prune(f, p)
+                free[f][p].publish(t, start % L, done - start, L, hs, start)
+            elif len(t) > start:
+                free[f][p].publish(t, start, min(done, len(t)) - start, 0, hs, start)
             o.cached[f] = max(o.cached[f], done)
         o.published = complete
 
@@ -931,9 +788,11 @@ class KvCacheManager:
                     got = r[b] + imp[f][p].get(b, 0)
                     assert got == want, f"{fam.name} p{p} block {b}: ref {r[b]}+{imp[f][p].get(b, 0)} != live {want}"
                     assert (b in self.free[f][p]) == (r[b] == 0), f"{fam.name} p{p} block {b}: free queue vs ref {r[b]}"
-                for b, h in enumerate(self.bhash[f][p]):
+                hashed = 0
+                for b, h in enumerate(self.free[f][p].hashes()):
                     assert h is None or self.index[f][p].get(h) == b, f"{fam.name} p{p}: block {b}'s hash not indexed to it"
-                assert len(self.index[f][p]) <= 2 * fam.blocks_per_partition, f"{fam.name} p{p}: stale entries unpruned"
+                    hashed += h is not None
+                assert len(self.index[f][p]) == hashed, f"{fam.name} p{p}: an index entry without its page"
         for rid, o in self.reqs.items():
             for f, twins in self.twins.items():
                 assert all(o.tables[g] == o.tables[f] for g in twins), f"{rid}: a mirrored table drifted"
