@@ -3,31 +3,12 @@
 A small preset's GEMMs are tiny: intra-op threads in torch and OpenBLAS's spinning workers only
 contend with each other (the golden and the device run in one process) and stall badly on a shared
 2-core runner.  `limit_cpu_threads` is called by the entry points (CLI, tests, benchmark), never
-on import.  OpenBLAS is reached best-effort through the library numpy loaded; if it cannot be
-found nothing happens (set OPENBLAS_NUM_THREADS=1 before starting Python instead).
+on import.  OpenBLAS is reached best-effort through the library numpy loaded (`golden.blas`); if it
+cannot be found nothing happens (set OPENBLAS_NUM_THREADS=1 before starting Python instead).
 """
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
-
-
-def _openblas():
-    """(set, get) of the OpenBLAS numpy loaded, or None."""
-    import numpy
-
-    libdir = os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs")
-    for path in glob.glob(os.path.join(libdir, "*openblas*")):
-        lib = ctypes.CDLL(path)
-        for prefix, suffix in (("scipy_openblas", "64_"), ("openblas", "64_"), ("openblas", "")):
-            fset = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-            fget = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-            if fset is not None and fget is not None:
-                cint = ctypes.c_longlong if suffix else ctypes.c_int
-                fget.restype = cint
-                return (lambda k: fset(cint(k))), (lambda: int(fget()))
-    return None
+from golden.blas import blas_threads
 
 
 def limit_cpu_threads(n: int = 1) -> dict:
@@ -40,13 +21,7 @@ def limit_cpu_threads(n: int = 1) -> dict:
         torch.set_num_threads(n)
     except ModuleNotFoundError:
         pass
-    try:
-        blas = _openblas()
-        if blas is not None:
-            prev["openblas"] = blas[1]()
-            blas[0](n)
-    except OSError:
-        pass
+    prev["openblas"] = blas_threads(n)
     return prev
 
 
@@ -56,6 +31,4 @@ def restore(prev: dict) -> None:
 
         torch.set_num_threads(prev["torch"])
     if prev.get("openblas"):
-        blas = _openblas()
-        if blas is not None:
-            blas[0](prev["openblas"])
+        blas_threads(prev["openblas"])

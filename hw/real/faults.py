@@ -42,7 +42,8 @@ reads the fault, as on a device):
 
 The drafter is a fused dispatch's last stage and reads only the pools the dispatch started with,
 the dispatch's target hidden and its acceptance, so the two drafter faults re-run that stage for the
-affected group from exactly those inputs with the faulty rows (golden's own `_draft`); the target
+affected group from exactly those inputs with the faulty rows (golden's own `redraft_calls` and
+`draft_rows`, a publication fault as a count one too high in the `Accepted` record); the target
 faults hook the device's forward (`TapPar.fault`) and its stores (`TorchNumerics.on_write`).
 
 A fault that fired holds `fired` (what it did), `fired_at` (the dispatch) and `expected`
@@ -59,13 +60,12 @@ says whether it fired, was detected at the dispatch it fired at (and not before)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from golden.compose import target_hidden
 from golden.dspark import step as S
-from golden.dspark.drafter import DraftRow
 from golden.dspark.state import commit_drafts
 from golden.paged import Span, families, lower
 from twin.abi.errors import AbiError
@@ -311,12 +311,13 @@ class RealFault:
         return slots
 
     # ---- after the device's dispatch ------------------------------------------------------------------
-    def after(self, side, rd, out: dict) -> dict:
+    def after(self, side, rd, out: dict, acc=None) -> dict:
+        """The device's outputs of dispatch `rd`, faulted; acc: its `Accepted` record (a fused step's)."""
         if not self.armed:
             return out
         self.armed = False
         if self.kind in DRAFTER_KINDS:
-            return self._redraft(side, rd, out) if self._fresh else out
+            return self._redraft(side, rd, out, acc) if self._fresh else out
         if self.kind == "token":
             name = next(k for k in ("sampled_ids", "accepted_ids") if k in out) if rd.kind != "seed" else None
             if name is None:
@@ -346,58 +347,64 @@ class RealFault:
             self._fire(f"{self.kind} at dispatch {self.at}: layer {self.layer} kv_cache row {row}", str(self.layer))
         return out
 
-    def _redraft(self, side, rd, out: dict, edit: str | None = "fault") -> dict:
+    def _redraft(self, side, rd, out: dict, acc, edit: str | None = "fault") -> dict:
         """Re-run one group's drafter stage of fused dispatch `rd` from the pools it started with, one
-        request's drafter row faulty (see the module docstring); edit=None re-runs it unchanged (the
-        tests check that this reproduces the device's own drafter stage bit for bit)."""
-        if rd.kind != "decode" or "accepted_counts" not in out or not self._pools:
+        request's drafter row faulty (see the module docstring); acc: the dispatch's `Accepted` record
+        on the device side.  edit=None re-runs it unchanged (the tests check that this reproduces the
+        device's own drafter stage bit for bit)."""
+        if rd.kind != "decode" or acc is None or not self._pools:
             return out
         g, run = side.g, side.run
         meta, taps, sampled = side.par.calls[-1]
         by_row = {s.index: s for s in run.seqs}
         seqs = [by_row[i] for i in rd.rows]
-        groups: dict[int, list] = {}
-        for s, c in zip(seqs, np.asarray(out["accepted_counts"]).tolist()):
-            if s.draft_anchor == s.anchor - 1:          # it redrafted this step
-                rows = np.flatnonzero(meta.req == s.index)
-                groups.setdefault(s.group, []).append((s, int(c), s.anchor - int(c), rows))
+        rows_of = [np.flatnonzero(meta.req == s.index) for s in seqs]    # each request's verify rows
+        width = [r.size for r in rows_of]
+        mh = np.asarray(target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.drafter.target_hidden_tap))
+        refs, owners = [s.ref for s in seqs], [S.owner_rank(s, g.tp) for s in seqs]
+        calls = S.redraft_calls(acc, refs, owners, mh, width)
         edit = self.kind if edit == "fault" else edit
         stale = edit == "stale_draft_kv"
         # a request that finished this dispatch has already given its lease back: its drafter row
         # still ran (and is re-run below), but nothing is committed for it, so it cannot host a fault
-        cands = [(grp, k) for grp, items in sorted(groups.items()) for k, (s, c, old, rows) in enumerate(items)
-                 if not s.released and (stale or (c < rows.size and old + c + S.QW < g.max_model_len))]
+        cands = [(j, i) for j, (_, mine, _, _) in enumerate(calls) for i in mine if not seqs[i].released
+                 and (stale or (acc.counts[i] < width[i] and acc.old_anchor[i] + acc.counts[i] + S.QW
+                                < g.max_model_len))]
         if not cands:
             return out
-        grp, pick = cands[int(self.rng.integers(len(cands)))]
-        mh = np.asarray(target_hidden(taps, g.ckpt.model(), cfg=g.cfg, nm=g.nm, tap=g.drafter.target_hidden_tap))
-        rows_, hidden = [], []
-        for k, (s, c, old, rows) in enumerate(groups[grp]):
-            keep, anchor, tau = list(range(c)), old + c - 1, s.current
-            if k != pick or edit is None:
-                pass
-            elif stale:
-                drop = int(self.rng.integers(c))
-                keep.pop(drop)
-                what = f"request {s.req.request_id} context row at position {old + drop} not rewritten (stale)"
-            else:
-                keep, anchor, tau = list(range(c + 1)), old + c, int(np.asarray(sampled)[rows[c]])
-                what = f"request {s.req.request_id} verify row at position {old + c} (beyond {c} accepted) published"
-            rows_.append(DraftRow(s.lease, anchor, tau, tuple(old + i for i in keep), owner_rank=S.owner_rank(s, g.tp)))
-            hidden.append(mh[rows[keep]] if keep else mh[:0])
+        at, pick = cands[int(self.rng.integers(len(cands)))]
+        grp, mine, rows, hidden = calls[at]
+        s, c, old = seqs[pick], int(acc.counts[pick]), int(acc.old_anchor[pick])
+        if edit is None:
+            pass
+        elif stale:
+            drop = int(self.rng.integers(c))
+            k = mine.index(pick)
+            first = sum(len(r.context_positions) for r in rows[:k]) + drop
+            rows = list(rows)
+            rows[k] = replace(rows[k], context_positions=tuple(p for p in rows[k].context_positions if p != old + drop))
+            hidden = np.delete(hidden, first, axis=0)
+            what = f"request {s.req.request_id} context row at position {old + drop} not rewritten (stale)"
+        else:
+            # the count one too high: the rejected verify row's hidden and its sample join the context
+            one = np.arange(len(seqs)) == pick
+            nxt = np.where(one, int(np.asarray(sampled)[rows_of[pick][c]]), acc.next_token)
+            wrong = replace(acc, counts=acc.counts + one, drafter_anchor=acc.drafter_anchor + one, next_token=nxt)
+            grp, mine, rows, hidden = S.redraft_calls(wrong, refs, owners, mh, width)[at]
+            what = f"request {s.req.request_id} verify row at position {old + c} (beyond {c} accepted) published"
         dr = side.par.draft_routes
-        n0, at = len(dr), sorted(groups).index(grp) * g.cfg.dspark_num_layers
+        n0, at = len(dr), at * g.cfg.dspark_num_layers
         run.pools[grp] = self._pools[grp]
-        drafts, conf = S.draft_rows(g, run, grp, rows_, np.concatenate(hidden), num_sampled=1)
+        drafts, conf = S.draft_rows(g, run, grp, rows, hidden, num_sampled=1)
         # the re-run's drafter routes replace the first run's (the golden adopts drafter ties call by call)
         new = dr[n0:]
         del dr[n0:]
         dr[at:at + len(new)] = new
-        live = [j for j, (s, *_) in enumerate(groups[grp]) if not s.released]
+        live = [j for j, i in enumerate(mine) if not seqs[i].released]
         if live:
-            run.state = commit_drafts(run.state, [groups[grp][j][0].ref for j in live], drafts[live])
-        for (s, *_), cf in zip(groups[grp], conf):
-            s.confidence_logit = cf
+            run.state = commit_drafts(run.state, [refs[mine[j]] for j in live], drafts[live])
+        for i, cf in zip(mine, conf):
+            seqs[i].confidence_logit = cf
         out = dict(out)
         out["drafts"] = np.stack([run.state.tokens[s.group, s.lease] for s in seqs])
         out["state_meta"] = np.stack([run.state.meta[s.group, s.lease] for s in seqs])

@@ -105,9 +105,7 @@ def tally(entries) -> dict:
     return out
 
 
-_LAYERS: dict = {}          # (preset, seed, mode, layer, device, options) -> JaxGolden, kept per process
-# XLA options of the checker's sub-layers on top of golden.jax_path.XLA_OPTIONS (none: XLA's defaults)
-COMPILER_OPTIONS: dict = {}
+_LAYERS: dict = {}          # (preset, seed, mode, layer, device) -> JaxGolden, kept per process
 
 
 def layer_golden(cfg, ckpt, mode: str, layer: int, device):
@@ -115,10 +113,9 @@ def layer_golden(cfg, ckpt, mode: str, layer: int, device):
     sub-layers are shared by the layers of the same structure and reused by every run of the process)."""
     from golden.jax_path import JaxGolden
 
-    opts = tuple(sorted(COMPILER_OPTIONS.items()))
-    key = (cfg.name, getattr(ckpt, "seed", id(ckpt)), mode, layer, device, opts)
+    key = (cfg.name, getattr(ckpt, "seed", id(ckpt)), mode, layer, device)
     if key not in _LAYERS:
-        _LAYERS[key] = JaxGolden(ckpt, cfg, mode, device=device, layers=(layer,), compiler_options=dict(opts))
+        _LAYERS[key] = JaxGolden(ckpt, cfg, mode, device=device, layers=(layer,))
     return _LAYERS[key]
 
 

@@ -305,6 +305,19 @@ def read_config(run_dir) -> dict:
     return d
 
 
+def per_run(cache: dict, run_dir, build, *extra):
+    """build(config) for the run in `run_dir`, held in `cache` (a per-process cache) under the run's
+    path and `extra`, and built again when the run there has another config than the one it was built
+    from: a process that lives on (a notebook, a worker) may check a run rewritten at the same path
+    (--fresh) with other arguments.  One entry per path and `extra`."""
+    b = read_config(run_dir)
+    key, text = (str(Path(run_dir).resolve()), *extra), json.dumps(b, sort_keys=True)
+    hit = cache.get(key)
+    if hit is None or hit[0] != text:
+        hit = cache[key] = (text, build(b))
+    return hit[1]
+
+
 def checked_get(store: RecordStore, h: str, where: str) -> np.ndarray:
     """A blob, re-hashed: bytes that no longer match their address are a tampered or corrupt record."""
     a = store.get(h)

@@ -66,7 +66,7 @@ class SelfCheckBackend:
         staged.rows = [s.index for s in ran.seqs]
         out = ran.outputs
         if f is not None:
-            out = f.after(side, staged, out)
+            out = f.after(side, staged, out, ran.accepted)
         calls = list(side.par.calls)
         after = side_state(side)
         return DeviceResult(dict(out), {k: v for k, v in after.items() if before.get(k) is not v},

@@ -504,37 +504,37 @@ _READER: dict = {}
 def recorded_golden(run_dir, policy=None, golden: str = "numpy") -> tuple[SiteGolden, dict]:
     """The golden of a recorded run (its config's preset, seed and numerics) under the tolerance
     policy `policy` (a `Policy`, or the JSON file of one; default the built-in one), its sub-layers
-    on `golden` (`hw.real.jax_check`); cached per process."""
+    on `golden` (`hw.real.jax_check`), and the run's config; cached per process and run config."""
     import json
 
     from golden.checkpoint import SyntheticCheckpoint
+    from golden.dspark.weights import DrafterCheckpoint
     from twin.abi.presets import get_preset
 
-    from .records import read_config
+    from .records import per_run
 
-    pkey = json.dumps(policy.to_dict(), sort_keys=True) if isinstance(policy, Policy) else policy
-    key = (str(Path(run_dir).resolve()), pkey, golden)
-    if key not in _GOLDEN:
-        b = read_config(run_dir)
+    def build(b):
         cfg = get_preset(b["preset"])
         pol = policy if isinstance(policy, Policy) else Policy.from_json(policy) if policy else None
-        from golden.dspark.weights import DrafterCheckpoint
+        return SiteGolden(cfg, SyntheticCheckpoint(cfg, b["seed"]), b["golden_mode"], pol,
+                          dckpt=DrafterCheckpoint(cfg) if b["k"] else None, golden=golden), b
 
-        _GOLDEN[key] = (SiteGolden(cfg, SyntheticCheckpoint(cfg, b["seed"]), b["golden_mode"], pol,
-                                   dckpt=DrafterCheckpoint(cfg) if b["k"] else None, golden=golden), b)
-    return _GOLDEN[key]
+    pkey = json.dumps(policy.to_dict(), sort_keys=True) if isinstance(policy, Policy) else policy
+    return per_run(_GOLDEN, run_dir, build, pkey, golden)
 
 
 def _reader(run_dir) -> dict:
-    """This process's reader of one run's records (one run held per process): its store, whose index
-    and manifest are read incrementally as the device side appends, and the last state reached."""
+    """This process's reader of one run's records (one run held per process, and a run rewritten
+    at its path with another config is another run): its store, whose index and manifest are read
+    incrementally as the device side appends, and the last state reached."""
     from ..records import RecordStore
+    from .records import per_run
 
-    key = str(Path(run_dir).resolve())
-    if key not in _READER:
+    def build(b):
         _READER.clear()
-        _READER[key] = {"store": RecordStore(Path(run_dir) / "records"), "at": None, "state": None, "generation": 0}
-    return _READER[key]
+        return {"store": RecordStore(Path(run_dir) / "records"), "at": None, "state": None, "generation": 0}
+
+    return per_run(_READER, run_dir, build)
 
 
 def _state_before(reader: dict, recs, index: int) -> dict:

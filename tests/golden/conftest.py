@@ -1,4 +1,5 @@
 import pytest
+from golden_testlib import one_blas_thread  # noqa: F401  (autouse: this directory's modules on one BLAS thread)
 
 from golden.numerics import Numerics
 
@@ -7,10 +8,3 @@ from golden.numerics import Numerics
 def nm(request):
     return Numerics(request.param)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_blas_thread():
-    """Small GEMMs on a shared 2-core runner: one BLAS thread is ~8x faster than two spinning."""
-    from golden.blas import single_threaded_blas
-    with single_threaded_blas():
-        yield

@@ -1,9 +1,1 @@
-import pytest
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_blas_thread():
-    """Small GEMMs on a shared 2-core runner: one BLAS thread is ~8x faster than two spinning."""
-    from golden.blas import single_threaded_blas
-    with single_threaded_blas():
-        yield
+from golden_testlib import one_blas_thread  # noqa: F401  (autouse: this directory's modules on one BLAS thread)

@@ -64,7 +64,14 @@ def test_drafter_rerun_is_exact_without_a_fault():
     device's own pools and drafts bit for bit, so the fault is the only difference it adds."""
     f = RealFault("stale_draft_kv", at=10_000)
     lr = build_lockstep(k=7, max_new=6, fault=f)
-    checked = []
+    checked, accepted = [], {}
+    fault_after = f.after
+
+    def seen(side, rd, out, acc=None):           # the device side's acceptance record of each dispatch
+        accepted[rd.index] = acc
+        return fault_after(side, rd, out, acc)
+
+    f.after = seen
 
     def before(rd):
         f._pools = list(lr.dev.run.pools)
@@ -74,7 +81,7 @@ def test_drafter_rerun_is_exact_without_a_fault():
             return
         pools, tokens = list(lr.dev.run.pools), lr.dev.run.state.tokens.copy()
         routes = list(lr.dev.par.draft_routes)
-        out = f._redraft(lr.dev, rd, lr.last_step.outputs, edit=None)
+        out = f._redraft(lr.dev, rd, lr.last_step.outputs, accepted[rd.index], edit=None)
         for a, b in zip(pools, lr.dev.run.pools):
             assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
         assert np.array_equal(tokens, lr.dev.run.state.tokens)

@@ -444,15 +444,12 @@ _PLANS: dict = {}
 
 
 def recorded_plan(run_dir):
-    """The coverage plan of a run recorded with --coverage (its config's deployment, N and seed)."""
-    from pathlib import Path
-
+    """The coverage plan of a run recorded with --coverage (its config's deployment, N and seed);
+    cached per process and run config."""
     from hw.real.coverage import CoveragePlan
-    from hw.real.records import read_config
+    from hw.real.records import per_run
 
-    key = str(Path(run_dir).resolve())
-    if key not in _PLANS:
-        b = read_config(run_dir)
+    def build(b):
         if b.get("coverage") is None:
             raise AbiError("sites", "a list", f"None: {run_dir} was recorded without --coverage (its records keep "
                            "only the decision taps)", where="lockstep check")
@@ -461,5 +458,6 @@ def recorded_plan(run_dir):
                           max_num_batched_tokens=b["max_num_batched_tokens"], k=b["k"])
         # the sites are the plan's whatever its N (an auto run's N is chosen during the run)
         n = 1 if b["coverage"] == "auto" else b["coverage"]
-        _PLANS[key] = CoveragePlan.for_deployment(dep, n, b["coverage_seed"])
-    return _PLANS[key]
+        return CoveragePlan.for_deployment(dep, n, b["coverage_seed"])
+
+    return per_run(_PLANS, run_dir, build)
