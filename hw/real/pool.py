@@ -48,11 +48,13 @@ def timed(unit, *args) -> dict:
 
 
 def in_worker(fn, *args):
-    """A check on a checker worker: one torch and one OpenBLAS thread, as the CLI's and the tests'
-    own process runs golden (a worker is one core's worth of checking)."""
-    from hw.threads import limit_cpu_threads
+    """A check on a checker worker: one torch, one OpenBLAS and one XLA compute thread, as the CLI's
+    and the tests' own process runs golden (a worker is one core's worth of checking, whichever
+    golden, `hw.real.jax_check`, its site checks run on)."""
+    from hw.threads import limit_cpu_threads, limit_xla_threads
 
     limit_cpu_threads(1)
+    limit_xla_threads()
     return fn(*args)
 
 

@@ -80,12 +80,18 @@ def test_an_asynchronous_failure_is_localized_among_its_records_sites(tmp_path):
     those, said in the line (fewer sites localized over than its program has), and it is the fault's."""
     f = RealFault("weight", at=0, layer=1, persistent=True)
     lr = build_lockstep(preset="tiny", k=7, max_new=16, coverage=N, fault=f, run_dir=tmp_path, mode="continuous")
-    lr.run_async(8, workers=1, backlog=4)
+    s = lr.run_async(8, workers=1, backlog=4)
     bad = [e for e in lr.entries if e["verdict"] == "fail"]
     assert bad, "the fault went undetected in 8 dispatches"
     e = bad[0]
     assert 0 < e["localized_over"] < e["localized_of"]
     assert (e["first_divergence"]["layer"], e["first_divergence"]["stage"]) == ("1", "attn_out")
+    # the summary and its markdown say it too
+    fd = s["first_divergence"]
+    assert (fd["dispatch"], fd["localized_over"], fd["localized_of"]) == (e["index"], e["localized_over"],
+                                                                         e["localized_of"])
+    assert f"localized among the {e['localized_over']} of {e['localized_of']} sites" in \
+        (tmp_path / "summary.md").read_text()
     lines = (tmp_path / "report.jsonl").read_text().splitlines()
     k = [x["index"] for x in lr.entries].index(e["index"])
     assert json.dumps(check_dispatches(tmp_path, [e["index"]])[0], sort_keys=True) == lines[k]
