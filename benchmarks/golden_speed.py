@@ -345,8 +345,9 @@ def main(argv=None):
     old = blas_threads(a.blas_threads)
     heap = "default" if a.default_heap else (retain_heap() or "default (not glibc)")
     if a.xla_threads == 1:     # read when the JAX backend starts (no JAX computation has run yet)
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+        from hw.threads import limit_xla_threads
+
+        limit_xla_threads()
     elif a.xla_threads != 0:
         ap.error("--xla-threads: 0 (XLA default) or 1")
     res = {"benchmark": "golden_speed", "machine": platform.processor() or platform.machine(),

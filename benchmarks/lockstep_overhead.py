@@ -30,9 +30,13 @@ and the end: other processes' load falls on the asynchronous run's second core f
 `--flash-layer` adds the checker's unit of work at FLASH scale: one FLASH-shaped layer for one rank's
 128 decode rows in NumPy against its GEMMs alone (`benchmarks/golden_speed.py`'s measurement).
 
-Each runs `--repeats` times, alternating, and the fastest of each is kept, so a noisy shared machine
-penalizes neither.  Wall and process CPU seconds are both printed (the asynchronous mode's CPU is the
-device process's; its checker processes run on the other cores); `ratio` is the wall ratio.
+The two runs alternate in `--rounds` short rounds, ABBA (device-only then lockstep, then lockstep
+then device-only, ...), so a machine whose load drifts during the benchmark weighs on both sides
+alike; `ratio` is the ratio of the median wall times (`ratio_cpu` of the median CPU seconds), and
+`rounds` lists every round's pair with its own ratio.  Wall and process CPU seconds are both
+printed (the asynchronous mode's CPU is the device process's; its checker processes run on the
+other cores).  The asynchronous figures (`async`) are the round whose lockstep wall time is the
+median's; `rounds` holds each round's backlog high-water mark, skipped checks and waits.
 
     python benchmarks/lockstep_overhead.py --preset tiny --dispatches 40
     python benchmarks/lockstep_overhead.py --preset small --dispatches 64 --mode async --check-every 16
@@ -49,6 +53,7 @@ for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -140,7 +145,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dispatches", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="alternating device-only / lockstep pairs, ABBA order (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=("sync", "async"), default="sync")
     p.add_argument("--check-every", type=int, default=None,
@@ -154,7 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--flash-layer", action="store_true",
                    help="also time one FLASH-shaped layer's check for one rank's rows against its GEMMs alone")
     a = p.parse_args(argv)
-    for flag, v in (("--dispatches", a.dispatches), ("--repeats", a.repeats), ("--check-every", a.check_every),
+    for flag, v in (("--dispatches", a.dispatches), ("--rounds", a.rounds), ("--check-every", a.check_every),
                     ("--check-workers", a.check_workers), ("--backlog", a.backlog), ("--coverage", a.coverage)):
         if v is not None and v < 1:
             p.error(f"{flag}={v}: allowed: an integer >= 1")
@@ -172,36 +178,48 @@ def main(argv=None) -> int:
     limit_cpu_threads(1)
     load0 = [round(x, 2) for x in os.getloadavg()]
     device_only(a.preset, 2, a.seed)                        # warm-up: imports, allocator, kernels
-    dev, ls, summary, n_dev, best_async = [], [], None, 0, None
-    for _ in range(a.repeats):
-        t, n_dev = device_only(a.preset, a.dispatches, a.seed)
-        dev.append(t)
-        if a.mode == "sync":
-            t, summary = lockstep(a.preset, a.dispatches, a.seed, a.coverage)
-        else:
-            t, summary, timing = checked_async(a.preset, a.dispatches, a.seed, every=every,
-                                               workers=a.check_workers, backlog=a.backlog, policy=a.backlog_policy,
-                                               coverage=a.coverage)
-            if not ls or t[0] < min(x[0] for x in ls):
-                best_async = (summary, timing)
-        ls.append(t)
-    best = {k: (min(t[i] for t in dev), min(t[i] for t in ls)) for i, k in ((0, "wall_s"), (1, "cpu_s"))}
+    rounds, runs = [], []
+    for r in range(a.rounds):
+        pair = {}
+        for side in ("device_only", "lockstep") if r % 2 == 0 else ("lockstep", "device_only"):
+            if side == "device_only":
+                t, n_dev = device_only(a.preset, a.dispatches, a.seed)
+            elif a.mode == "sync":
+                (t, summary), timing = lockstep(a.preset, a.dispatches, a.seed, a.coverage), None
+            else:
+                t, summary, timing = checked_async(a.preset, a.dispatches, a.seed, every=every,
+                                                   workers=a.check_workers, backlog=a.backlog,
+                                                   policy=a.backlog_policy, coverage=a.coverage)
+            pair[side] = {"wall_s": round(t[0], 4), "cpu_s": round(t[1], 4)}
+        row = {"order": "AB" if r % 2 == 0 else "BA", **pair,
+               "ratio_wall": round(pair["lockstep"]["wall_s"] / pair["device_only"]["wall_s"], 3)}
+        if timing is not None:
+            ck = summary["config"]["checking"]
+            row.update(backlog_high_water=ck["backlog_high_water"], checked=ck["checked"],
+                       skipped=len(ck["skipped"]), device_waited_s=timing["device_waited_s"],
+                       record_thread_cpu_s=timing["record_thread_cpu_s"])
+        rounds.append(row)
+        runs.append((pair["lockstep"]["wall_s"], r, summary, timing))
+    med = {k: {side: round(statistics.median(x[side][k] for x in rounds), 4) for side in ("device_only", "lockstep")}
+           for k in ("wall_s", "cpu_s")}
+    # the round whose lockstep wall time is the median's (the lower middle one of an even count)
+    _, _, summary, timing = sorted(runs, key=lambda x: (x[0], x[1]))[(len(runs) - 1) // 2]
     out = {"benchmark": "lockstep_overhead", "preset": a.preset, "device": "cpu", "backend": summary["config"]["device"],
-           "dispatches": summary["dispatches"], "device_only_dispatches": n_dev, "repeats": a.repeats,
+           "dispatches": summary["dispatches"], "device_only_dispatches": n_dev, "rounds_run": a.rounds,
            "verdict": summary["verdict"], "programs": {k: v["dispatches"] for k, v in summary["programs"].items()},
-           **{k: {"device_only": round(d, 4), "lockstep": round(l, 4)} for k, (d, l) in best.items()},
-           "ratio_wall": round(best["wall_s"][1] / best["wall_s"][0], 3),
-           "ratio_cpu": round(best["cpu_s"][1] / best["cpu_s"][0], 3), "mode": a.mode, "target_ratio": TARGET[a.mode]}
+           **med, "statistic": "median over the rounds",
+           "ratio_wall": round(med["wall_s"]["lockstep"] / med["wall_s"]["device_only"], 3),
+           "ratio_cpu": round(med["cpu_s"]["lockstep"] / med["cpu_s"]["device_only"], 3), "mode": a.mode,
+           "target_ratio": TARGET[a.mode], "rounds": rounds}
     out["ratio"] = out["ratio_wall"]
     if a.mode == "async":
-        summary, timing = best_async
         ck = summary["config"]["checking"]
         out["dispatches"] = len(ck["per_dispatch"])            # the device's; the summary counts the checked
         out["async"] = {"check_every": every, "coverage": a.coverage, "workers": ck["workers"], "backlog": ck["backlog"],
                         "policy": ck["policy"], "backlog_high_water": ck["backlog_high_water"],
                         "submitted": ck["submitted"], "checked": ck["checked"], "skipped": len(ck["skipped"]),
                         **timing,
-                        "ratio_device_side": round(timing["device_side_s"] / best["wall_s"][0], 3),
+                        "ratio_device_side": round(timing["device_side_s"] / med["wall_s"]["device_only"], 3),
                         "unit": "the whole dispatch (every site of the sampled dispatch)" if a.coverage is None else
                         "the dispatch's planned sites and its head, from the records"}
         if a.coverage is not None:
@@ -212,7 +230,7 @@ def main(argv=None) -> int:
     if a.flash_layer:
         from golden_speed import flash_layer           # this script's directory is on sys.path
 
-        f = flash_layer(a.repeats, requests=(16,))[0]
+        f = flash_layer(min(a.rounds, 2), requests=(16,))[0]
         out["flash_layer_check"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in f.items()}
     out["load_average"] = {"start": load0, "end": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(out, indent=2))

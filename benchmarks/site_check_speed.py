@@ -60,8 +60,9 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+    from hw.threads import limit_xla_threads
+
+    limit_xla_threads()
     from golden.blas import single_threaded_blas
     from golden.heap import retain_heap
     from hw.real.jax_check import jax_device

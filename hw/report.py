@@ -77,7 +77,8 @@ def summarize(entries: list[dict], config: dict) -> dict:
         "verdict": "PASS" if not failed and entries else ("FAIL" if failed else "EMPTY"),
         "dispatches": len(entries), "failed_dispatches": failed,
         "first_divergence": None if first is None else {"dispatch": first["index"], "program": first["program"],
-                                                        **first["first_divergence"]},
+                                                        **first["first_divergence"],
+                                                        **{k: first[k] for k in LOCALIZED if k in first}},
         "programs": by_prog, "resyncs": dict(sorted(resyncs.items())), "worst_metrics": dict(sorted(worst.items())),
         "config": config, **({"coverage": coverage_ledger(entries, config["coverage"])} if "coverage" in config else {}),
     }
@@ -102,12 +103,24 @@ def coverage_ledger(entries: list[dict], plan: dict) -> dict:
                                                                                        kv[0][2], kv[0][3]))]}
 
 
+# a sampled dispatch's localization: over how many of its program's target sites (hw.real.site_check)
+LOCALIZED = ("localized_over", "localized_of")
+
+
+def localized_note(fd: dict) -> str:
+    """What a first divergence found among fewer sites than its program has says of that ("" else)."""
+    if fd.get("localized_over", 0) >= fd.get("localized_of", 0):
+        return ""
+    return (f" (localized among the {fd['localized_over']} of {fd['localized_of']} sites whose taps the "
+            "dispatch's record keeps)")
+
+
 def _fd_lines(s: dict) -> list[str]:
     fd = s["first_divergence"]
     if fd is None:
         return [f"No divergence in {s['dispatches']} dispatches."]
     return [f"Dispatch **{fd['dispatch']}** (`{fd['program']}`), layer **{fd['layer']}**, stage **{fd['stage']}**, "
-            f"tensor `{fd['tensor']}`: {'; '.join(fd['reasons'])}"]
+            f"tensor `{fd['tensor']}`: {'; '.join(fd['reasons'])}{localized_note(fd)}"]
 
 
 def write_summary(run_dir, entries: list[dict], config: dict) -> dict:

@@ -25,6 +25,18 @@ def limit_cpu_threads(n: int = 1) -> dict:
     return prev
 
 
+# XLA's CPU backend reads these when it starts: one intra-op thread, no Eigen thread pool
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def limit_xla_threads() -> None:
+    """One XLA compute thread for JAX's CPU backend in this process: takes effect if no JAX
+    computation has run here yet (the backend reads XLA_FLAGS when it starts)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if XLA_ONE_THREAD not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {XLA_ONE_THREAD}".strip()
+
+
 def restore(prev: dict) -> None:
     if prev.get("torch"):
         import torch

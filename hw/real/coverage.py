@@ -23,6 +23,11 @@ N consecutive dispatches of a program then either hold a calibration dispatch (e
 N slots, so the guarantee (every site at least once every N dispatches of its program) holds
 across the switch.
 
+What a site's check reads of the device's taps (`site_reads`: its sub-layer's input and stages up
+to its own) is what a sampled dispatch's record keeps of them (`recorded_taps`, with the head's),
+so a sampled recording replays its plan, and a failure checked from it is localized among the
+sites whose taps it keeps.
+
 This module is pure (no golden, no numerics): a checker pool or a replay can plan without weights.
 """
 from __future__ import annotations
@@ -55,6 +60,43 @@ def layer_stages(cfg, layer: int) -> tuple[str, ...]:
     kind = cfg.layer_kind(layer)
     return tuple(s for s in LAYER_STAGES
                  if (s != "cmp_kv" or kind in ("csa", "hca")) and (s != "idx_topk" or kind == "csa"))
+
+
+def sublayer(stage: str) -> str:
+    """The sub-layer a target stage belongs to: "attn" or "moe"."""
+    return "attn" if stage in ATTENTION_STAGES else "moe"
+
+
+SUBLAYER_INPUT = {"attn": "attn_in", "moe": "attn_x_hc"}
+
+
+def site_reads(cfg, layer: int, stage: str) -> tuple:
+    """The device taps a check of the target site (layer, stage) reads (`hw.real.site_check`): its
+    sub-layer's input, and the sub-layer's stages in dependency order up to the site's own (a failing
+    stage is localized among them); the decisions (`hw.real.step.DECISION_STAGES`) besides."""
+    part = sublayer(stage)
+    out = [(layer, SUBLAYER_INPUT[part])]
+    for s in (s for s in (ATTENTION_STAGES if part == "attn" else MOE_STAGES) if s in layer_stages(cfg, layer)):
+        out.append((layer, s))
+        if s == stage:
+            break
+    return tuple(out)
+
+
+def recorded_taps(cfg, sites, target_hidden_tap: str) -> set:
+    """The taps a sampled dispatch's record keeps besides the decisions: what the head check reads (the
+    last layer's output, the head's hidden and logits), and what each of the dispatch's planned
+    `sites` ((group, layer, stage) or (group, "drafter", "ctx_kv")) reads: a target site its
+    `site_reads`, the drafter site the target hidden its stage is fed (`golden.compose.target_hidden`
+    of the `target_hidden_tap` convention)."""
+    out = {(cfg.num_hidden_layers - 1, "x_hc"), ("head", "hidden"), ("head", "logits")}
+    for _, layer, stage in sites:
+        if layer == "drafter":
+            tap = "x_hc" if target_hidden_tap == "hc_head_of_outputs" else "attn_in"
+            out |= {(t, tap) for t in cfg.dspark_target_layer_ids}
+        else:
+            out |= set(site_reads(cfg, layer, stage))
+    return out
 
 
 def program_sites(cfg, groups: int, program: str, k: int) -> tuple[tuple, ...]:

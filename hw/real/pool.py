@@ -48,11 +48,13 @@ def timed(unit, *args) -> dict:
 
 
 def in_worker(fn, *args):
-    """A check on a checker worker: one torch and one OpenBLAS thread, as the CLI's and the tests'
-    own process runs golden (a worker is one core's worth of checking)."""
-    from hw.threads import limit_cpu_threads
+    """A check on a checker worker: one torch, one OpenBLAS and one XLA compute thread, as the CLI's
+    and the tests' own process runs golden (a worker is one core's worth of checking, whichever
+    golden, `hw.real.jax_check`, its site checks run on)."""
+    from hw.threads import limit_cpu_threads, limit_xla_threads
 
     limit_cpu_threads(1)
+    limit_xla_threads()
     return fn(*args)
 
 
@@ -196,10 +198,14 @@ class CheckPool:
         mirror = SimpleNamespace(dev=lr.dev, gold=lr.dev, last_step=step)
         sites = None
         if lr.plan is not None:
-            # sampled: this dispatch's sites of the plan, one task; the record keeps every tap they read
+            # sampled: this dispatch's sites of the plan, one task; the record keeps the taps they read
             sites = [list(x) for x in lr.planned(rd.dispatch.program)[1]]
         t0 = time.perf_counter()
-        entry = {"verdict": "pass"} if sites is None else {"verdict": "pass", "sites": sites}
+        # what the record keeps follows the verdict and the sites a report line holds (group, layer, stage,
+        # verdict); the check is yet to run
+        entry = {"verdict": "pass"}
+        if sites is not None:
+            entry["sites"] = [[*s[1:], "queued"] for s in sites]
         if self.writer is None:
             lr.recorder.record(mirror, rd, entry)
         else:

@@ -10,7 +10,9 @@ One `hw.records.Record` per dispatch, content-addressed in `<run>/records/` (`Re
     outputs             the device's outputs and what the golden re-syncs from: the taps `moe_indices`,
                         `idx_topk` of every layer and the head logits (`tap:LAYER/STAGE`), the sampled
                         tokens of each target forward (`sampled:I`), the drafter's routes (`route:N`);
-                        a failing dispatch keeps every tap, so a replay localizes it the same way
+                        a failing dispatch keeps every tap, so a replay localizes it the same way; a
+                        sampled dispatch (a coverage plan) keeps besides the taps its planned sites and
+                        its head check read, and what else the site check reads (`site:*`)
     state_delta         the device's touched state, rows changed since the previous record: target pools
                         (`LAYER/POOL`), drafter pools (`draft/GROUP`), the K=7 state (`dspark/tokens|meta`)
     golden_state_delta  the same for the golden (after its re-syncs and carry)
@@ -38,6 +40,7 @@ from twin.abi.inputs import read_json
 from twin.abi.outputs import write_text
 
 from ..records import Record, RecordStore, changed_rows, content_hash
+from .coverage import recorded_taps
 from .step import DECISION_STAGES, DeviceStep
 from .side import side_state
 
@@ -87,7 +90,9 @@ def install_seqs(store: RecordStore, seqs, states: list[dict]) -> None:
         s.confidence_logit = None if d["confidence_logit"] is None else store.get(d["confidence_logit"])
 
 
-def _put_outputs(store, step, *, all_taps: bool) -> dict:
+def _put_outputs(store, step, *, keep) -> dict:
+    """The step's outputs as hashes: every tap (keep None) or the decisions, the head logits and the
+    taps in `keep`."""
     out = {name: store.put(v) for name, v in step.outputs.items()}
     # one array is often two taps (a layer's output is the next layer's input): hashed once, as
     # nothing runs between these puts that could change it
@@ -99,8 +104,9 @@ def _put_outputs(store, step, *, all_taps: bool) -> dict:
             hit = seen[id(a)] = (a, store.put(a))          # holding `a` keeps its id from being reused
         return hit[1]
 
+    keep = None if keep is None else {*keep, ("head", "logits")}
     for (layer, stage), v in step.taps.items():
-        if all_taps or stage in DECISION_STAGES or (layer, stage) == ("head", "logits"):
+        if keep is None or stage in DECISION_STAGES or (layer, stage) in keep:
             if isinstance(v, (tuple, list)):
                 out.update({f"tap:{layer}/{stage}#{i}": put(x) for i, x in enumerate(v)})
             else:
@@ -138,6 +144,20 @@ def outputs_step(arrays: dict):
 
 def _items_json(items) -> list:
     return [asdict(it) for it in items]
+
+
+def _kept_taps(lockstep, entry: dict):
+    """The taps a dispatch's record keeps beyond the decisions and the head logits: every tap (None)
+    once its check failed, so its replay localizes the same way; a sampled dispatch's, what its
+    planned sites and head check read (`hw.real.coverage.recorded_taps`; entry["sites"]: (group,
+    layer, stage, ...) each), which is all a replay of its plan reads; none for a passing dispatch
+    checked in full (its replay re-runs golden's whole dispatch)."""
+    if entry["verdict"] == "fail":
+        return None
+    if "sites" not in entry:
+        return frozenset()
+    g = lockstep.dev.g
+    return recorded_taps(g.cfg, [tuple(x[:3]) for x in entry["sites"]], g.drafter.target_hidden_tap)
 
 
 # ---- writing ----------------------------------------------------------------------------------------
@@ -195,8 +215,7 @@ class RealRecorder:
                 # an asynchronous run records the device's side as the golden's (hw.real.pool): stated once
                 "gold_seqs": None if lockstep.gold is lockstep.dev else capture_seqs(lockstep.gold.run.seqs),
                 "inputs": {k: np.array(v) for k, v in rd.dispatch.args.items()}, "step": lockstep.last_step,
-                # a sampled run's site checks read any layer's taps (hw.real.site_check)
-                "all_taps": entry["verdict"] == "fail" or "sites" in entry,
+                "keep": _kept_taps(lockstep, entry),
                 "dev": side_state(lockstep.dev), "gold": side_state(lockstep.gold)}
 
     def write(self, c: dict) -> None:
@@ -207,7 +226,7 @@ class RealRecorder:
         real = {"kind": c["kind"], "rows": c["rows"], "items": c["items"], "dev_seqs": dev_seqs,
                 "gold_seqs": dev_seqs if c["gold_seqs"] is None else put_seqs(s, c["gold_seqs"])}
         rec = Record(index=c["index"], program=c["program"], meta={**c["meta"], "real": real},
-                     inputs=s.put_all(c["inputs"]), outputs=_put_outputs(s, c["step"], all_taps=c["all_taps"]),
+                     inputs=s.put_all(c["inputs"]), outputs=_put_outputs(s, c["step"], keep=c["keep"]),
                      state_delta=self._delta("dev", c["dev"]), golden_state_delta=self._delta("gold", c["gold"]),
                      weights=self.build_fingerprint())
         s.append(rec)

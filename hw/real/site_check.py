@@ -47,7 +47,7 @@ from twin.abi.errors import AbiError
 from ..compare import Finding, compare_pool, compare_tensor
 from ..localize import compose_kind
 from ..tolerance import Policy
-from .coverage import ATTENTION_STAGES, MOE_STAGES, layer_stages
+from .coverage import ATTENTION_STAGES, MOE_STAGES, layer_stages, site_reads, sublayer
 from .side import POOL_KIND, POOL_SLOTS, POOL_STAGE, LayerTaps, TapPar
 
 FORMS = (PREFILL, DECODE)
@@ -139,8 +139,9 @@ def sample_finding(device_tokens, golden_logits, tie: float) -> Finding | None:
 
 
 # ---- the target layer sites ---------------------------------------------------------------------------
-def _sublayer(stage: str) -> str:
-    return "attn" if stage in ATTENTION_STAGES else "moe"
+def readable(sg: "SiteGolden", view: "DispatchView", site) -> bool:
+    """Whether the view holds every tap a check of target site (program, group, layer, stage) reads."""
+    return all(k in view.taps for k in site_reads(sg.cfg, site[2], site[3]))
 
 
 def _golden_sublayer(sg: SiteGolden, view: DispatchView, layer: int, part: str, par: TapPar) -> LayerTaps:
@@ -224,7 +225,7 @@ def check_layer_sites(sg: SiteGolden, view: DispatchView, sites, jax=None,
             if bad:
                 res.update(verdict="fail", finding=bad[0].to_dict(), first_divergence=localized(bad[0]))
         elif rows.size:
-            key = (layer, _sublayer(stage))
+            key = (layer, sublayer(stage))
             if key not in runs:
                 runs[key] = _run_sublayer(sg, view, layer, key[1], par, jax, sites, note, judged)
             fs = judged.pop((group, layer, stage), None)
@@ -246,7 +247,7 @@ def _run_sublayer(sg, view, layer, part, par, jax, sites, note, judged) -> Layer
         return _golden_sublayer(sg, view, layer, part, par)
     mark = len(par.resyncs)
     taps, why = jax.sublayer(view, layer, part, par)
-    mine = [s for s in sites if s[2] == layer and _sublayer(s[3]) == part]
+    mine = [s for s in sites if s[2] == layer and sublayer(s[3]) == part]
     screened = {}
     if taps is not None:
         for s in mine:
@@ -268,7 +269,7 @@ def _run_sublayer(sg, view, layer, part, par, jax, sites, note, judged) -> Layer
 
 
 def _localize_in_sublayer(sg, view, layer, stage, rows, gtaps) -> dict:
-    order = ATTENTION_STAGES if _sublayer(stage) == "attn" else MOE_STAGES
+    order = ATTENTION_STAGES if sublayer(stage) == "attn" else MOE_STAGES
     for s in (s for s in order if s in layer_stages(sg.cfg, layer)):
         bad = [f for f in _stage_findings(sg, view, layer, s, rows, gtaps) if not f.passed]
         if bad:
@@ -416,6 +417,11 @@ def check_view(sg: SiteGolden, view: DispatchView, sites, numpy_only: bool = Fal
     under a checker golden other than numpy, "checker": which golden checked the target sites
     (`hw.real.jax_check`).  numpy_only: every sub-layer on NumPy whatever sg.golden says."""
     target = [tuple(s) for s in sites if s[2] != "drafter"]
+    missing = [s for s in target if not readable(sg, view, s)] if view.meta is not None else []
+    if missing:
+        raise AbiError("sites", [list(s) for s in missing[:4]], "sites whose taps the dispatch's record keeps (a "
+                       "sampled run records the taps its planned sites read: its records replay its plan)",
+                       where="site check")
     note: dict = {}
     jax = None
     if sg.golden != "numpy":
@@ -598,8 +604,9 @@ def check_recorded(run_dir: str, index: int, sites, policy=None, golden: str = "
 def sampled_entry(sg: SiteGolden, view: DispatchView, about: dict, sites, every) -> dict:
     """The report line of a sampled dispatch: the head and the plan's `sites` checked (`check_view`);
     about: index, program, kind, rows, nth.  every: the program's sites.  A failure is localized by
-    checking every target site: the first failing (layer, stage) in dependency order, else a layer's
-    pool, else the head, else the drafter."""
+    checking every target site the view holds the taps of (`localized_over` of the program's
+    `localized_of`): the first failing (layer, stage) in dependency order, else a layer's pool, else
+    the head, else the drafter."""
     res = check_view(sg, view, sites)
     findings = res["head"] + [r["finding"] for r in res["sites"] if r["verdict"] == "fail" and "finding" in r] \
         + res["drafter"]
@@ -615,11 +622,17 @@ def sampled_entry(sg: SiteGolden, view: DispatchView, about: dict, sites, every)
         cfg = sg.cfg
         order = {(layer, st): (layer, i) for layer in range(cfg.num_hidden_layers)
                  for i, st in enumerate(layer_stages(cfg, layer))}
-        target = sorted((s for s in every if s[2] != "drafter"), key=lambda s: order[(s[2], s[3])])
+        every_target = [s for s in every if s[2] != "drafter"]
+        # among the sites whose taps the view holds: all of them live, or from a record written after its
+        # verdict (a failing synchronous dispatch keeps every tap); from an asynchronous run's record, the
+        # sub-layers of its planned sites, every group's rows (`hw.real.coverage.recorded_taps`)
+        target = sorted((s for s in every_target if view.meta is not None and readable(sg, view, s)),
+                        key=lambda s: order[(s[2], s[3])])
         # localized on NumPy: a failing dispatch's first divergence is the reference's
-        full = check_view(sg, view, target, numpy_only=True)["sites"] if target and view.meta is not None else []
+        full = check_view(sg, view, target, numpy_only=True)["sites"] if target else []
         bad = [r for r in full if r["verdict"] == "fail"]
         entry["localized_over"] = len(full)
+        entry["localized_of"] = len(every_target)
         if bad:
             entry["first_divergence"] = bad[0]["first_divergence"]
         else:

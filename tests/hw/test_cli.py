@@ -31,7 +31,7 @@ def test_lockstep_command_errors_name_what_is_allowed(tmp_path, capsys):
 
 def test_overhead_benchmark_prints_a_ratio_as_json():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lockstep_overhead.py"), "--dispatches", "6",
-                          "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)

@@ -167,7 +167,7 @@ def _run(args, nproc: int) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hw.report import ReportWriter
+    from hw.report import ReportWriter, localized_note
     from hw.run_format import check_run_dir
     from hw.tolerance import Policy
 
@@ -224,7 +224,7 @@ def _run(args, nproc: int) -> int:
               f"{s['failed_dispatches']} failed")
     if fd:
         con.print(f"first divergence: dispatch {fd['dispatch']} ({fd['program']}), layer {fd['layer']}, "
-                  f"stage {fd['stage']}, tensor {fd['tensor']}: {'; '.join(fd['reasons'])}")
+                  f"stage {fd['stage']}, tensor {fd['tensor']}: {'; '.join(fd['reasons'])}{localized_note(fd)}")
     if fault is not None and fault.fired:
         con.print(f"injected: {fault.fired}")
     ck = s["config"].get("checking")
