@@ -8,6 +8,8 @@ cannot be found nothing happens (set OPENBLAS_NUM_THREADS=1 before starting Pyth
 """
 from __future__ import annotations
 
+import os
+
 from golden.blas import blas_threads
 
 
