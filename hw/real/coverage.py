@@ -83,6 +83,13 @@ def site_reads(cfg, layer: int, stage: str) -> tuple:
     return tuple(out)
 
 
+def drafter_reads(cfg, target_hidden_tap: str) -> tuple:
+    """The device taps the drafter site's check reads: the target hidden its stage is fed, per target
+    layer of the drafter (`golden.compose.target_hidden` of the `target_hidden_tap` convention)."""
+    tap = "x_hc" if target_hidden_tap == "hc_head_of_outputs" else "attn_in"
+    return tuple((t, tap) for t in cfg.dspark_target_layer_ids)
+
+
 def recorded_taps(cfg, sites, target_hidden_tap: str) -> set:
     """The taps a sampled dispatch's record keeps besides the decisions: what the head check reads (the
     last layer's output, the head's hidden and logits), and what each of the dispatch's planned
@@ -92,8 +99,7 @@ def recorded_taps(cfg, sites, target_hidden_tap: str) -> set:
     out = {(cfg.num_hidden_layers - 1, "x_hc"), ("head", "hidden"), ("head", "logits")}
     for _, layer, stage in sites:
         if layer == "drafter":
-            tap = "x_hc" if target_hidden_tap == "hc_head_of_outputs" else "attn_in"
-            out |= {(t, tap) for t in cfg.dspark_target_layer_ids}
+            out |= set(drafter_reads(cfg, target_hidden_tap))
         else:
             out |= set(site_reads(cfg, layer, stage))
     return out

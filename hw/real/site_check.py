@@ -47,7 +47,7 @@ from twin.abi.errors import AbiError
 from ..compare import Finding, compare_pool, compare_tensor
 from ..localize import compose_kind
 from ..tolerance import Policy
-from .coverage import ATTENTION_STAGES, MOE_STAGES, layer_stages, site_reads, sublayer
+from .coverage import ATTENTION_STAGES, DRAFTER_SITE, MOE_STAGES, drafter_reads, layer_stages, site_reads, sublayer
 from .side import POOL_KIND, POOL_SLOTS, POOL_STAGE, LayerTaps, TapPar
 
 FORMS = (PREFILL, DECODE)
@@ -342,6 +342,11 @@ def drafter_findings(sg: SiteGolden, view: DispatchView) -> tuple[list[Finding],
         for group, row, hidden in view.seed_rows:
             S.draft_rows(g, run, group, [row], hidden, num_sampled=0)
     elif view.refs is not None and view.meta is not None:
+        missing = [k for k in drafter_reads(cfg, g.drafter.target_hidden_tap) if k not in view.taps]
+        if missing:
+            raise AbiError("sites", [list(DRAFTER_SITE)], "sites whose taps the dispatch's record keeps (the drafter "
+                           f"site reads the target hidden {missing[:2]}...; a sampled run records the taps its planned "
+                           "sites read: its records replay its plan)", where="site check")
         prep, acc = _accepted(view)
         mh = np.asarray(target_hidden(view.taps, sg.ckpt.model(), cfg=cfg, nm=sg.nm, tap=g.drafter.target_hidden_tap))
         owners = [g.tp * r.group + owner_member(1, r.lease, 0, g.tp) for r in view.refs]

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hw.real.coverage import layer_stages, recorded_taps, site_reads  # noqa: E402
+from hw.real.coverage import drafter_reads, layer_stages, recorded_taps, site_reads  # noqa: E402
 from hw.real.faults import RealFault  # noqa: E402
 from hw.real.step import DECISION_STAGES  # noqa: E402
 from hw.records import RecordStore  # noqa: E402
@@ -72,6 +72,14 @@ def test_a_sampled_recording_replays_its_plan_and_refuses_other_sites(sampled):
                  if not set(site_reads(cfg, layer, st)) <= kept)
     with pytest.raises(AbiError, match="replay its plan"):
         check(d, i, [(e["program"], 0, *other)])
+    # the drafter site too: a dispatch whose plan had no drafter site keeps no target hidden for it
+    g = lr.checker.dev.g
+    j, ej = next((j, x) for j, x in enumerate(lr.entries) if x["program"] == "l3_decode_fwd_dspark"
+                 and not any(y[1] == "drafter" for y in x["sites"])
+                 and not set(drafter_reads(cfg, g.drafter.target_hidden_tap))
+                 <= _taps(RecordStore(d / "records").records()[j]))
+    with pytest.raises(AbiError, match="replay its plan"):
+        check(d, j, [(ej["program"], -1, "drafter", "ctx_kv")])
 
 
 def test_an_asynchronous_failure_is_localized_among_its_records_sites(tmp_path):

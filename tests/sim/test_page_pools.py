@@ -219,6 +219,23 @@ def test_bad_arguments_are_named():
     assert refs.readonly and refs.format == "i" and refs.tolist() == [0, 0, 0, 0]
     with pytest.raises(TypeError):
         refs[0] = 1
+    with pytest.raises(TypeError, match="size"):
+        Pool.__new__(Pool)                      # no pool exists without its arrays
+
+
+def test_a_refused_rewrite_leaves_the_pool_as_it_was():
+    """A ring rewrite checks every slot and held count before it moves a page: a bad one is refused
+    by name with the free queue and the reference counts unchanged."""
+    pool = Pool(8, "csa_state p0")
+    ring = pool.take(3)
+    before = (list(pool), memoryview(pool).tolist())
+    for old, held, match in [((ring[0], None, ring[2]), None, "empty slot"),
+                             ((ring[0], 99, ring[2]), None, "page 99 outside"),
+                             (ring, (0, -1, 0), "held count -1")]:
+        with pytest.raises((ValueError, IndexError), match=match):
+            pool.rewrite(old, held, True)
+        assert (list(pool), memoryview(pool).tolist()) == before
+    assert pool.rewrite(ring, None, True)[1] == list(ring)      # the same call with good slots moves
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -268,21 +268,21 @@ static void Pool_dealloc(Pool *p)
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-static int Pool_init(Pool *p, PyObject *args, PyObject *kw)
+/* the arrays are made with the object (tp_new, no tp_init), so no Pool exists without them */
+static PyObject *Pool_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"size", "label", NULL};
     Py_ssize_t size;
     PyObject *label;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "nU", names, &size, &label))
-        return -1;
+        return NULL;
     if (size < 0 || size > INT32_MAX / 4) {
         PyErr_Format(PyExc_ValueError, "pool size %zd: must be 0..%d", size, INT32_MAX / 4);
-        return -1;
+        return NULL;
     }
-    if (p->ref != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "a Pool is initialised once");
-        return -1;
-    }
+    Pool *p = (Pool *)type->tp_alloc(type, 0);       /* zeroed: dealloc frees what was made */
+    if (p == NULL)
+        return NULL;
     size_t m = 16;
     while (m < 4 * (size_t)size)
         m <<= 1;
@@ -296,8 +296,8 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw)
     p->pos = PyMem_Malloc(sizeof(int32_t) * ((size_t)size + 1));
     p->vals = PyMem_Malloc(sizeof(int32_t) * m);
     if (!p->ref || !p->hash || !p->hashed || !p->q || !p->pos || !p->vals) {
-        PyErr_NoMemory();
-        return -1;
+        Py_DECREF(p);
+        return PyErr_NoMemory();
     }
     for (Py_ssize_t b = 0; b < size; b++) {
         p->q[b] = (int32_t)b;
@@ -310,7 +310,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw)
     p->evictions = 0;
     Py_INCREF(label);
     p->label = label;
-    return 0;
+    return (PyObject *)p;
 }
 
 /* ---- methods ------------------------------------------------------------------------------- */
@@ -438,7 +438,7 @@ static PyObject *Pool_rewrite(Pool *p, PyObject *args)
     if (fo == NULL)
         return NULL;
     PyObject *fh = NULL, *freed = NULL, *out = NULL;
-    int32_t *nv = NULL;
+    int32_t *nv = NULL, *ob = NULL, *kv = NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fo);
     PyObject **ov = PySequence_Fast_ITEMS(fo);
     if (held != Py_None) {
@@ -451,16 +451,9 @@ static PyObject *Pool_rewrite(Pool *p, PyObject *args)
     }
     if (want && (freed = PyList_New(0)) == NULL)
         goto done;
-    if ((nv = scratch(n)) == NULL)
+    if ((nv = scratch(n)) == NULL || (ob = scratch(n)) == NULL || (kv = scratch(n)) == NULL)
         goto done;
-    int short_ = p->nfree < n;
-    long long detaches = 0;
-    if (!short_) {
-        /* the pops reach only pages already queued, so the pages freed below (appended at the tail)
-           cannot be among them: popping first is the order of interleaving */
-        for (Py_ssize_t i = 0; i < n; i++)
-            nv[i] = q_take(p);
-    }
+    /* every argument read and checked before the pool changes: a refused call leaves it as it was */
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t b = get_page(p, ov[i]);
         if (b < 0) {
@@ -473,10 +466,31 @@ static PyObject *Pool_rewrite(Pool *p, PyObject *args)
             k = PyLong_AsLong(PySequence_Fast_GET_ITEM(fh, i));
             if (k == -1 && PyErr_Occurred())
                 goto done;
+            if (k < 0 || k > INT32_MAX / 2) {
+                PyErr_Format(PyExc_ValueError, "%U: held count %ld of a ring slot", p->label, k);
+                goto done;
+            }
         }
+        ob[i] = b;
+        kv[i] = (int32_t)k;
+    }
+    int short_ = p->nfree < n;
+    long long detaches = 0;
+    if (!short_) {
+        /* the pops reach only pages already queued, so the pages freed below (appended at the tail)
+           cannot be among them: popping first is the order of interleaving */
+        for (Py_ssize_t i = 0; i < n; i++)
+            nv[i] = q_take(p);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ob[i], k = kv[i];
         int32_t r = p->ref[b];
         detaches += (r > 1 || k > 0);
-        r += (int32_t)k - 1;
+        r += k - 1;
+        if (r < 0) {
+            PyErr_Format(PyExc_AssertionError, "%U block %d: negative ref count", p->label, b);
+            goto done;
+        }
         p->ref[b] = r;
         if (r == 0) {
             q_push(p, b);
@@ -498,6 +512,8 @@ static PyObject *Pool_rewrite(Pool *p, PyObject *args)
     out = Py_BuildValue("(NOL)", nt, freed ? freed : Py_None, detaches);
 done:
     PyMem_Free(nv);
+    PyMem_Free(ob);
+    PyMem_Free(kv);
     Py_DECREF(fo);
     Py_XDECREF(fh);
     Py_XDECREF(freed);
@@ -522,7 +538,8 @@ static PyObject *Pool_publish(Pool *p, PyObject *args)
     Py_ssize_t lt = PySequence_Fast_GET_SIZE(ft), lh = hb.shape[0];
     PyObject **tv = PySequence_Fast_ITEMS(ft);
     PyObject *out = NULL;
-    if (a < 0 || n < 0 || h0 < 0 || h0 + n > lh || (ring > 0 ? (ring > lt || a >= ring || n > ring) : a + n > lt)) {
+    if (a < 0 || n < 0 || h0 < 0 || h0 > lh || n > lh - h0
+        || (ring > 0 ? (ring > lt || a >= ring || n > ring) : (a > lt || n > lt - a))) {
         PyErr_Format(PyExc_IndexError, "%U: publication of slots %zd+%zd (ring %zd) past the table or hashes",
                      p->label, a, n, ring);
         goto done;
@@ -566,7 +583,7 @@ static PyObject *Pool_fresh(Pool *p, PyObject *args)
     }
     Py_ssize_t lt = PySequence_Fast_GET_SIZE(ft), np = PySequence_Fast_GET_SIZE(fp), need = 0;
     PyObject **tv = PySequence_Fast_ITEMS(ft), *out = NULL;
-    if (ring <= 0 || s0 < 0 || m < 0) {
+    if (ring <= 0 || s0 < 0 || m < 0 || s0 > PY_SSIZE_T_MAX - m) {
         PyErr_Format(PyExc_ValueError, "%U: ring slots %zd+%zd of a ring of %zd", p->label, s0, m, ring);
         goto done;
     }
@@ -591,7 +608,12 @@ static PyObject *Pool_fresh(Pool *p, PyObject *args)
             }
             if (s < PyTuple_GET_SIZE(pt)) {
                 PyObject *x = PyTuple_GET_ITEM(pt, s);
-                if (x != Py_None && (x == tv[s] || PyLong_AsLong(x) == b)) {
+                if (x == Py_None)
+                    continue;
+                long y = x == tv[s] ? b : PyLong_AsLong(x);
+                if (y == -1 && PyErr_Occurred())
+                    goto done;
+                if (y == b) {
                     need++;
                     break;
                 }
@@ -862,8 +884,7 @@ static PyTypeObject PoolType = {
                         "hashes, the free queue (len, iteration in eviction order, `in`) and the hash index."),
     .tp_basicsize = sizeof(Pool),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Pool_init,
+    .tp_new = Pool_new,
     .tp_dealloc = (destructor)Pool_dealloc,
     .tp_repr = (reprfunc)Pool_repr,
     .tp_iter = (getiterfunc)Pool_iter,
@@ -872,8 +893,6 @@ static PyTypeObject PoolType = {
     .tp_as_sequence = &Pool_as_sequence,
     .tp_as_buffer = &Pool_as_buffer,
 };
-
-static PyTypeObject PoolType;
 
 static PyObject *release_runs(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -890,6 +909,8 @@ static PyObject *release_runs(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     PyObject *out = want ? PyList_New(0) : NULL, *freed = NULL;
+    if (want && out == NULL)
+        goto fail;
     Py_ssize_t np = PySequence_Fast_GET_SIZE(fp), nr = PySequence_Fast_GET_SIZE(fr);
     long cur = -1;
     for (Py_ssize_t i = 0; i < nr; i++) {
