@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                    help="sampled: every site checked at least once every N dispatches of its program, the head "
                         "every dispatch")
     p.add_argument("--check-workers", type=int, default=1, help="async: checker processes (default 1)")
-    p.add_argument("--backlog", type=int, default=8, help="async: checks pending at most (default 8)")
+    p.add_argument("--backlog", type=int, default=None, help="async: checks pending at most (default: the pool's, 32)")
     p.add_argument("--backlog-policy", choices=("throttle", "skip-oldest"), default="throttle")
     p.add_argument("--flash-layer", action="store_true",
                    help="also time one FLASH-shaped layer's check for one rank's rows against its GEMMs alone")

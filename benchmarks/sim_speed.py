@@ -15,7 +15,7 @@ every import) that generates the workload, runs `simulate` once and reports:
   same simulation.
 
 Sizes 1,000 and 10,000 requests (`--quick`: 100 and 1,000), the working tree and the `twin` package
-as committed at `--baseline` (default 73a22e8; `git archive` into a scratch directory, its compiled
+as committed at `--baseline` (default a18f1e3; `git archive` into a scratch directory, its compiled
 part, if it has one, built there) in alternating rounds (`--repeat`, best of the rounds per side),
 then the working tree again at the small size with the decision log on, for its cost, and the
 baseline's too: `same_as_baseline` says whether the two decision logs (every decision, page ids
@@ -35,7 +35,7 @@ import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-BASELINE = "73a22e8"     # the commit this tree's simulator is measured against unless --baseline names another
+BASELINE = "a18f1e3"     # the commit this tree's simulator is measured against unless --baseline names another
 
 
 def workload(n: int):

@@ -2,7 +2,7 @@
 checker workers, never waiting on the golden unless the backlog is full.
 
     writer = RecordThread(lockstep.recorder, 8)          # hw.real.records: records hashed and written off-thread
-    pool = CheckPool(unit, run_dir, LocalWorkers(1), backlog=8, policy="throttle", write=report.append,
+    pool = CheckPool(unit, run_dir, LocalWorkers(1), backlog=32, policy="throttle", write=report.append,
                      writer=writer)
     lockstep.pool = pool            # RealLockstep.dispatch: device step, record captured, check submitted
     ...; pool.drain(); pool.stats()
@@ -37,6 +37,11 @@ from golden.dispatch import Halt
 from twin.abi.errors import AbiError
 
 POLICIES = ("throttle", "skip-oldest")
+# checks pending at most by default.  A pending check holds only its dispatch index (the record is on
+# disk), so the bound costs no memory; it is there to absorb the burst of prefill checks at a run's
+# start, each several times a decode check's cost: on SMALL at coverage 16 with one worker the
+# backlog peaks at 17 to 25 and the device never waits at 32, where at 8 it waits on every run.
+BACKLOG = 32
 
 
 def timed(unit, *args) -> dict:
@@ -155,7 +160,7 @@ class CheckPool:
     write(entry): called in dispatch order; every: submit every `every`-th dispatch's check (the
     others are "not sampled"); strict: the device side halts once a failing check comes back."""
 
-    def __init__(self, unit, run_dir, workers, *, backlog: int = 8, policy: str = "throttle", write=None,
+    def __init__(self, unit, run_dir, workers, *, backlog: int = BACKLOG, policy: str = "throttle", write=None,
                  every: int = 1, strict: bool = False, check_policy=None, writer=None):
         if backlog < 1:
             raise AbiError("backlog", backlog, ">= 1", where="hw.real pool")

@@ -236,6 +236,11 @@ class RealRecorder:
         return f"synthetic:{b['preset']}:seed{b['seed']}:k{b['k']}"
 
 
+# captured records waiting for the writer at most: they are held in memory (about 10 MB each on SMALL
+# with a coverage plan), and the writer outpaces the device, so a few absorb any jitter
+WRITE_AHEAD = 8
+
+
 class RecordThread:
     """A recorder's writes on a thread of their own, in dispatch order: the device side captures each
     record (`RealRecorder.capture`) and goes on while this thread hashes and writes it (SHA-256 and

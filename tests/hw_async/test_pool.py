@@ -123,3 +123,17 @@ def test_a_sampled_async_run_checks_every_nth_dispatch(tmp_path):
     per = [d["checked"] for d in s["config"]["checking"]["per_dispatch"]]
     assert per == ["pass", "not sampled", "not sampled", "not sampled"] * 2 and s["dispatches"] == 2
     assert s["verdict"] == "PASS"
+
+
+def test_the_cli_and_the_pool_share_one_default_backlog():
+    """`--backlog` unset leaves the bound to the pool (hw.real.pool.BACKLOG), and its help names it."""
+    import argparse
+
+    from hw.real.pool import BACKLOG
+    from twin.commands import lockstep
+
+    p = argparse.ArgumentParser()
+    lockstep.add_arguments(p)
+    flag = next(a for a in p._actions if "--backlog" in a.option_strings)
+    assert flag.default is None and f"default {BACKLOG})" in flag.help
+    assert CheckPool(None, "run", Manual(1)).backlog == BACKLOG

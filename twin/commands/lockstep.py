@@ -86,7 +86,7 @@ def add_arguments(p) -> None:
     a.add_argument("--check-workers", type=integer, default=None,
                    help="checker worker processes (implies --async; default 1)")
     a.add_argument("--backlog", type=integer, default=None,
-                   help="checks pending at most before the policy acts (implies --async; default 8)")
+                   help="checks pending at most before the policy acts (implies --async; default 32)")
     a.add_argument("--backlog-policy", choices=POLICIES, default=None,
                    help="when the backlog is full: throttle (the device waits for a check, default) or "
                         "skip-oldest (the oldest check not started is skipped and counted)")
@@ -318,7 +318,7 @@ def _run_async(args, lr, tick, resumed: bool) -> dict:
         ray, started = connect("--ray", args.ray)
         workers = RayWorkers(args.check_workers)
     try:
-        return lr.run_async(args.steps, workers=workers, backlog=args.backlog or 8,
+        return lr.run_async(args.steps, workers=workers, backlog=args.backlog,
                             policy=args.backlog_policy or "throttle", progress=tick)
     finally:
         if started:

@@ -112,7 +112,7 @@ class ParityRun:
         self.serving = serving_counts(self._serve(), self.executor)
         return self.checker.finish(self.serving)
 
-    def run_async(self, steps: int | None = None, *, workers=1, backlog: int = 8, policy: str = "throttle",
+    def run_async(self, steps: int | None = None, *, workers=1, backlog: int | None = None, policy: str = "throttle",
                   every: int = 1, progress=None) -> dict:
         """Serve the workload with the device alone in the loop: each dispatch is recorded and its
         check (`check`, every `every`-th dispatch) goes to a pool of checker workers (`hw.real.pool`):
@@ -120,7 +120,7 @@ class ParityRun:
         dispatch's check is the plan's sites for it and the head (one task), and the summary keeps the
         coverage ledger as a synchronous sampled run's.  The run directory must be fresh.  The
         summary's config gains `checking` (`CheckPool.stats`)."""
-        from hw.real.pool import CheckPool, LocalWorkers
+        from hw.real.pool import BACKLOG, CheckPool, LocalWorkers
         from hw.report import ReportWriter
 
         c = self.checker
@@ -135,10 +135,11 @@ class ParityRun:
         if c.plan is not None and every != 1:
             raise AbiError("every", every, f"1 with coverage {c.plan.n} (the plan chooses each dispatch's sites)",
                            where="lockstep")
-        from hw.real.records import RecordThread
+        from hw.real.records import WRITE_AHEAD, RecordThread
 
+        backlog = BACKLOG if backlog is None else backlog
         w = LocalWorkers(workers) if isinstance(workers, int) else workers
-        writer = RecordThread(c.recorder, backlog)
+        writer = RecordThread(c.recorder, min(backlog, WRITE_AHEAD))
         unit = check if c.checker_golden == "numpy" else functools.partial(check, golden=c.checker_golden)
         pool = CheckPool(unit, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
                          check_policy=c.policy, write=lambda e: c.report.append(e), writer=writer)
