@@ -59,12 +59,18 @@ from twin.abi import constants as C
 from twin.abi.presets import FLASH, SMALL
 
 
+def _blocked(kind, sa) -> bool:
+    """golden.numerics._int_mm_np's block path: a transposed INT8 weight against at most 64 rows."""
+    return kind == "iT" and len(sa) == 2 and sa[0] <= 64
+
+
 def _replayer(records):
     """A function that runs the recorded GEMMs alone (operands made here, once), in the layout
-    golden.numerics runs them: an INT8 GEMM against at most 64 rows (a routed expert's) as one
-    output-channel block of widened weight at a time multiplied from the left, C^T = W A^T, with
-    the block already in f32 and in cache (its widening is timed on its own, `_widener`); other
-    INT8 GEMMs as whole f32 weights; each in K slices of EXACT_F32_K."""
+    golden.numerics runs them: an INT8 GEMM whose weight came transposed (kind "iT") against at
+    most 64 rows (a routed expert's) as one output-channel block of widened weight at a time
+    multiplied from the left, C^T = W A^T, with the block already in f32 and in cache (its
+    widening is timed on its own, `_widener`); other INT8 GEMMs against whole f32 weights; each
+    INT8 GEMM in K slices of EXACT_F32_K."""
     rng = np.random.default_rng(0)
     made = {}                 # operands by (kind, shape): one 2048 x 4096 weight serves all experts
 
@@ -75,11 +81,11 @@ def _replayer(records):
         return made[(kind, shape)]
 
     def op(kind, sa, sb):
-        if kind == "i" and sa[0] <= 64:
+        if _blocked(kind, sa):
             K, N = sb
             rows = max(16, WIDEN_BLOCK_BYTES // (4 * max(K, 1)))
-            return "blocks", operand(kind, sa), operand(kind, (min(rows, N), K)), N
-        return kind, operand(kind, sa), operand(kind, sb), None
+            return "blocks", operand("i", sa), operand("i", (min(rows, N), K)), N
+        return kind[0], operand(kind[0], sa), operand(kind[0], sb), None
 
     ops = [op(*r) for r in records]
 
@@ -128,8 +134,8 @@ def _widener(records):
     channels at a time into one reused buffer (golden.numerics.WIDEN_BLOCK_BYTES), else whole; the
     weights made here, once, as [out, in]."""
     rng = np.random.default_rng(0)
-    made = {sb: rng.integers(-127, 128, sb[::-1], dtype=np.int8) for kind, _, sb in records if kind == "i"}
-    ops = [(made[sb], sa[0] <= 64) for kind, sa, sb in records if kind == "i"]
+    made = {sb: rng.integers(-127, 128, sb[::-1], dtype=np.int8) for kind, _, sb in records if kind in ("i", "iT")}
+    ops = [(made[sb], _blocked(kind, sa)) for kind, sa, sb in records if kind in ("i", "iT")]
     bufs = {}
 
     def run():

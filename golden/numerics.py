@@ -47,7 +47,7 @@ _RECORDERS: list = []
 
 
 class MatmulRecorder(list):
-    """Collects ("f" | "i", a.shape, b.shape) of every GEMM the kernels run inside the `with`
+    """Collects ("f" | "i" | "iT", a.shape, b.shape) of every GEMM the kernels run inside the `with`
     (benchmarks replay them alone to measure the overhead around the GEMMs)."""
 
     def __enter__(self):
@@ -290,8 +290,16 @@ class Numerics:
         return flat[xp.where(slots >= 0, slots, 0)]
 
 
+def _weight_transposed(b) -> bool:
+    """b is a weight stored [out, in] and passed as w.T: the layout _int_mm_np multiplies from the
+    left in blocks when few rows come against it."""
+    return b.ndim == 2 and b.flags.f_contiguous and not b.flags.c_contiguous
+
+
 def _record(kind, a, b):
     if _RECORDERS:
+        if kind == "i" and isinstance(b, np.ndarray) and _weight_transposed(b):
+            kind = "iT"
         _RECORDERS[-1].append((kind, tuple(a.shape), tuple(b.shape)))
 
 
@@ -307,7 +315,7 @@ def _int_mm_np(a, b):
     f32 where the generic path's 0.0 + s gives +0; both are the integer 0.)"""
     a32 = np.asarray(a, dtype=np.float32)
     b = np.asarray(b)
-    if b.flags.f_contiguous and not b.flags.c_contiguous and a32.shape[0] <= 64:
+    if _weight_transposed(b) and a32.shape[0] <= 64:
         return _int_mm_weight_blocks(a32, b.T)
     w32 = b.astype(np.float32)
     if a32.shape[-1] <= EXACT_F32_K:      # one slice: its f32 sum is the exact integer

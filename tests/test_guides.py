@@ -75,6 +75,10 @@ def _cases():
 
 
 CASES = _cases()
+# one worker runs every test of this module: `launched` starts the commands of every selected test,
+# and under xdist each worker's session holds every test collected, so a second worker would run
+# every command again (pyproject.toml's addopts: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("guides")
 # the commands are independent simulator and lockstep runs, one core each: run them side by side
 WORKERS = min(4, os.cpu_count() or 2)
 

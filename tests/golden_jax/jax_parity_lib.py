@@ -1,6 +1,6 @@
 """What "JAX (FP32 accumulation) equals NumPy (float64 carry)" means, as checks shared by the JAX
 tests (a uniquely named module: tests/ is not a package).  The JAX side runs in XLA's own CPU
-kernels and threads: .ci/run's OPENBLAS_* configurations change only the NumPy side.
+kernels and threads: .ci/run's OPENBLAS_* configuration changes only the NumPy side.
 
 kernel-math §2 (full forward): logits cosine >= 0.99 and relative L2 <= 0.10 per row, sampled ids
 equal.  Accumulating in FP32 instead of float64 moves values by an FP32 ulp; quantization points

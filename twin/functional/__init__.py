@@ -16,7 +16,7 @@ may not import each other (docs/architecture.md, "Import rules").
                                                                          the lockstep checker (hw.real)
     replay_records(run_dir, workers=None), run_case(kind, seed=, at=, layer=)   offline re-judging; one injected fault
     check(run_dir, index) -> entry, check_dispatches(run_dir, indices)   one recorded dispatch re-judged from the records
-    ParityRun.run_async(steps, workers=1, backlog=32, policy="throttle")  checks on a worker pool (hw.real.pool)
+    ParityRun.run_async(steps, workers=1, backlog=None, policy="throttle")  checks on a worker pool (hw.real.pool)
     single_dispatch_case(kind, at=, layer=, n=, plan_seeds=, run_dir=)   one firing against the coverage plan
 """
 from .acceptance import acceptance_vector, conditional_rates, load_acceptance
