@@ -108,7 +108,7 @@ def _blocked(wall: float, d0, d1) -> dict:
             "device_thread_blocked_s": round(wall - (d1[0] - d0[0]) - queued, 4)}
 
 
-def checked_async(preset: str, n: int, seed: int, *, every: int, workers: int, backlog: int,
+def checked_async(preset: str, n: int, seed: int, *, every: int, workers: int, backlog: int | None,
                   policy: str, coverage: int | None = None) -> tuple[tuple[float, float], dict, dict]:
     tmp = tempfile.mkdtemp(prefix="lockstep-bench-")
     try:

@@ -39,9 +39,8 @@ from twin.abi.errors import AbiError
 POLICIES = ("throttle", "skip-oldest")
 # checks pending at most by default.  A pending check holds only its dispatch index (its record is on
 # disk, or among the few captures the writer holds: hw.real.records.WRITE_AHEAD), so the bound costs
-# no memory; it is there to absorb the burst of prefill checks at a run's
-# start, each several times a decode check's cost: on SMALL at coverage 16 with one worker the
-# backlog peaks at 17 to 25 and the device never waits at 32, where at 8 it waits on every run.
+# no memory; it absorbs the burst of prefill checks at a run's start, each several times a decode
+# check's cost (on SMALL at coverage 16 with one worker the backlog peaks at 17 to 25).
 BACKLOG = 32
 
 
