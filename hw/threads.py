@@ -1,14 +1,15 @@
-"""CPU thread limits for small-preset runs.
+"""CPU thread limits: for small-preset runs, and for processes that share a machine.
 
 A small preset's GEMMs are tiny: intra-op threads in torch and OpenBLAS's spinning workers only
 contend with each other (the golden and the device run in one process) and stall badly on a shared
 2-core runner.  `limit_cpu_threads` is called by the entry points (CLI, tests, benchmark), never
-on import.  OpenBLAS is reached best-effort through the library numpy loaded (`golden.blas`); if it
+on import; `share_cores` by the test suite, for each of its worker processes.  OpenBLAS is reached best-effort through the library numpy loaded (`golden.blas`); if it
 cannot be found nothing happens (set OPENBLAS_NUM_THREADS=1 before starting Python instead).
 """
 from __future__ import annotations
 
 import os
+import sys
 
 from golden.blas import blas_threads
 
@@ -27,8 +28,31 @@ def limit_cpu_threads(n: int = 1) -> dict:
     return prev
 
 
-# XLA's CPU backend reads these when it starts: one intra-op thread, no Eigen thread pool
-XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+def xla_thread_flags(n: int) -> str:
+    """The XLA_FLAGS that give JAX's CPU backend n compute threads (read when the backend starts);
+    with one, no Eigen thread pool at all."""
+    return f"--xla_cpu_multi_thread_eigen={'false' if n == 1 else 'true'} intra_op_parallelism_threads={n}"
+
+
+XLA_ONE_THREAD = xla_thread_flags(1)
+
+
+def share_cores(processes: int) -> int:
+    """This process and every process it starts get 1/processes of the cores available to it (at
+    least one) as torch, OpenBLAS, MKL and XLA threads, where no variable says otherwise: for
+    `processes` busy processes sharing a machine (e.g. test workers).  The environment reaches the
+    children and, here, torch and XLA if they have not started; OpenBLAS, loaded with NumPy, is set
+    here through its C API.  Returns the thread count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = max(1, cores // max(1, processes))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, str(n))
+    if "intra_op_parallelism_threads" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_thread_flags(n)}".strip()
+    blas_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return n
 
 
 def limit_xla_threads() -> None:

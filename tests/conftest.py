@@ -1,10 +1,27 @@
-"""Suite-wide settings: a hypothesis profile sized for CI (2 cores, whole suite well under 15 min)."""
+"""Suite-wide settings: each test process's share of the cores, and a hypothesis profile sized for
+CI (2 cores, whole suite well under 15 min)."""
 import os
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from golden.heap import retain_heap
+from hw.threads import share_cores
+
+
+def pytest_configure(config):
+    """Each pytest-xdist worker, and every process it starts (CLI commands, notebook kernels,
+    checkers, ranks), gets its share of the cores as torch (OpenMP), OpenBLAS and XLA threads: the
+    libraries' defaults take every core in every worker, and their spinning threads then wait on each
+    other (on 2 cores with 2 workers a transformers reference test ran 20x slower than alone).  Set
+    before any test module imports torch or JAX; a variable set before the run wins (.ci/run's BLAS
+    reruns set OPENBLAS_NUM_THREADS).  xdist's controller runs no test and sets nothing, so its
+    workers do not inherit its whole-machine counts."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        share_cores(int(worker["workercount"]))
+    elif not getattr(config.option, "numprocesses", None):
+        share_cores(1)
 
 retain_heap()       # the suite's golden steps reuse freed temporaries (golden.heap): ~15% of a step
 

@@ -1,13 +1,22 @@
 """A local checker worker is one core's worth of checking whichever golden it runs: one torch, one
 OpenBLAS and one XLA compute thread (`hw.real.pool.in_worker`), the XLA limit set in the worker
 before any JAX computation there, and not in the process that started it."""
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 from hw.real.pool import LocalWorkers
 from hw.threads import XLA_ONE_THREAD
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def test_a_local_worker_runs_its_checks_with_one_xla_thread():
+
+def test_a_local_worker_runs_its_checks_with_one_xla_thread(monkeypatch):
+    # the suite gives its own processes their share of the cores (tests/conftest.py): without that
+    # setting inherited, the worker has to set the limit itself
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     before = os.environ.get("XLA_FLAGS")
     w = LocalWorkers(1)
     try:
@@ -27,3 +36,26 @@ def test_the_xla_limit_keeps_other_flags_and_is_set_once(monkeypatch):
     limit_xla_threads()
     limit_xla_threads()
     assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {XLA_ONE_THREAD}"
+
+
+def _shared(env, processes):
+    code = ("import json, os; from hw.threads import share_cores; import torch; "
+            f"n = share_cores({processes}); from golden.blas import blas_threads; "
+            "print(json.dumps([n, torch.get_num_threads(), blas_threads(1), os.environ['XLA_FLAGS'], "
+            "os.environ['OMP_NUM_THREADS']]))")
+    keep = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                             "MKL_NUM_THREADS", "XLA_FLAGS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**keep, **env},
+                         cwd=ROOT, check=True)
+    return json.loads(out.stdout)
+
+
+def test_processes_sharing_the_cores_get_their_share_of_threads_in_every_library():
+    cores = len(os.sched_getaffinity(0))
+    n, torch_n, blas_n, xla, omp = _shared({}, cores)          # as many processes as cores: one each
+    assert (n, torch_n, blas_n, omp) == (1, 1, 1, "1") and xla == XLA_ONE_THREAD
+    n, torch_n, blas_n, xla, _ = _shared({}, 1)                # alone: every core
+    assert n == torch_n == blas_n == cores and f"intra_op_parallelism_threads={cores}" in xla
+    # a variable set before the run wins, and other XLA flags are kept
+    n, torch_n, blas_n, xla, _ = _shared({"OPENBLAS_NUM_THREADS": "3", "XLA_FLAGS": "--xla_dump_to=/tmp/x"}, cores)
+    assert (n, torch_n, blas_n) == (1, 1, 3) and xla == f"--xla_dump_to=/tmp/x {XLA_ONE_THREAD}"
