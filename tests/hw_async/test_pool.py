@@ -137,3 +137,19 @@ def test_the_cli_and_the_pool_share_one_default_backlog():
     flag = next(a for a in p._actions if "--backlog" in a.option_strings)
     assert flag.default is None and f"default {BACKLOG})" in flag.help
     assert CheckPool(None, "run", Manual(1)).backlog == BACKLOG
+
+
+@pytest.mark.parametrize("kw,arg", [({"backlog": 0}, "backlog"), ({"policy": "drop-all"}, "backlog_policy")])
+def test_a_refused_async_run_leaves_no_writer_thread_or_worker_behind(tmp_path, kw, arg):
+    pytest.importorskip("torch")
+    import threading
+
+    from hw.real.pool import LocalWorkers
+    from twin.functional.parity import build_lockstep
+
+    workers = LocalWorkers(1)
+    with pytest.raises(AbiError, match=arg):
+        build_lockstep(max_new=4, run_dir=tmp_path).run_async(4, workers=workers, **kw)
+    assert not [t for t in threading.enumerate() if t.name == "record-writer"]
+    with pytest.raises(RuntimeError, match="shutdown"):     # the refused run closed its workers
+        workers.start(len, ())

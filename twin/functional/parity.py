@@ -141,8 +141,13 @@ class ParityRun:
         w = LocalWorkers(workers) if isinstance(workers, int) else workers
         writer = RecordThread(c.recorder, min(backlog, WRITE_AHEAD))
         unit = check if c.checker_golden == "numpy" else functools.partial(check, golden=c.checker_golden)
-        pool = CheckPool(unit, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
-                         check_policy=c.policy, write=lambda e: c.report.append(e), writer=writer)
+        try:
+            pool = CheckPool(unit, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
+                             check_policy=c.policy, write=lambda e: c.report.append(e), writer=writer)
+        except BaseException:           # a refused backlog or policy: no writer thread or workers left behind
+            writer.close()
+            w.close()
+            raise
         c.pool, c.steps, c.progress = pool, steps, progress
         try:
             self.serving = serving_counts(self._serve(), self.executor)
