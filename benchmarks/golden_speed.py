@@ -19,15 +19,18 @@
 2. one FLASH-shaped layer at the 512-row decode tile (64 requests x 8 rows at position ~4096;
    --flash-requests 16: one rank's 128 rows; 64,16: both tiles, interleaved in one loop; resident
    pools filled with random rows, the experts generated once): the NumPy layer step against its
-   GEMMs alone (in the layout golden runs them: a routed expert's INT8 GEMM one cache-resident f32
-   weight block at a time), and the INT8 weights' widening to f32 alone (where the rest goes), and
-   against the two together (NumPy has no INT8 GEMM); the least of the repeats (CPU and wall) and
-   the medians.  --jax-flash: the same layer on the JAX path
+   GEMMs alone on its own operands (`MatmulRecorder.replay`: the same calls on the same arrays, so
+   every routed expert's INT8 weight is read from memory and widened as in the step; the figure the
+   target holds), and, as bounds, against its GEMMs on one cache-resident operand per shape (in the
+   layout golden runs them: a routed expert's INT8 GEMM one cache-resident f32 weight block at a
+   time), the INT8 weights' widening to f32 alone, and the two together; the least of the repeats
+   (CPU and wall) and the medians.  --jax-flash: the same layer on the JAX path
    (JaxGolden.layer_step, this layer's weights only, pools resident, routing and indexer rows
    re-synced from NumPy's taps) in the same loop, over the NumPy layer and over its GEMMs, and its
    output's worst rows against NumPy's, as it is and re-synced.
 
-Targets: the small step <= 2x its GEMMs, the FLASH layer (a checker's unit of work) <= 1.5x;
+Targets: the small step <= 2x its GEMMs, the FLASH layer (a checker's unit of work) <= 1.5x its
+GEMMs on its own operands;
 JAX >= 5x faster than NumPy on the small decode step.  The JSON names the device JAX ran on
 (golden.jax_path.accelerator: a GPU where `jax[cuda]` has one, else the CPU).
 Threads: NumPy's BLAS and XLA both get one thread by default (--blas-threads, --xla-threads; XLA's
@@ -120,12 +123,14 @@ def _interleaved(runs: dict, reps: int):
 
 def _step_vs_gemms(step, records, reps):
     """The NumPy step and its GEMMs alone, interleaved (load from other processes falls on both
-    alike): medians of wall and CPU time, and the step's ratio to its GEMMs in each."""
-    runs = {"step": step, "gemms": _replayer(records)}
+    alike): medians of wall and CPU time, and the step's ratio to its GEMMs in each; the GEMMs on
+    ready cache-resident operands, and again on the step's own operands (`MatmulRecorder.replay`)."""
+    runs = {"step": step, "gemms": _replayer(records), "own": records.replay}
     w, c = _interleaved(runs, reps)
     return {"numpy_step_s": w["step"], "gemms_alone_s": w["gemms"], "step_over_gemms": w["step"] / w["gemms"],
             "numpy_step_cpu_s": c["step"], "gemms_alone_cpu_s": c["gemms"],
-            "step_over_gemms_cpu": c["step"] / c["gemms"]}
+            "step_over_gemms_cpu": c["step"] / c["gemms"],
+            "gemms_on_own_operands_cpu_s": c["own"], "step_over_gemms_on_own_operands_cpu": c["step"] / c["own"]}
 
 
 def _widener(records):
@@ -162,7 +167,7 @@ def small_decode(reps: int, jax_too: bool = True, mode: str = "device", requests
     meta = lower(cfg, [Span(r, prefix, tuple(ids[r, prefix:]), s.blocks[r]) for r in range(B)], form=DECODE)
     step = lambda: forward(ck, meta, s.caches, cfg=cfg, nm=s.nm)
     step()
-    with MatmulRecorder() as rec:
+    with MatmulRecorder(operands=True) as rec:
         step()
     ref = forward(ck, meta, s.caches, cfg=cfg, nm=s.nm, taps=Taps(RESYNC_STAGES))
     side = _step_vs_gemms(step, rec, reps)
@@ -230,7 +235,7 @@ def _flash_tile(cfg, ck, layer: int, requests: int, nm, rng):
     step = lambda taps=None: layer_step(x_hc, layer, ck, pools, m, rope, cfg=cfg, nm=nm, form=DECODE, taps=taps)
     taps = Taps(RESYNC_STAGES)
     step(taps)
-    with MatmulRecorder() as rec:
+    with MatmulRecorder(operands=True) as rec:
         step()
     # "_" entries: what the JAX run of the same layer reads (taken out before the report)
     return step, rec, {"rows": B * S, "requests": B, "position": pos0, "_x_hc": x_hc, "_meta": meta, "_pools": pools,
@@ -280,14 +285,15 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,), jax_too: 
         ck.expert(layer, e)
     gen_s = time.perf_counter() - t0
     tiles = [_flash_tile(cfg, ck, layer, b, nm, rng) for b in requests]
-    names = ("step", "gemms", "widen", "jax") if jax_too else ("step", "gemms", "widen")
+    names = ("step", "gemms", "widen", "own", "jax") if jax_too else ("step", "gemms", "widen", "own")
     jax_runs, jax_device = _jax_flash(ck, cfg, layer, tiles) if jax_too else ([], None)
     for _, _, info in tiles:
         for k in ("_x_hc", "_meta", "_pools", "_taps"):
             info.pop(k, None)
     runs = {}
     for i, (step, rec, _) in enumerate(tiles):
-        runs.update({(i, "step"): step, (i, "gemms"): _replayer(rec), (i, "widen"): _widener(rec)})
+        runs.update({(i, "step"): step, (i, "gemms"): _replayer(rec), (i, "widen"): _widener(rec),
+                     (i, "own"): rec.replay})
         if jax_too:
             runs[(i, "jax")] = jax_runs[i]["run"]
     # interleaved: load from other processes falls on every run alike
@@ -319,6 +325,14 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,), jax_too: 
                     "gemms_and_widening_cpu_s": best["gemms"][1] + best["widen"][1],
                     "step_over_gemms_and_widening_cpu": best["step"][1] / (best["gemms"][1] + best["widen"][1]),
                     "other_cpu_s": best["step"][1] - best["gemms"][1] - best["widen"][1],
+                    # the same GEMM calls again on the step's own operands (the recorded arrays, by
+                    # golden.numerics' code): every routed expert's INT8 weight read from memory and
+                    # widened, as the step must (at FLASH ~6.4 GB of them per layer, which no cache
+                    # holds, where the replays above reuse one cache-resident block per shape)
+                    "gemms_on_own_operands_s": best["own"][0], "gemms_on_own_operands_cpu_s": best["own"][1],
+                    "step_over_gemms_on_own_operands": best["step"][0] / best["own"][0],
+                    "step_over_gemms_on_own_operands_cpu": best["step"][1] / best["own"][1],
+                    "step_over_gemms_on_own_operands_cpu_median": med["step"][1] / med["own"][1],
                     "gemm_calls": len(rec), "weights_generation_s": gen_s, "target_step_over_gemms": 1.5})
         if jax_too:
             j = jax_runs[i]
@@ -333,6 +347,8 @@ def flash_layer(reps: int, layer: int = 4, requests=(C.DECODE_BATCH,), jax_too: 
                             "jax_over_numpy_layer_cpu": best["jax"][1] / best["step"][1],
                             "jax_over_numpy_gemms_alone": best["jax"][0] / best["gemms"][0],
                             "jax_over_numpy_gemms_alone_cpu": best["jax"][1] / best["gemms"][1],
+                            "jax_over_gemms_on_own_operands": best["jax"][0] / best["own"][0],
+                            "jax_over_gemms_on_own_operands_cpu": best["jax"][1] / best["own"][1],
                             "jax_cpu_over_wall": best["jax"][1] / best["jax"][0],
                             "jax_layer_output_vs_numpy": _rows_against(j["plain"], want),
                             "jax_layer_output_vs_numpy_resynced": _rows_against(j["synced"], want),

@@ -48,7 +48,23 @@ _RECORDERS: list = []
 
 class MatmulRecorder(list):
     """Collects ("f" | "i" | "iT", a.shape, b.shape) of every GEMM the kernels run inside the `with`
-    (benchmarks replay them alone to measure the overhead around the GEMMs)."""
+    (benchmarks replay them alone to measure the overhead around the GEMMs).  operands=True also keeps
+    each GEMM's operands (references, not copies), so that `replay` runs the same GEMMs again on the
+    same arrays: an INT8 GEMM's weight read from memory and widened as in the step."""
+
+    def __init__(self, operands: bool = False):
+        super().__init__()
+        self.operands = [] if operands else None
+
+    def replay(self) -> None:
+        """Every recorded GEMM again, on its own operands, by the code the kernels called."""
+        if self.operands is None:
+            raise AbiError("operands", False, "MatmulRecorder(operands=True) to replay", where="MatmulRecorder")
+        for (kind, _, _), (a, b) in zip(self, self.operands):
+            if kind == "f":
+                a @ b
+            else:
+                DEVICE.int_mm(a, b)
 
     def __enter__(self):
         _RECORDERS.append(self)
@@ -204,8 +220,9 @@ class Numerics:
         result is the exact integer (NumPy device mode: as f32 where one K slice covers it, which
         holds it exactly, else float64); the caller's scaling happens in the compute dtype."""
         if self.mode != "device":
+            a, b = self.asf(a), self.asf(b)
             _record("f", a, b)          # a float64 GEMM outside device mode
-            return self.asf(a) @ self.asf(b)
+            return a @ b
         # f32 GEMMs are exact on K <= 1024 slices (|sum| < 2^24); the slices add in f64
         _record("i", a, b)
         xp = self.xp
@@ -301,6 +318,8 @@ def _record(kind, a, b):
         if kind == "i" and isinstance(b, np.ndarray) and _weight_transposed(b):
             kind = "iT"
         _RECORDERS[-1].append((kind, tuple(a.shape), tuple(b.shape)))
+        if _RECORDERS[-1].operands is not None:
+            _RECORDERS[-1].operands.append((a, b))
 
 
 def _int_mm_np(a, b):

@@ -21,7 +21,8 @@ def test_small_decode_prints_its_step_against_its_gemms():
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)["small_decode"]
     assert d["requests"] == 2 and d["rows_per_request"] == 8 and d["gemm_calls"] > 0
-    for k in ("numpy_step_s", "gemms_alone_s", "step_over_gemms", "step_over_gemms_cpu"):
+    for k in ("numpy_step_s", "gemms_alone_s", "step_over_gemms", "step_over_gemms_cpu", "gemms_on_own_operands_cpu_s",
+              "step_over_gemms_on_own_operands_cpu"):
         assert math.isfinite(d[k]) and d[k] > 0, k
     assert "jax_speedup" not in d and d["target_step_over_gemms"] == 2.0
 

@@ -107,3 +107,26 @@ def test_set_rows_is_functional_and_skips_negative_slots():
     assert np.all(np.asarray(pool, np.float32) == 0)
     flat = np.asarray(new, np.float32).reshape(6, 4)
     assert flat[5].tolist() == [1] * 4 and flat[0].tolist() == [3] * 4 and np.all(flat[1:5] == 0)
+
+
+def test_a_recorder_with_operands_replays_the_same_gemm_calls_on_the_same_arrays(monkeypatch):
+    """MatmulRecorder(operands=True).replay runs every recorded GEMM again by golden's own code on
+    the very arrays the step passed (what golden_speed.py times as a step's GEMMs on their own operands)."""
+    import golden.numerics as N
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 64))
+    w = rng.integers(-127, 128, (32, 64), dtype=np.int8)          # [out, in], read as w.T: a routed expert's
+    f = rng.standard_normal((64, 8))
+    nm = Numerics("device")
+    with N.MatmulRecorder(operands=True) as rec:
+        nm.w8a8(x, w.T, np.ones(32))
+        nm.mm(x, f)
+    assert [k for k, _, _ in rec] == ["iT", "f"] and rec.operands[0][1] is not w and rec.operands[0][1].base is w
+    seen = []
+    real = N._int_mm_np
+    monkeypatch.setattr(N, "_int_mm_np", lambda a, b: seen.append((a, b)) or real(a, b))
+    rec.replay()
+    assert len(seen) == 1 and seen[0][0] is rec.operands[0][0] and seen[0][1] is rec.operands[0][1]
+    with pytest.raises(AbiError, match="operands"):
+        N.MatmulRecorder().replay()
