@@ -60,6 +60,9 @@ class MatmulRecorder(list):
         """Every recorded GEMM again, on its own operands, by the code the kernels called."""
         if self.operands is None:
             raise AbiError("operands", False, "MatmulRecorder(operands=True) to replay", where="MatmulRecorder")
+        if not all(isinstance(x, np.ndarray) for ab in self.operands for x in ab):
+            raise AbiError("operands", "not NumPy arrays", "a NumPy step's GEMMs (a JAX trace's are tracers)",
+                           where="MatmulRecorder")
         for (kind, _, _), (a, b) in zip(self, self.operands):
             if kind == "f":
                 a @ b

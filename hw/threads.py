@@ -28,39 +28,47 @@ def limit_cpu_threads(n: int = 1) -> dict:
     return prev
 
 
-def xla_thread_flags(n: int) -> str:
-    """The XLA_FLAGS that give JAX's CPU backend n compute threads (read when the backend starts);
-    with one, no Eigen thread pool at all."""
-    return f"--xla_cpu_multi_thread_eigen={'false' if n == 1 else 'true'} intra_op_parallelism_threads={n}"
+# XLA's CPU backend reads XLA_FLAGS when it starts; its only thread setting there is whether the
+# Eigen intra-op pool exists (off: one compute thread).  XLA stops reading at the first token that is
+# not a `--` flag, so nothing else may be written into the variable
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
-XLA_ONE_THREAD = xla_thread_flags(1)
+def _count(var: str) -> int | None:
+    try:
+        return int(os.environ[var])
+    except (KeyError, ValueError):
+        return None
 
 
 def share_cores(processes: int) -> int:
     """This process and every process it starts get 1/processes of the cores available to it (at
-    least one) as torch, OpenBLAS, MKL and XLA threads, where no variable says otherwise: for
-    `processes` busy processes sharing a machine (e.g. test workers).  The environment reaches the
-    children and, here, torch and XLA if they have not started; OpenBLAS, loaded with NumPy, is set
-    here through its C API.  Returns the thread count."""
+    least one) as torch, OpenBLAS and MKL threads, and one XLA compute thread where that share is
+    one, wherever no variable says otherwise: for `processes` busy processes sharing a machine (e.g.
+    test workers).  The environment reaches the children and, here, torch and XLA if they have not
+    started; OpenBLAS, loaded with NumPy, is set here through its C API.  Returns the share."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = max(1, cores // max(1, processes))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, str(n))
-    if "intra_op_parallelism_threads" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_thread_flags(n)}".strip()
-    blas_threads(int(os.environ["OPENBLAS_NUM_THREADS"]))
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n == 1 and "xla_cpu_multi_thread_eigen" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {XLA_ONE_THREAD}".strip()
+    if (blas := _count("OPENBLAS_NUM_THREADS")) is not None:
+        blas_threads(blas)
+    if "torch" in sys.modules and (omp := _count("OMP_NUM_THREADS")) is not None:
+        sys.modules["torch"].set_num_threads(omp)
     return n
 
 
 def limit_xla_threads() -> None:
     """One XLA compute thread for JAX's CPU backend in this process: takes effect if no JAX
-    computation has run here yet (the backend reads XLA_FLAGS when it starts)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if XLA_ONE_THREAD not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {XLA_ONE_THREAD}".strip()
+    computation has run here yet (the backend reads XLA_FLAGS when it starts).  An earlier setting
+    of the Eigen pool is replaced, other flags kept."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if not flags or flags[-1] != XLA_ONE_THREAD:
+        kept = [f for f in flags if not f.startswith("--xla_cpu_multi_thread_eigen")]
+        os.environ["XLA_FLAGS"] = " ".join([*kept, XLA_ONE_THREAD])
 
 
 def restore(prev: dict) -> None:

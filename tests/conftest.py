@@ -20,7 +20,7 @@ def pytest_configure(config):
     worker = getattr(config, "workerinput", None)
     if worker is not None:
         share_cores(int(worker["workercount"]))
-    elif not getattr(config.option, "numprocesses", None):
+    elif not getattr(config.option, "tx", None):        # no xdist nodes (-n N and --tx give them)
         share_cores(1)
 
 retain_heap()       # the suite's golden steps reuse freed temporaries (golden.heap): ~15% of a step

@@ -24,7 +24,7 @@ def test_small_decode_prints_its_step_against_its_gemms():
     for k in ("numpy_step_s", "gemms_alone_s", "step_over_gemms", "step_over_gemms_cpu", "gemms_on_own_operands_cpu_s",
               "step_over_gemms_on_own_operands_cpu"):
         assert math.isfinite(d[k]) and d[k] > 0, k
-    assert "jax_speedup" not in d and d["target_step_over_gemms"] == 2.0
+    assert "jax_speedup" not in d and d["target_step_over_gemms"] == 2.0 and d["target_figure"] in d
 
 
 def test_requests_below_one_is_refused_by_name():

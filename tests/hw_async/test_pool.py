@@ -147,9 +147,11 @@ def test_a_refused_async_run_leaves_no_writer_thread_or_worker_behind(tmp_path, 
     from hw.real.pool import LocalWorkers
     from twin.functional.parity import build_lockstep
 
+    lr = build_lockstep(max_new=4, run_dir=tmp_path)
     workers = LocalWorkers(1)
+    before = set(threading.enumerate())
     with pytest.raises(AbiError, match=arg):
-        build_lockstep(max_new=4, run_dir=tmp_path).run_async(4, workers=workers, **kw)
-    assert not [t for t in threading.enumerate() if t.name == "record-writer"]
+        lr.run_async(4, workers=workers, **kw)
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "record-writer"]
     with pytest.raises(RuntimeError, match="shutdown"):     # the refused run closed its workers
         workers.start(len, ())

@@ -69,8 +69,10 @@ def test_a_failed_write_is_raised_on_the_device_side():
         writer.close()
 
 
-def test_local_checkers_run_one_thread_at_the_lowest_priority():
+def test_local_checkers_run_one_thread_at_the_lowest_priority(monkeypatch):
     torch = pytest.importorskip("torch")
+    # the suite's own share of the cores would reach the worker (tests/conftest.py): it must set one itself
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
     w = LocalWorkers(1)
     try:
         policy = w.result(w.start(os.sched_getscheduler, 0))

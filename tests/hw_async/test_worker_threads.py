@@ -41,7 +41,7 @@ def test_the_xla_limit_keeps_other_flags_and_is_set_once(monkeypatch):
 def _shared(env, processes):
     code = ("import json, os; from hw.threads import share_cores; import torch; "
             f"n = share_cores({processes}); from golden.blas import blas_threads; "
-            "print(json.dumps([n, torch.get_num_threads(), blas_threads(1), os.environ['XLA_FLAGS'], "
+            "print(json.dumps([n, torch.get_num_threads(), blas_threads(1), os.environ.get('XLA_FLAGS'), "
             "os.environ['OMP_NUM_THREADS']]))")
     keep = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                                              "MKL_NUM_THREADS", "XLA_FLAGS")}
@@ -54,8 +54,22 @@ def test_processes_sharing_the_cores_get_their_share_of_threads_in_every_library
     cores = len(os.sched_getaffinity(0))
     n, torch_n, blas_n, xla, omp = _shared({}, cores)          # as many processes as cores: one each
     assert (n, torch_n, blas_n, omp) == (1, 1, 1, "1") and xla == XLA_ONE_THREAD
-    n, torch_n, blas_n, xla, _ = _shared({}, 1)                # alone: every core
-    assert n == torch_n == blas_n == cores and f"intra_op_parallelism_threads={cores}" in xla
-    # a variable set before the run wins, and other XLA flags are kept
+    # alone: every core, and XLA's own default (XLA_FLAGS has no thread count but the pool's on/off)
+    n, torch_n, blas_n, xla, _ = _shared({}, 1)
+    assert n == torch_n == blas_n == cores and (xla is None if cores > 1 else xla == XLA_ONE_THREAD)
+    # a variable set before the run wins, and other XLA flags are kept, every token a flag (XLA stops
+    # reading the variable at the first token that is not one)
     n, torch_n, blas_n, xla, _ = _shared({"OPENBLAS_NUM_THREADS": "3", "XLA_FLAGS": "--xla_dump_to=/tmp/x"}, cores)
     assert (n, torch_n, blas_n) == (1, 1, 3) and xla == f"--xla_dump_to=/tmp/x {XLA_ONE_THREAD}"
+    assert all(t.startswith("--") for t in xla.split())
+    # an unreadable count is left to the library, not a crash
+    n, _, _, _, omp = _shared({"OMP_NUM_THREADS": "4,2"}, cores)
+    assert n == 1 and omp == "4,2"
+
+
+def test_the_xla_limit_replaces_an_earlier_pool_setting(monkeypatch):
+    from hw.threads import limit_xla_threads
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true --xla_dump_to=/tmp/x")
+    limit_xla_threads()
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {XLA_ONE_THREAD}"

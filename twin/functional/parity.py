@@ -145,8 +145,10 @@ class ParityRun:
             pool = CheckPool(unit, c.dir, w, backlog=backlog, policy=policy, every=every, strict=c.mode == "strict",
                              check_policy=c.policy, write=lambda e: c.report.append(e), writer=writer)
         except BaseException:           # a refused backlog or policy: no writer thread or workers left behind
-            writer.close()
-            w.close()
+            try:
+                writer.close()
+            finally:
+                w.close()
             raise
         c.pool, c.steps, c.progress = pool, steps, progress
         try:
