@@ -3,8 +3,9 @@
 A small preset's GEMMs are tiny: intra-op threads in torch and OpenBLAS's spinning workers only
 contend with each other (the golden and the device run in one process) and stall badly on a shared
 2-core runner.  `limit_cpu_threads` is called by the entry points (CLI, tests, benchmark), never
-on import; `share_cores` by the test suite, for each of its worker processes.  OpenBLAS is reached best-effort through the library numpy loaded (`golden.blas`); if it
-cannot be found nothing happens (set OPENBLAS_NUM_THREADS=1 before starting Python instead).
+on import; `share_cores` by the test suite, for each of its worker processes.  OpenBLAS is reached
+best-effort through the library numpy loaded (`golden.blas`); if it cannot be found nothing happens
+(set OPENBLAS_NUM_THREADS=1 before starting Python instead).
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ from hw.threads import share_cores
 
 def pytest_configure(config):
     """Each pytest-xdist worker, and every process it starts (CLI commands, notebook kernels,
-    checkers, ranks), gets its share of the cores as torch (OpenMP), OpenBLAS and XLA threads: the
-    libraries' defaults take every core in every worker, and their spinning threads then wait on each
+    checkers, ranks), gets its share of the cores as torch (OpenMP) and OpenBLAS threads, and one
+    XLA compute thread where that share is one (`hw.threads.share_cores`): the libraries' defaults
+    take every core in every worker, and their spinning threads then wait on each
     other (on 2 cores with 2 workers a transformers reference test ran 20x slower than alone).  Set
     before any test module imports torch or JAX; a variable set before the run wins (.ci/run's BLAS
     reruns set OPENBLAS_NUM_THREADS).  xdist's controller runs no test and sets nothing, so its
