@@ -15,12 +15,16 @@ it), so each check re-syncs golden from the device's recorded state before its d
 found asynchronously is reported with its dispatch index, and the run is not re-synced
 retroactively (the device has moved on).
 
-A submitted check starts on a worker once the writer has its record on disk.
+A submitted check is handed to a worker once the writer has its record on disk, up to `ahead`
+checks per worker (the workers' own attribute): a local process or a Ray CPU is handed two, one
+running and the next queued behind it, so a worker goes from one check to the next by itself
+instead of idling until the device side's next call collects the result (the device side only looks
+in between its dispatches).
 
 Backlog: the checks submitted and not finished.  When it is full (`backlog` checks), the policy
 decides: `throttle` makes the device side wait for one check to finish; `skip-oldest` drops the
-oldest check not yet started on a worker (counted, and marked "skipped" per dispatch), and waits
-like throttle only when every unfinished check is already running.  Entries are written in
+oldest check not yet handed to a worker (counted, and marked "skipped" per dispatch), and waits
+like throttle only when every unfinished check is already with a worker.  Entries are written in
 dispatch order as their results arrive (a result waits for the checks submitted before it).
 
 Workers: `LocalWorkers(n)` (processes, `concurrent.futures`, spawned so no worker inherits the
@@ -94,6 +98,7 @@ class LocalWorkers:
     backlog, which the backlog policy then handles (and reports)."""
 
     kind = "local"
+    ahead = 2               # checks handed to each process at once: one running, one queued behind it
 
     def __init__(self, n: int):
         if n < 1:
@@ -129,6 +134,7 @@ class RayWorkers:
     once (default: the cluster's CPUs)."""
 
     kind = "ray"
+    ahead = 2               # tasks handed per CPU at once: one running, one queued behind it
 
     def __init__(self, n: int | None = None):
         import ray
@@ -175,9 +181,10 @@ class CheckPool:
         # hw.real.records.RecordThread: records written off the device side's thread, a check started
         # once its record is on disk (None: `dispatch` writes each record before it returns)
         self.writer = writer
-        self.pending: deque[int] = deque()          # submitted, not started
+        self.pending: deque[int] = deque()          # submitted, not handed to a worker
         self.sites: dict[int, list | None] = {}     # a pending check's sites (None: the whole dispatch)
-        self.running: dict = {}                     # handle -> index
+        self.running: dict = {}                     # handle -> index: with a worker (running or queued there)
+        self.slots = workers.n * workers.ahead      # checks with the workers at most
         self.done: dict[int, dict | None] = {}      # index -> entry (None: skipped)
         self.order: list[int] = []                  # submitted indices, in dispatch order
         self.written = 0
@@ -255,7 +262,7 @@ class CheckPool:
         return self.writer is None or i < self.writer.written
 
     def _start(self) -> None:
-        while self.pending and len(self.running) < self.workers.n and self._recorded(self.pending[0]):
+        while self.pending and len(self.running) < self.slots and self._recorded(self.pending[0]):
             i = self.pending.popleft()
             sites = self.sites.pop(i)
             self.n_sites[i] = sum(s[2] != "drafter" for s in sites or ())

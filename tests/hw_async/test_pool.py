@@ -13,8 +13,8 @@ class Manual:
 
     kind = "manual"
 
-    def __init__(self, n):
-        self.n, self.started, self.finished, self.blocked = n, [], set(), 0
+    def __init__(self, n, ahead=1):
+        self.n, self.ahead, self.started, self.finished, self.blocked = n, ahead, [], set(), 0
 
     def start(self, fn, run_dir, index, sites, policy):
         self.started.append(index)
@@ -33,8 +33,8 @@ class Manual:
         pass
 
 
-def _pool(policy, n=1, backlog=2):
-    w, out = Manual(n), []
+def _pool(policy, n=1, backlog=2, ahead=1):
+    w, out = Manual(n, ahead), []
     return CheckPool(None, "run", w, backlog=backlog, policy=policy, write=out.append), w, out
 
 
@@ -61,6 +61,18 @@ def test_skip_oldest_waits_when_every_unfinished_check_is_running():
     for i in range(3):
         _submit(pool, i)
     assert w.blocked == 1 and pool.stats()["skipped"] == [] and w.started == [0, 1, 2]
+
+
+def test_a_worker_is_handed_its_next_check_before_the_device_side_collects_the_last():
+    # two per worker: the second waits at the worker, so it starts as soon as the first ends, not at
+    # the device side's next call; the third is the oldest not handed over, the one skip-oldest drops
+    pool, w, out = _pool("skip-oldest", n=1, backlog=3, ahead=2)
+    for i in range(4):
+        _submit(pool, i)
+    assert w.started == [0, 1] and list(pool.pending) == [3] and pool.stats()["skipped"] == [2]
+    w.finished.add(0)
+    pool.pump(block=False)
+    assert w.started == [0, 1, 3] and [e["index"] for e in out] == [0]
 
 
 def test_throttle_waits_for_a_check_and_skips_none():
