@@ -147,10 +147,12 @@ class PageLog:
         self.twins = twins or {}
 
     def take(self, f: int, p: int, blocks) -> None:
-        self.taken.setdefault((f, p), []).extend(blocks)
+        if blocks:                      # a queue nothing left holds no entry
+            self.taken.setdefault((f, p), []).extend(blocks)
 
     def free(self, f: int, p: int, blocks) -> None:
-        self.freed.setdefault((f, p), []).extend(blocks)
+        if blocks:
+            self.freed.setdefault((f, p), []).extend(blocks)
 
     def cut(self, names) -> dict:
         """What moved since the last cut, as {"taken"|"freed": {"family/partition": [ids]}}."""
@@ -483,8 +485,6 @@ class KvCacheManager:
                 if pt is t or (end <= len(pt) and pt[s0:end] == t[s0:end]):
                     pins[0].stored.append((f, s0, t[s0:end]))
                     new = self._take_n(f, p, n)         # logs the taken pages
-                    if pt is not t and self.log is not None:
-                        self.log.free(f, p, ())         # a rewrite of a changed table logs its frees, none here
                     self._detaches += n * self._mult[f]
                     return t[:s0] + new + t[end:]
             else:
@@ -492,8 +492,6 @@ class KvCacheManager:
                 if pt is t or (len(pt) == maxb and pt[s0:] == t[s0:] and pt[:e] == t[:e]):
                     pins[0].stored += ((f, s0, t[s0:]), (f, 0, t[:e]))
                     new = self._take_n(f, p, n)
-                    if self.log is not None:
-                        self.log.free(f, p, ())         # a wrapped rewrite logs its frees, none here
                     self._detaches += n * self._mult[f]
                     k = maxb - s0
                     return new[k:] + t[e:s0] + new[:k]
@@ -521,13 +519,11 @@ class KvCacheManager:
         # a new page per slot from the queue head; each old page loses the owner's reference and
         # gains its pins' (`held`); the pool pops first unless the queue may run dry, when a page
         # freed by this rewrite is taken again, in order
-        short = free.n < n
         log = self.log
         new, freed, detaches = free.rewrite(old, held, log is not None)
         if log is not None:
             log.take(f, p, new)
-            if freed or not short:            # the dry path logs only the frees it makes
-                log.free(f, p, freed)
+            log.free(f, p, freed)
         m = self._mult[f]
         self._detaches += detaches * m
         self._rotations += (n - detaches) * m
