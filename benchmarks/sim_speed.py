@@ -53,8 +53,8 @@ def workload(n: int):
 
 def log_digest(records: list[dict]) -> str:
     """sha256 of the decision log as `decisions.jsonl` holds it (integers and strings only), a free
-    queue's empty list of page ids left out: it moved no page (an older tree, a baseline, may log
-    some), so two logs of the same decisions hash the same."""
+    queue's empty list of page ids left out: it moved no page (a `--baseline` ref's tree may log
+    them), so two logs of the same decisions hash the same."""
     h = hashlib.sha256()
     for r in records:
         r = {k: ({q: ids for q, ids in v.items() if ids} if k in ("taken", "freed") else v) for k, v in r.items()}

@@ -15,11 +15,12 @@ it), so each check re-syncs golden from the device's recorded state before its d
 found asynchronously is reported with its dispatch index, and the run is not re-synced
 retroactively (the device has moved on).
 
-A submitted check is handed to a worker once the writer has its record on disk, up to `ahead`
-checks per worker (the workers' own attribute): a local process or a Ray CPU is handed two, one
-running and the next queued behind it, so a worker goes from one check to the next by itself
-instead of idling until the device side's next call collects the result (the device side only looks
-in between its dispatches).
+A submitted check is handed to the workers once the writer has its record on disk, up to `ahead`
+checks per worker (the workers' own attribute): local processes are handed two each, so one check
+waits in the executor's queue for each running one and a process goes from one check to the next
+by itself instead of idling until the device side's next call collects the result (the device side
+only looks in between its dispatches).  A check already handed over is not cancelled: a run that
+ends on an error waits for those at close.
 
 Backlog: the checks submitted and not finished.  When it is full (`backlog` checks), the policy
 decides: `throttle` makes the device side wait for one check to finish; `skip-oldest` drops the
@@ -44,7 +45,8 @@ POLICIES = ("throttle", "skip-oldest")
 # checks pending at most by default.  A pending check holds only its dispatch index (its record is on
 # disk, or among the few captures the writer holds: hw.real.records.WRITE_AHEAD), so the bound costs
 # no memory; it absorbs the burst of prefill checks at a run's start, each several times a decode
-# check's cost (on SMALL at coverage 16 with one worker the backlog peaks at 17 to 25).
+# check's cost (on SMALL at coverage 16 with one worker the backlog peaks at 11 to 14, while the checker
+# process starts).
 BACKLOG = 32
 
 
@@ -98,7 +100,7 @@ class LocalWorkers:
     backlog, which the backlog policy then handles (and reports)."""
 
     kind = "local"
-    ahead = 2               # checks handed to each process at once: one running, one queued behind it
+    ahead = 2               # checks handed over per process: one running, one in the executor's queue
 
     def __init__(self, n: int):
         if n < 1:
@@ -134,13 +136,16 @@ class RayWorkers:
     once (default: the cluster's CPUs)."""
 
     kind = "ray"
-    ahead = 2               # tasks handed per CPU at once: one running, one queued behind it
 
     def __init__(self, n: int | None = None):
         import ray
 
         self.ray = ray
-        self.n = n or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        self.n = n or cpus
+        # a Ray task starts wherever a CPU is free, so a second task per worker queues only where the
+        # workers are every CPU of the cluster; fewer workers than CPUs get one each, or 2n would run
+        self.ahead = 2 if self.n >= cpus else 1
         self._task = None
 
     def start(self, fn, *args):
@@ -162,7 +167,8 @@ class RayWorkers:
 class CheckPool:
     """Bounded, ordered asynchronous checks of the recorded dispatches of `run_dir`.
 
-    unit(run_dir, index, sites, policy) -> entry; workers: `LocalWorkers` or `RayWorkers`;
+    unit(run_dir, index, sites, policy) -> entry; workers: `LocalWorkers` or `RayWorkers` (any object
+    with their `kind`, `n`, `ahead`, `start`, `wait`, `result` and `close`);
     write(entry): called in dispatch order; every: submit every `every`-th dispatch's check (the
     others are "not sampled"); strict: the device side halts once a failing check comes back."""
 
@@ -178,12 +184,12 @@ class CheckPool:
         self.timed = functools.partial(timed, unit)
         self.backlog, self.policy, self.write, self.every, self.strict = backlog, policy, write, every, strict
         self.check_policy = check_policy
-        # hw.real.records.RecordThread: records written off the device side's thread, a check started
-        # once its record is on disk (None: `dispatch` writes each record before it returns)
+        # hw.real.records.RecordThread: records written off the device side's thread, a check handed to
+        # the workers once its record is on disk (None: `dispatch` writes each record before it returns)
         self.writer = writer
         self.pending: deque[int] = deque()          # submitted, not handed to a worker
         self.sites: dict[int, list | None] = {}     # a pending check's sites (None: the whole dispatch)
-        self.running: dict = {}                     # handle -> index: with a worker (running or queued there)
+        self.running: dict = {}                     # handle -> index: handed to the workers (running or queued)
         self.slots = workers.n * workers.ahead      # checks with the workers at most
         self.done: dict[int, dict | None] = {}      # index -> entry (None: skipped)
         self.order: list[int] = []                  # submitted indices, in dispatch order
@@ -198,7 +204,7 @@ class CheckPool:
         self.record_s = 0.0                         # the device side's time writing dispatch records
         self.check_s = 0.0                          # the workers' own time in the site checks finished
         self.checked_sites = 0                      # the target site checks they held
-        self.n_sites: dict[int, int] = {}           # a running check's target sites
+        self.n_sites: dict[int, int] = {}           # a handed-over check's target sites
         self.failed_at: int | None = None
 
     # ---- the device side ----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def _submit(pool, i):
     pool.submit(i)
 
 
-def test_skip_oldest_drops_the_oldest_check_not_started_and_counts_it():
+def test_skip_oldest_drops_the_oldest_check_not_handed_over_and_counts_it():
     pool, w, out = _pool("skip-oldest")
     for i in range(5):
         _submit(pool, i)
@@ -56,7 +56,7 @@ def test_skip_oldest_drops_the_oldest_check_not_started_and_counts_it():
     assert [d["checked"] for d in pool.stats()["per_dispatch"]] == ["pass", "skipped", "skipped", "skipped", "pass"]
 
 
-def test_skip_oldest_waits_when_every_unfinished_check_is_running():
+def test_skip_oldest_waits_when_every_unfinished_check_is_with_the_workers():
     pool, w, out = _pool("skip-oldest", n=2, backlog=2)
     for i in range(3):
         _submit(pool, i)
@@ -73,6 +73,23 @@ def test_a_worker_is_handed_its_next_check_before_the_device_side_collects_the_l
     w.finished.add(0)
     pool.pump(block=False)
     assert w.started == [0, 1, 3] and [e["index"] for e in out] == [0]
+
+
+def test_throttle_with_two_per_worker_waits_only_when_both_are_unfinished():
+    pool, w, out = _pool("throttle", n=1, backlog=2, ahead=2)
+    for i in range(4):
+        _submit(pool, i)
+    # 0 and 1 handed over at once; 2 and 3 each waited for the oldest to finish
+    assert w.started == [0, 1, 2, 3] and w.blocked == 2 and pool.stats()["skipped"] == []
+    pool.drain()
+    assert [e["index"] for e in out] == [0, 1, 2, 3]
+
+
+def test_ray_workers_queue_a_second_task_only_where_they_are_every_cpu(ray_cluster):
+    from hw.real.pool import RayWorkers
+
+    every, one = RayWorkers(), RayWorkers(1)        # the test cluster has 2 CPUs
+    assert (every.n, every.ahead) == (2, 2) and (one.n, one.ahead) == (1, 1)
 
 
 def test_throttle_waits_for_a_check_and_skips_none():

@@ -89,7 +89,7 @@ def add_arguments(p) -> None:
                    help="checks pending at most before the policy acts (implies --async; default 32)")
     a.add_argument("--backlog-policy", choices=POLICIES, default=None,
                    help="when the backlog is full: throttle (the device waits for a check, default) or "
-                        "skip-oldest (the oldest check not started is skipped and counted)")
+                        "skip-oldest (the oldest check not yet handed to a worker is skipped and counted)")
     a.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                    help="checks as Ray tasks: auto (this machine's cluster, or a local one started for the "
                         "run) or a running cluster's address; with --replay the recorded dispatches fan out")
