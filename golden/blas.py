@@ -26,7 +26,11 @@ def _lib():
             continue
         for s, g in zip(_SET, _GET):
             if hasattr(lib, s) and hasattr(lib, g):
-                return getattr(lib, s), getattr(lib, g)
+                setter, getter = getattr(lib, s), getattr(lib, g)
+                # void set(int), int get(void): stated, so ctypes converts exactly these
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                getter.argtypes, getter.restype = [], ctypes.c_int
+                return setter, getter
     return None
 
 

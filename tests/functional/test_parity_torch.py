@@ -130,20 +130,28 @@ def long_prompt():
 
 
 def test_a_moved_rounding_point_in_golden_is_caught_where_positions_grow(monkeypatch):
-    """The moved rounding point errs in proportion to the position: the early chunks (positions
-    below ~256) stay within the policy, the first chunk past them fails at layer 0's query, the
-    first tap the RoPE rows reach; the same workload without the bug passes (its worst rel-L2 per
-    class about 0.02-0.03, the gate 0.08)."""
-    clean = build_lockstep(backend="torch", k=0, requests=long_prompt(), record=False).run(12)
+    """The moved rounding point errs in proportion to the position: layer 0's query, the first tap
+    the RoPE rows reach, stays within the policy in the chunks below position 256 and fails in every
+    chunk past it; the same workload without the bug passes (its worst rel-L2 per class about
+    0.02-0.03, the gate 0.08).  Below 256 the small error may still flip an INT8 index ranking or a
+    row a few layers on, depending on the CPU's float32 cos / sin (NumPy's SIMD kernels differ in
+    the last bits between AVX2 and AVX-512): those chunks are held only to passing at layer 0's query."""
+    chunk = 64
+    clean = build_lockstep(backend="torch", k=0, requests=long_prompt(), record=False, chunk=chunk).run(12)
     assert clean["verdict"] == "PASS" and clean["dispatches"] >= 8, clean["first_divergence"]
     monkeypatch.setattr(golden.compose, "rope_rows", rope_rounded_at_the_angle)
-    lr = build_lockstep(backend="torch", k=0, requests=long_prompt(), record=False)
+    lr = build_lockstep(backend="torch", k=0, requests=long_prompt(), record=False, chunk=chunk, mode="continuous")
     s = lr.run(12)
     assert s["verdict"] == "FAIL"
-    fd = s["first_divergence"]
-    assert (fd["program"], fd["layer"], fd["stage"]) == ("l3_prefill_fwd", "0", "q"), fd
-    verdicts = [e["verdict"] for e in lr.entries]
-    assert len(verdicts) >= 2 and verdicts[-1] == "fail" and all(v == "pass" for v in verdicts[:-1])
+    prefill = [e for e in lr.entries if e["program"] == "l3_prefill_fwd"]
+    assert len(prefill) == -(-440 // chunk)                   # the one prompt's chunks, in order
+
+    def at_query(e):
+        fd = e["first_divergence"]
+        return fd is not None and (fd["layer"], fd["stage"]) == ("0", "q")
+
+    assert [at_query(e) for e in prefill] == [i * chunk >= 256 for i in range(len(prefill))], \
+        [e["first_divergence"] for e in prefill]
 
 
 @pytest.mark.parametrize("bug, site", [("mask", ("0", "attn")), ("scale", ("2", "idx_topk"))])
