@@ -129,28 +129,27 @@ def test_fault_definitions_and_bad_input():
         RealFault("wrong_slot").attach(lr.gold)           # golden's NumPy numerics have no store hook
 
 
-def test_a_wrong_token_is_caught_in_a_dispatch_with_sample_ties():
-    """A dispatch whose greedy samples tie-flip (adopted by the golden) still fails on a corrupted
-    output token: ties are adopted before acceptance, so no output difference is excused."""
-    # which dispatches tie-flip depends on the CPU's float32 kernels in the last bits (a sample tie is
-    # rare: about one per 100 dispatches here): found in clean runs of a few workload seeds first,
-    # and the fault put on the first such dispatch that can host it (a fault changes nothing before it)
-    found = None
+def _token_fault_on_a_tied_dispatch():
+    """(dispatch, run, summary): a token fault fired on a dispatch with adopted sample ties.  Which
+    dispatches tie-flip depends on the CPU's float32 kernels in the last bits (a sample tie is rare:
+    about one per 100 dispatches here), so clean runs of a few workload seeds find them first and
+    the fault goes on the first that can host it (a fault changes nothing before it)."""
     for seed in range(1, 9):
         clean = build_lockstep(seed=seed, k=7, max_new=40, mode="continuous")
         clean.run(40)
-        tied = [e["index"] for e in clean.entries if any(r["kind"] == "sample" for r in e["resyncs"])]
-        for at in tied:
+        for at in [e["index"] for e in clean.entries if any(r["kind"] == "sample" for r in e["resyncs"])]:
             f = RealFault("token", at=at, seed=2120)
             lr = build_lockstep(seed=seed, k=7, max_new=40, fault=f)
             s = lr.run(at + 2)
             if f.fired_at == at:
-                found = at
-                break
-        if found is not None:
-            break
-    assert found is not None, "no dispatch with adopted sample ties that a token fault can host, seeds 1 to 8"
-    at = found
+                return at, lr, s
+    raise AssertionError("no dispatch with adopted sample ties that a token fault can host, seeds 1 to 8")
+
+
+def test_a_wrong_token_is_caught_in_a_dispatch_with_sample_ties():
+    """A dispatch whose greedy samples tie-flip (adopted by the golden) still fails on a corrupted
+    output token: ties are adopted before acceptance, so no output difference is excused."""
+    at, lr, s = _token_fault_on_a_tied_dispatch()
     e = lr.entries[at]
     assert any(r["kind"] == "sample" for r in e["resyncs"])         # the ties are adopted here too
     assert e["verdict"] == "fail" and s["first_divergence"]["stage"] == "sample"
