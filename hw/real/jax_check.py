@@ -105,18 +105,25 @@ def tally(entries) -> dict:
     return out
 
 
-_LAYERS: dict = {}          # (preset, seed, mode, layer, device) -> JaxGolden, kept per process
+# (preset, seed or checkpoint id, mode, layer, device) -> (checkpoint, JaxGolden), kept per process;
+# the checkpoint is held with its golden because an id names an object only while it lives: a freed
+# checkpoint's id may be a new one's, which must not find the old weights
+_LAYERS: dict = {}
 
 
 def layer_golden(cfg, ckpt, mode: str, layer: int, device):
     """The JAX path holding target layer `layer` of `ckpt` on `device`, one per process (its compiled
-    sub-layers are shared by the layers of the same structure and reused by every run of the process)."""
+    sub-layers are shared by the layers of the same structure and reused by every run of the process).
+    A seeded synthetic checkpoint is known by its seed (every run regenerates the same weights); any
+    other by its identity."""
     from golden.jax_path import JaxGolden
 
-    key = (cfg.name, getattr(ckpt, "seed", id(ckpt)), mode, layer, device)
-    if key not in _LAYERS:
-        _LAYERS[key] = JaxGolden(ckpt, cfg, mode, device=device, layers=(layer,))
-    return _LAYERS[key]
+    seed = getattr(ckpt, "seed", None)
+    key = (cfg.name, ("seed", seed) if seed is not None else ("id", id(ckpt)), mode, layer, device)
+    got = _LAYERS.get(key)
+    if got is None:
+        got = _LAYERS[key] = (ckpt, JaxGolden(ckpt, cfg, mode, device=device, layers=(layer,)))
+    return got[1]
 
 
 class JaxSites:

@@ -31,13 +31,7 @@ from test_torchdev_seeded import IndexScaleTransposed, window_one_early  # noqa:
 PREFIX = 128          # one page-aligned block: the prefix cache's hit granularity
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    from hw.threads import limit_cpu_threads, restore
-
-    prev = limit_cpu_threads(1)
-    yield
-    restore(prev)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")      # tests/conftest.py
 
 
 def workload():

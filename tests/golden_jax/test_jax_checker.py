@@ -1,7 +1,8 @@
 """The site checker on the JAX path (hw.real.jax_check): a dispatch's sites re-judged from its records
 with --checker-golden jax give the NumPy checker's verdicts, per site, on a clean run and on two
 persistent device faults (the failing sub-layer judged again on NumPy, so the first divergence is
-NumPy's); auto keeps NumPy where jax_admissible refuses, saying why; the backend is chosen as stated."""
+NumPy's); auto keeps NumPy where jax_admissible refuses, saying why; the backend is chosen as stated;
+a checkpoint without a seed keeps its own JAX golden (cached by identity while it lives)."""
 from types import SimpleNamespace
 
 import jax
@@ -85,3 +86,35 @@ def test_backend_selection():
         raise RuntimeError("Unable to initialize backend 'cuda': no CUDA-capable device\nmore")
     d, note = jax_device(broken)
     assert d == cpu and "Unable to initialize backend 'cuda'" in note and "more" not in note
+
+
+class _Unseeded:
+    """A checkpoint known by its identity only (as a safetensors one): no `seed`."""
+
+    def __init__(self, base):
+        self._base = base
+
+    def __getattr__(self, name):
+        if name == "seed":
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+
+def test_a_checkpoint_without_a_seed_keeps_its_own_jax_golden():
+    import gc
+    import weakref
+
+    from golden.checkpoint import SyntheticCheckpoint
+    from hw.real.jax_check import layer_golden
+
+    dev, _ = jax_device()
+    a = _Unseeded(SyntheticCheckpoint(TINY, seed=11))
+    ga = layer_golden(TINY, a, "device", 0, dev)
+    assert layer_golden(TINY, a, "device", 0, dev) is ga            # reused for the same checkpoint
+    held = weakref.ref(a)
+    del a
+    gc.collect()
+    # still alive while its golden is cached, so no other checkpoint can be given its id
+    assert held() is not None
+    b = _Unseeded(SyntheticCheckpoint(TINY, seed=12))
+    assert layer_golden(TINY, b, "device", 0, dev) is not ga

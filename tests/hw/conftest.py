@@ -7,9 +7,5 @@ import pytest
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    from hw.threads import limit_cpu_threads, restore
-
-    prev = limit_cpu_threads(1)
+def _one_cpu_thread(one_cpu_thread):      # tests/conftest.py
     yield
-    restore(prev)

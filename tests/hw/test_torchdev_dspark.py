@@ -23,14 +23,6 @@ from torchdev_case import build  # noqa: E402
 NOISE = 7
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _state(rng, n_live: int, limit: int = 300):
     """One group's replica: n_live seeded slots (some with drafts near the limit), one released."""
     st = GS.new_state(1, NOISE)

@@ -22,13 +22,7 @@ PROGRAMS = {"prefill": "l3_prefill_fwd", "decode": "l3_decode_fwd", "drafter": "
             "bootstrap": "l3_dspark_draft_step_device_state", "markov": "l3_distributed_markov_sample"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    from hw.threads import limit_cpu_threads, restore
-
-    prev = limit_cpu_threads(1)
-    yield
-    restore(prev)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")      # tests/conftest.py
 
 
 @pytest.mark.parametrize("ep, held", [(16, [list(range(8)), list(range(8, 16))]), (4, [[0, 1], [2, 3]])])
