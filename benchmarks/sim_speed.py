@@ -168,7 +168,8 @@ def main() -> None:
             for n in (small, big):
                 for s, root in sides.items():       # alternating: both sides see the same load
                     runs[s][n].append(in_subprocess(root, n))
-            logged.append(in_subprocess(ROOT, small, decision_log=True))   # in the same rounds
+            # under the same load as the runs without the log that it is compared with
+            logged.append(in_subprocess(ROOT, small, decision_log=True))
         log_on = best(logged)
         base_log = in_subprocess(sides["baseline"], small, decision_log=True) if "baseline" in sides else None
     out = {"benchmark": "sim_speed", "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),

@@ -37,9 +37,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="module")
 def one_cpu_thread():
-    """torch and OpenBLAS on one thread for a module (restored afterwards): the modules whose golden
-    and device share a process, where a small preset's GEMMs are tiny (hw/threads.py); autouse in
-    tests/hw and tests/hw_async (their conftests), asked for by name elsewhere."""
+    """torch and OpenBLAS on one thread for a module (restored afterwards), for the modules whose
+    golden and device share a process, where a small preset's GEMMs are tiny (hw/threads.py)."""
     from hw.threads import limit_cpu_threads, restore
 
     prev = limit_cpu_threads(1)

@@ -105,9 +105,10 @@ def tally(entries) -> dict:
     return out
 
 
-# (preset, seed or checkpoint id, mode, layer, device) -> (checkpoint, JaxGolden), kept per process;
-# the checkpoint is held with its golden because an id names an object only while it lives: a freed
-# checkpoint's id may be a new one's, which must not find the old weights
+# (preset, seed or checkpoint id, mode, layer, device) -> (checkpoint or None, JaxGolden), kept per
+# process; a checkpoint known by its id is held with its golden because an id names an object only
+# while it lives (a freed checkpoint's id may be a new one's, which must not find the old weights);
+# a seeded one is not held: its seed names its weights
 _LAYERS: dict = {}
 
 
@@ -122,7 +123,8 @@ def layer_golden(cfg, ckpt, mode: str, layer: int, device):
     key = (cfg.name, ("seed", seed) if seed is not None else ("id", id(ckpt)), mode, layer, device)
     got = _LAYERS.get(key)
     if got is None:
-        got = _LAYERS[key] = (ckpt, JaxGolden(ckpt, cfg, mode, device=device, layers=(layer,)))
+        got = _LAYERS[key] = (ckpt if seed is None else None, JaxGolden(ckpt, cfg, mode, device=device,
+                                                                         layers=(layer,)))
     return got[1]
 
 

@@ -2,10 +2,6 @@
 import pytest
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    from hw.threads import limit_cpu_threads, restore
-
-    prev = limit_cpu_threads(1)
+@pytest.fixture(scope="module", autouse=True)
+def _one_cpu_thread(one_cpu_thread):      # tests/conftest.py
     yield
-    restore(prev)
